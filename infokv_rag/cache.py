@@ -1,0 +1,152 @@
+"""KV caches with per-layer lengths and original positions.
+
+Keys are stored after RoPE, so an evicted token needs no re-rotation: the kept tokens keep their
+original positions and later tokens continue at position n, the uncompressed document length.
+Within one layer every KV head keeps the same number of tokens, but each head may keep different ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerKV:
+    """One layer of a frozen document cache.
+
+    keys, values: (kv_heads, length, head_dim); positions: (kv_heads, length) int64, ascending per head;
+    scores: (kv_heads, length) float32 in [0, 1], the eviction priority (higher is kept longer).
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    scores: Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass
+class DocumentCache:
+    """The compressed cache of one document; never modified after ingestion."""
+
+    layers: list[LayerKV]
+    document_tokens: int
+    """n: the uncompressed length, and the position the first question token takes."""
+
+    @property
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored keys and values."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def working_copy(self, extra_tokens: int) -> KVCache:
+        """A growable copy for answering a question; the document tensors stay untouched."""
+        first = self.layers[0]
+        cache = KVCache(
+            len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device
+        )
+        for index, layer in enumerate(self.layers):
+            cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
+        return cache
+
+
+def gather_tokens(tensor: Tensor, indices: Tensor) -> Tensor:
+    """Picks tokens per head: tensor (kv_heads, length, ...) and indices (kv_heads, k) -> (kv_heads, k, ...)."""
+    index = indices.reshape(*indices.shape, *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
+    return torch.gather(tensor, 1, index)
+
+
+class _LayerBuffer:
+    """Preallocated storage of one layer that grows by doubling; the first `length` slots are live."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.keys = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.positions = torch.empty(kv_heads, 0, dtype=torch.long, device=device)
+        self.scores = torch.empty(kv_heads, 0, dtype=torch.float32, device=device)
+        self.length = 0
+
+    def _reserve(self, capacity: int) -> None:
+        if capacity <= self.keys.shape[1]:
+            return
+        capacity = max(capacity, 2 * self.keys.shape[1])
+        for name in ("keys", "values", "positions", "scores"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], capacity, *old.shape[2:])
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
+
+    def load(self, layer: LayerKV, capacity: int) -> None:
+        self._reserve(capacity)
+        self.length = layer.length
+        for name in ("keys", "values", "positions", "scores"):
+            getattr(self, name)[:, : self.length] = getattr(layer, name)
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
+        """keys, values: (kv_heads, q, head_dim); positions: (q,); scores: (q,)."""
+        added = keys.shape[1]
+        self._reserve(self.length + added)
+        end = self.length + added
+        self.keys[:, self.length : end] = keys
+        self.values[:, self.length : end] = values
+        self.positions[:, self.length : end] = positions
+        self.scores[:, self.length : end] = scores
+        self.length = end
+
+    def live(self, name: str) -> Tensor:
+        return getattr(self, name)[:, : self.length]
+
+    def retain(self, indices: Tensor) -> None:
+        """Keeps tokens `indices` (kv_heads, k), ascending per head, and drops the rest."""
+        kept = {name: gather_tokens(self.live(name), indices) for name in ("keys", "values", "positions", "scores")}
+        self.length = indices.shape[1]
+        for name, tensor in kept.items():
+            getattr(self, name)[:, : self.length] = tensor
+
+    def freeze(self) -> LayerKV:
+        return LayerKV(*(self.live(name).clone() for name in ("keys", "values", "positions", "scores")))
+
+
+class KVCache:
+    """A mutable per-layer cache that transformers' attention layers append to.
+
+    The model runner sets `pending_positions` (q,) and `pending_scores` (q,) before each forward; every
+    layer's `update` appends its new keys and values with them and returns the layer's live tensors
+    (1, kv_heads, length, head_dim), which is what the attention layers expect.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.layers = [_LayerBuffer(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+        self.pending_positions = torch.empty(0, dtype=torch.long, device=device)
+        self.pending_scores = torch.empty(0, dtype=torch.float32, device=device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        layer = self.layers[layer_idx]
+        layer.append(key_states[0], value_states[0], self.pending_positions, self.pending_scores)
+        return layer.live("keys").unsqueeze(0), layer.live("values").unsqueeze(0)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    @property
+    def resident_tokens(self) -> int:
+        """Tokens held over all layers (per KV head)."""
+        return sum(self.lengths)
+
+    def freeze(self, document_tokens: int) -> DocumentCache:
+        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens)

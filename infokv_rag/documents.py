@@ -1,0 +1,407 @@
+"""PDF and text files -> `Document` (text plus page map), with typed, actionable errors."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from pypdf import PasswordType, PdfReader
+from pypdf.errors import DependencyError, FileNotDecryptedError
+
+from .errors import (
+    CorruptPDFError,
+    EmptyDocumentError,
+    EncryptedPDFError,
+    NoExtractableTextError,
+    UnsupportedFormatError,
+)
+
+__all__ = [
+    "Document",
+    "Page",
+    "PageExtractionWarning",
+    "PAGE_SEPARATOR",
+    "document_from_text",
+    "load_document",
+]
+
+PAGE_SEPARATOR = "\n\n"
+"""What joins page texts into `Document.text`."""
+
+PDF_SUFFIXES = frozenset({".pdf"})
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
+
+# Acrobat accepts a header anywhere in the first 1024 bytes and a %%EOF anywhere in the last
+# 1024; we use the same tolerances so that we accept what common viewers accept.
+_HEADER_WINDOW = 1024
+_EOF_WINDOW = 1024
+
+# pypdf reports recoverable damage through `logging`. Without any handler configured, Python's
+# last-resort handler would print those records to stderr; a NullHandler stops that while records
+# still propagate to whatever logging the application sets up.
+logging.getLogger("pypdf").addHandler(logging.NullHandler())
+
+
+class PageExtractionWarning(UserWarning):
+    """Some PDF pages failed to extract and were skipped; the rest of the document was loaded."""
+
+    def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.pages = pages
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page's text. `number` is the 1-based page number in the source file."""
+
+    number: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Document:
+    """A document's text and where each page lies in it.
+
+    `text` is the page texts joined by `PAGE_SEPARATOR`; plain text is one page numbered 1.
+    `sha256` is the hex digest of the raw file bytes (or of the UTF-8 text given in memory).
+    `skipped_pages` lists the PDF pages that failed extraction and are absent from `pages`.
+    """
+
+    text: str
+    pages: tuple[Page, ...]
+    source: str | None
+    sha256: str
+    skipped_pages: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # page_of() and the page map are only right if text is exactly the joined pages.
+        if self.text != PAGE_SEPARATOR.join(p.text for p in self.pages):
+            raise ValueError("Document.text must equal the page texts joined by PAGE_SEPARATOR")
+
+    @cached_property
+    def page_spans(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) character offsets of each page in `text`, end exclusive, in page order."""
+        spans: list[tuple[int, int]] = []
+        start = 0
+        for page in self.pages:
+            end = start + len(page.text)
+            spans.append((start, end))
+            start = end + len(PAGE_SEPARATOR)
+        return tuple(spans)
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        return [start for start, _ in self.page_spans]
+
+    def page_of(self, char_offset: int) -> int:
+        """Number of the page holding `text[char_offset]`.
+
+        A separator between two pages belongs to the page before it; `len(text)` maps to the
+        last page, so end-exclusive spans can be looked up too.
+        """
+        if not self.pages:
+            raise ValueError("document has no pages")
+        if not 0 <= char_offset <= len(self.text):
+            raise IndexError(f"char_offset {char_offset} is outside the text (0..{len(self.text)})")
+        index = bisect.bisect_right(self._starts, char_offset) - 1
+        return self.pages[index].number
+
+
+def document_from_text(text: str, source: str | None = None) -> Document:
+    """Wrap in-memory text as a one-page Document; line endings are normalised to LF."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, not {type(text).__name__}")
+    sha = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+    body = _normalize_newlines(text.removeprefix("\ufeff"))
+    if not body.strip():
+        where = source or "The text"
+        raise EmptyDocumentError(
+            f"{where} is empty or only whitespace: there is nothing to answer questions from. "
+            "Pass the document's text."
+        )
+    return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
+
+
+def load_document(path: str | os.PathLike[str], password: str | None = None) -> Document:
+    """Read a PDF or text/markdown file into a Document.
+
+    A file starting with `%PDF-` is a PDF whatever its name; any other file that decodes as text
+    is text. `password` opens encrypted PDFs and is ignored otherwise.
+    """
+    p = Path(path)
+    name = os.fspath(path)
+    if not p.exists():
+        raise FileNotFoundError(f"No such file: {name}")
+    if p.is_dir():
+        raise IsADirectoryError(f"{name} is a directory; give the path of a PDF or text file")
+    data = p.read_bytes()
+    if not data:
+        raise EmptyDocumentError(f"{name} is empty (0 bytes). Check that you picked the right file.")
+    sha = hashlib.sha256(data).hexdigest()
+    suffix = p.suffix.lower()
+
+    # Junk before the header is tolerated only in a file named .pdf: a text file that merely
+    # mentions "%PDF-" near its top must stay text.
+    if data.startswith(b"%PDF-") or (suffix in PDF_SUFFIXES and b"%PDF-" in data[:_HEADER_WINDOW]):
+        return _load_pdf(data, name=name, sha=sha, password=password)
+    if suffix in PDF_SUFFIXES:
+        raise UnsupportedFormatError(
+            f"{name} is named .pdf but is not a PDF (no %PDF- header): it {_describe(data)}. "
+            "Download or export the PDF again."
+        )
+    text = _decode_text(data)
+    if text is None or data.startswith(b"{\\rtf"):
+        named = f" is named {suffix} but" if suffix in TEXT_SUFFIXES else ""
+        raise UnsupportedFormatError(
+            f"{name}{named} is not a supported document: it {_describe(data)}. "
+            "Supported are PDF files and plain text or markdown (UTF-8 or Latin-1); "
+            "export the document to PDF or plain text first."
+        )
+    body = _normalize_newlines(text)
+    if not body.strip():
+        raise EmptyDocumentError(
+            f"{name} contains only whitespace: there is no text to answer questions from. "
+            "Check that you picked the right file."
+        )
+    return Document(text=body, pages=(Page(1, body),), source=name, sha256=sha)
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def _normalize_newlines(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _decode_text(data: bytes) -> str | None:
+    """Decode text bytes, or None when they are binary."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        return _text_or_none(data[3:], "utf-8")
+    # Windows editors save "Unicode" text as UTF-16 with a BOM; without a BOM we do not guess.
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return _text_or_none(data, "utf-16")
+    text = _text_or_none(data, "utf-8")
+    if text is not None:
+        return text
+    if b"\x00" in data:
+        return None
+    # Not UTF-8: most likely a legacy Western file. cp1252 turns 0x80-0x9f into the quotes and
+    # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1.
+    for encoding in ("cp1252", "latin-1"):
+        text = _text_or_none(data, encoding)
+        if text is not None:
+            return text
+    return None
+
+
+def _text_or_none(data: bytes, encoding: str) -> str | None:
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError:
+        return None
+    return text if _looks_like_text(text) else None
+
+
+# C0/C1 control characters except tab, newline, vertical tab, form feed, carriage return and ESC
+# (ANSI colour codes in logs).
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f-\x9f]")
+
+
+def _looks_like_text(text: str) -> bool:
+    # Binary that happens to decode (a file of zero bytes is valid UTF-8) is full of control
+    # characters; real text has next to none beyond tab, newline and form feed.
+    if "\x00" in text:
+        return False
+    controls = len(_CONTROL_CHARS.findall(text))
+    return controls <= max(1, len(text) // 100)
+
+
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"PK\x03\x04", "is a ZIP container (a .docx, .xlsx, .odt, .epub or .zip file)"),
+    (b"\xd0\xcf\x11\xe0", "is a legacy Microsoft Office file (.doc, .xls, .ppt)"),
+    (b"{\\rtf", "is a Rich Text Format (.rtf) file"),
+    (b"\x89PNG", "is a PNG image (it needs OCR, e.g. ocrmypdf after converting it to PDF)"),
+    (b"\xff\xd8\xff", "is a JPEG image (it needs OCR, e.g. ocrmypdf after converting it to PDF)"),
+    (b"GIF8", "is a GIF image"),
+    (b"II*\x00", "is a TIFF image (it needs OCR, e.g. ocrmypdf)"),
+    (b"MM\x00*", "is a TIFF image (it needs OCR, e.g. ocrmypdf)"),
+    (b"\x1f\x8b", "is gzip-compressed; decompress it first"),
+    (b"7z\xbc\xaf", "is a 7-Zip archive; extract it first"),
+)
+
+
+def _describe(data: bytes) -> str:
+    """What the bytes look like, phrased to follow 'it'."""
+    for signature, what in _SIGNATURES:
+        if data.startswith(signature):
+            return what
+    head = data[:512].lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html")):
+        return "looks like an HTML page (often a failed or blocked download)"
+    if _decode_text(data) is not None:
+        return "is plain text"
+    return "looks like binary data of an unknown format"
+
+
+# --- PDF -------------------------------------------------------------------------------------
+
+
+_LIGATURES = str.maketrans(
+    {"\ufb00": "ff", "\ufb01": "fi", "\ufb02": "fl", "\ufb03": "ffi", "\ufb04": "ffl", "\ufb05": "st", "\ufb06": "st"}
+)
+_HSPACE = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\f\v]+")
+_MANY_NEWLINES = re.compile(r"\n{3,}")
+
+
+def _clean_page_text(text: str) -> str:
+    """Collapse runs of spaces and blank lines; paragraph breaks survive as one blank line."""
+    text = _normalize_newlines(text).replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
+    lines = [_HSPACE.sub(" ", line).strip() for line in text.split("\n")]
+    return _MANY_NEWLINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+def _pypdf_detail(exc: BaseException) -> str:
+    message = str(exc).strip() or type(exc).__name__
+    return message if len(message) <= 160 else message[:157] + "..."
+
+
+def _repair_hint(name: str) -> str:
+    return (
+        "Download or export it again; if that is impossible, try repairing it, "
+        f"e.g. `qpdf {name} repaired.pdf` or `mutool clean {name} repaired.pdf`, and load the repaired file."
+    )
+
+
+def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
+    # A file cut short loses its trailing %%EOF. pypdf (strict=False) can sometimes rebuild the
+    # cross-reference table of such a file and would then silently return partial content.
+    if b"%%EOF" not in data[-_EOF_WINDOW:]:
+        raise CorruptPDFError(
+            f"{name} is truncated: there is no %%EOF marker at its end ({len(data)} bytes), so the "
+            "download or copy was probably cut short. " + _repair_hint(name)
+        )
+    try:
+        # The password goes to decrypt() below: pypdf refuses one for an unencrypted file.
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        encrypted = reader.is_encrypted
+    except DependencyError as exc:
+        raise _missing_crypto(name, exc) from exc
+    except FileNotDecryptedError as exc:
+        raise _needs_password(name) from exc
+    except MemoryError:
+        raise
+    except Exception as exc:
+        # pypdf raises assorted built-in exceptions (KeyError, ValueError, ...) on malformed
+        # input, not only PdfReadError.
+        raise CorruptPDFError(
+            f"{name} is damaged and cannot be parsed as a PDF ({_pypdf_detail(exc)}). " + _repair_hint(name)
+        ) from exc
+    if not encrypted:
+        return reader
+    try:
+        # Owner-password-only files open with the empty user password, as they do in viewers.
+        result = reader.decrypt(password if password is not None else "")
+    except DependencyError as exc:
+        raise _missing_crypto(name, exc) from exc
+    except NotImplementedError as exc:
+        raise EncryptedPDFError(
+            f"{name} uses an encryption scheme that cannot be opened here ({_pypdf_detail(exc)}). "
+            "Remove the encryption with the tool that made it, or e.g. "
+            f"`qpdf --password=... --decrypt {name} decrypted.pdf`, and load the decrypted file."
+        ) from exc
+    except Exception as exc:
+        raise CorruptPDFError(
+            f"{name} is encrypted and its encryption data is damaged ({_pypdf_detail(exc)}). " + _repair_hint(name)
+        ) from exc
+    if result == PasswordType.NOT_DECRYPTED:
+        if password is None:
+            raise _needs_password(name)
+        raise EncryptedPDFError(
+            f"Wrong password for {name}: it is neither the user nor the owner password. "
+            "Check it and pass the right one with password=... (command line: --password)."
+        )
+    return reader
+
+
+def _needs_password(name: str) -> EncryptedPDFError:
+    return EncryptedPDFError(
+        f"{name} is encrypted and needs a password. Pass it with password=... "
+        "(e.g. load_document(path, password=...)) or on the command line with --password."
+    )
+
+
+def _missing_crypto(name: str, exc: BaseException) -> EncryptedPDFError:
+    return EncryptedPDFError(
+        f"{name} is AES-encrypted and decrypting it needs the 'cryptography' package "
+        f"({_pypdf_detail(exc)}). Install it with: pip install 'pypdf[crypto]'"
+    )
+
+
+def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Document:
+    reader = _open_pdf(data, name, password)
+    try:
+        page_count = len(reader.pages)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise CorruptPDFError(
+            f"{name} is damaged: its page tree cannot be read ({_pypdf_detail(exc)}). " + _repair_hint(name)
+        ) from exc
+    if page_count == 0:
+        raise EmptyDocumentError(f"{name} is a PDF with no pages. Check that you picked the right file.")
+
+    pages: list[Page] = []
+    failed: list[int] = []
+    first_error: BaseException | None = None
+    for index in range(page_count):
+        try:
+            raw = reader.pages[index].extract_text()
+        except MemoryError:
+            raise
+        except Exception as exc:
+            # One bad content stream should not cost the user the whole document.
+            failed.append(index + 1)
+            first_error = first_error or exc
+            continue
+        text = _clean_page_text(raw or "")
+        if text:
+            pages.append(Page(index + 1, text))
+
+    if not pages:
+        if failed:
+            assert first_error is not None
+            raise CorruptPDFError(
+                f"{name} is damaged: text extraction failed on {_page_list(failed)} "
+                f"({_pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
+            )
+        ocr_out = Path(name).with_name(Path(name).stem + "-ocr.pdf")
+        raise NoExtractableTextError(
+            f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "
+            f"so it needs OCR first, e.g. `ocrmypdf {name} {ocr_out}`, then load the OCR'd file."
+        )
+    if failed:
+        assert first_error is not None
+        warnings.warn(
+            PageExtractionWarning(
+                f"{name}: skipped {_page_list(failed)} of {page_count}: text extraction failed "
+                f"({_pypdf_detail(first_error)}). The other pages were loaded; questions about "
+                "the skipped pages cannot be answered.",
+                tuple(failed),
+            ),
+            stacklevel=3,
+        )
+    text = PAGE_SEPARATOR.join(page.text for page in pages)
+    return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=tuple(failed))
+
+
+def _page_list(numbers: list[int]) -> str:
+    label = "page" if len(numbers) == 1 else "pages"
+    return f"{label} " + ", ".join(str(n) for n in numbers)

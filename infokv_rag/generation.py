@@ -1,0 +1,126 @@
+"""Decoding options, token sampling and incremental detokenisation with stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How an answer is decoded. Greedy unless `temperature` > 0.
+
+    max_cache_tokens caps the tokens held per (layer, KV head) while answering: past it, the lowest
+    scored tokens are evicted (never the sinks, the question or the recent window).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    max_cache_tokens: int | None = None
+    eviction_slack: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+        if self.max_cache_tokens is not None and self.max_cache_tokens < 1:
+            raise ConfigError(f"max_cache_tokens must be positive, got {self.max_cache_tokens}")
+        if self.eviction_slack < 1:
+            raise ConfigError(f"eviction_slack must be >= 1, got {self.eviction_slack}")
+
+    @classmethod
+    def build(cls, stop: str | Sequence[str] | None = None, **options: Any) -> GenerationOptions:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return cls(stop=stops, **{k: v for k, v in options.items() if v is not None})
+
+
+def logits_entropy(logits: Tensor, top_k: int) -> Tensor:
+    """(rows, vocab) logits -> (rows,) entropy over the top-k probabilities renormalised (0: all)."""
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.topk(top_k, dim=-1).values
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+class TokenSampler:
+    """Greedy or nucleus sampling from float32 logits (vocab,)."""
+
+    def __init__(self, options: GenerationOptions, device: torch.device) -> None:
+        self.options = options
+        self.generator = None
+        if options.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if options.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(options.seed)
+
+    def __call__(self, logits: Tensor) -> int:
+        if self.generator is None:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / self.options.temperature, dim=-1)
+        if self.options.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(0) - sorted_probs >= self.options.top_p
+            sorted_probs[outside] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass
+class TextAssembler:
+    """Turns generated token ids into text pieces, holding back what may still become a stop string."""
+
+    tokenizer: Any
+    stop: tuple[str, ...]
+    ids: list[int] = field(default_factory=list)
+    emitted: int = 0
+    stopped: bool = False
+
+    def _held_back(self, text: str) -> int:
+        held = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
+                    held = max(held, size)
+                    break
+        return held
+
+    def push(self, token_id: int) -> str:
+        """Adds a token; returns the new text that is safe to show (may be empty)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in self.stop if s in text), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            piece, self.emitted = text[self.emitted : cut], cut
+            return piece
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return ""
+        safe = len(text) - self._held_back(text)
+        piece = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return piece
+
+    def flush(self) -> str:
+        """The text held back at the end of generation (no stop string completed)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece

@@ -1,0 +1,86 @@
+"""Chat template -> document prefix + question suffix.
+
+The document is the start of the first user turn, so its tokens form a prefix shared by every question;
+each question (or conversation) is a suffix that ends with the assistant's generation prompt. The split
+is found by rendering the model's own chat template around sentinels, as kvpress's pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ConfigError
+
+_SENTINEL = "\u2063INFOKV-SPLIT\u2063"
+
+DOCUMENT_INTRO = "Read the document below, then answer the question that follows it.\n\nDocument:\n"
+ANSWER_INSTRUCTION = "Answer concisely, using only the document above."
+
+Turn = tuple[str, str]
+"""(role, content) with role in system, user, assistant."""
+
+
+def question_turns(question: str) -> list[Turn]:
+    """The conversation that asks one question about the document."""
+    return [("user", f"Question: {question}\n{ANSWER_INSTRUCTION}")]
+
+
+class PromptFormat:
+    """Builds token ids for the document prefix and question suffixes with one tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        rendered = self._render([{"role": "user", "content": _SENTINEL}])
+        self._head, _ = rendered.split(_SENTINEL)
+
+    @property
+    def chat_template(self) -> str:
+        return str(self.tokenizer.chat_template or "")
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(_SENTINEL) != 1:
+            raise ConfigError("the model's chat template does not place the first user turn verbatim")
+        return str(rendered)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def document_ids(self, text: str) -> list[int]:
+        """Tokens of the template head, the instruction and the document: the cached prefix."""
+        return self._encode(f"{self._head}{DOCUMENT_INTRO}{text.strip()}\n\n")
+
+    def conversation_ids(self, turns: Sequence[Turn]) -> list[int]:
+        """Tokens that follow the document prefix for a conversation, up to the assistant prompt.
+
+        System turns are folded into the next user turn because the template's system slot sits before
+        the document, which is already cached.
+        """
+        messages: list[dict[str, str]] = []
+        pending_system: list[str] = []
+        for role, content in turns:
+            if role == "system":
+                pending_system.append(content)
+                continue
+            if role not in ("user", "assistant"):
+                raise ConfigError(f"unknown chat role {role!r}; use system, user or assistant")
+            if role == "user" and pending_system:
+                content = "\n".join([*pending_system, content])
+                pending_system = []
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] += "\n\n" + content
+            else:
+                messages.append({"role": role, "content": content})
+        if pending_system:
+            messages.append({"role": "user", "content": "\n".join(pending_system)})
+        if not messages or messages[0]["role"] != "user":
+            raise ConfigError("a conversation about the document must start with a user message")
+        messages[0] = {"role": "user", "content": _SENTINEL + messages[0]["content"]}
+        head, suffix = self._render(messages).split(_SENTINEL)
+        if head != self._head:
+            raise ConfigError("the chat template renders the document turn differently for this conversation")
+        return self._encode(suffix)
+
+    def question_ids(self, question: str) -> list[int]:
+        return self.conversation_ids(question_turns(question))

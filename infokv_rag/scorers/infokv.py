@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..signals import LayerSignals
+from .base import Scorer, normalize, pool, reduce_groups
+
+
+@dataclass
+class InfoKVScorer(Scorer):
+    """InfoKV: s = lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R)) within each (layer, KV head).
+
+    E is predictive entropy (credited to the token it predicted, "incoming", or to the token whose
+    distribution it is, "outgoing"); R is the relative change the layer makes to the token's residual
+    stream (this layer's, or the mean over layers); A is the pooled observation-window attention reduced
+    over each KV group, optionally averaged with attention accumulated over all queries.
+    """
+
+    needs_entropy = True
+
+    tau: float = 0.5
+    lam: float = 0.5
+    attribution: Literal["incoming", "outgoing"] = "incoming"
+    evolution: Literal["per_layer", "mean"] = "per_layer"
+    normalization: Literal["minmax", "rank"] = "minmax"
+    head_reduction: Literal["mean", "max"] = "mean"
+    pooling_kernel: int = 5
+    accumulated: bool = False
+
+    def __post_init__(self) -> None:
+        self.needs_entropy = self.tau > 0 and self.lam < 1
+        self.needs_accumulated_attention = self.accumulated
+
+    def attention_term(self, signals: LayerSignals) -> Tensor:
+        pooled = pool(signals.window_attention, self.pooling_kernel)
+        attention = normalize(reduce_groups(pooled, signals.kv_heads, self.head_reduction), self.normalization)
+        if self.accumulated:
+            assert signals.accumulated_attention is not None
+            attention = 0.5 * (attention + normalize(signals.accumulated_attention, self.normalization))
+        return attention
+
+    def entropy_term(self, signals: LayerSignals) -> Tensor:
+        """S = tau * N(E) + (1 - tau) * N(R); a signal with weight 0 is not evaluated."""
+        term = torch.zeros(signals.positions.shape, device=signals.positions.device)
+        if self.tau > 0:
+            entropy = signals.incoming_entropy() if self.attribution == "incoming" else signals.outgoing_entropy()
+            term += self.tau * normalize(entropy, self.normalization)
+        if self.tau < 1:
+            per_layer = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
+            term += (1 - self.tau) * normalize(signals.at_positions(per_layer), self.normalization)
+        return term
+
+    def score(self, signals: LayerSignals) -> Tensor:
+        if self.lam == 1.0:
+            return self.attention_term(signals)
+        if self.lam == 0.0:
+            return self.entropy_term(signals)
+        return self.lam * self.attention_term(signals) + (1 - self.lam) * self.entropy_term(signals)

@@ -1,0 +1,84 @@
+"""What one prefill chunk yields for scoring, kept as small per-token scalars.
+
+Per chunk: the attention of the observation window (the last `window` positions read so far) over every
+resident key, the last query's attention, optionally attention accumulated over all queries, and each
+layer's relative change of the residual stream. Entropy comes from the final hidden states (engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .kernels import accumulated_attention, window_attention
+
+
+class SignalCapture:
+    """Collects per-layer signals during one chunk's forward pass (fed by the model runner)."""
+
+    def __init__(self, window: int, accumulated: bool) -> None:
+        self.window = window
+        self.accumulated = accumulated
+        self.window_attention: dict[int, Tensor] = {}
+        self.last_query_attention: dict[int, Tensor] = {}
+        self.accumulated_attention: dict[int, Tensor] = {}
+        self.layer_change: dict[int, Tensor] = {}
+
+    def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
+        """queries: (heads, q, head_dim) for this chunk; keys: (kv_heads, resident + q, head_dim)."""
+        window = min(self.window, queries.shape[1])
+        self.window_attention[layer] = window_attention(queries[:, -window:], keys, scaling)
+        self.last_query_attention[layer] = window_attention(queries[:, -1:], keys, scaling)
+        if self.accumulated:
+            self.accumulated_attention[layer] = accumulated_attention(queries, keys, scaling)
+
+    def record_layer_change(self, layer: int, before: Tensor, after: Tensor) -> None:
+        """before, after: (q, hidden) residual stream around one decoder layer -> R^l (q,)."""
+        delta = (after.float() - before.float()).norm(dim=-1)
+        self.layer_change[layer] = delta / (before.float().norm(dim=-1) + 1e-6)
+
+
+@dataclass
+class LayerSignals:
+    """Everything a scorer may use for one layer's resident tokens.
+
+    positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
+    head_dim); window_attention, last_query_attention: (heads, length) mean attention of the observation
+    window and of the last document query; accumulated_attention: (kv_heads, length) or None;
+    entropy: (tokens_read,) outgoing predictive entropy per position (entropy of the distribution at t);
+    evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers.
+    """
+
+    layer: int
+    tokens_read: int
+    positions: Tensor
+    keys: Tensor
+    window_attention: Tensor
+    last_query_attention: Tensor
+    accumulated_attention: Tensor | None
+    entropy: Tensor | None
+    evolution: Tensor
+    mean_evolution: Tensor
+    seed: int = 0
+    kv_heads: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv_heads = int(self.positions.shape[0])
+
+    def at_positions(self, per_position: Tensor) -> Tensor:
+        """(tokens_read,) -> (kv_heads, length) values of the resident tokens."""
+        return per_position[self.positions]
+
+    def incoming_entropy(self) -> Tensor:
+        """(kv_heads, length): H(p(. | x_<t)) credited to token t; 0 for the first token."""
+        if self.entropy is None:
+            raise RuntimeError("entropy was not computed for this compression")
+        shifted = torch.cat([self.entropy.new_zeros(1), self.entropy[:-1]])
+        return self.at_positions(shifted)
+
+    def outgoing_entropy(self) -> Tensor:
+        if self.entropy is None:
+            raise RuntimeError("entropy was not computed for this compression")
+        return self.at_positions(self.entropy)

@@ -1,0 +1,267 @@
+"""Saving, verifying and loading compressed document caches.
+
+A saved cache is a directory:
+  manifest.json        format version, model fingerprint, config, document hash and page map, token
+                       counts, stats, and the sha256 of every other file; itself checksummed
+  tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
+                       (kv_heads, kept_L); entropy_reference (n,) when the method computed it
+  document.txt         the document text (page spans in the manifest index into it)
+Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
+old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load, save
+
+from .cache import DocumentCache, LayerKV
+from .config import CompressionConfig
+from .documents import Document, Page
+from .errors import CacheStoreError, ConfigError, InfoKVError
+
+if TYPE_CHECKING:
+    from .engine import CompressedDocument, InfoKVEngine, ProgressCallback
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+TEXT = "document.txt"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _manifest_checksum(manifest: dict[str, Any]) -> str:
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return _sha256(json.dumps(body, sort_keys=True).encode())
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
+    """Writes `document` to `directory` atomically (replacing an existing cache there)."""
+    from . import __version__
+
+    target = Path(directory).expanduser().resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for index, layer in enumerate(document.cache.layers):
+        for name in ("keys", "values", "positions", "scores"):
+            tensors[f"{name}.{index}"] = getattr(layer, name).detach().cpu().contiguous()
+    if document.entropy_reference is not None:
+        tensors["entropy_reference"] = document.entropy_reference.detach().cpu().contiguous()
+    tensor_bytes = save(tensors)
+    text_bytes = document.document.text.encode("utf-8")
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "model": {"name": document.engine.name, "fingerprint": document.engine.fingerprint},
+        "config": document.config.to_dict(),
+        "document": {
+            "sha256": document.document.sha256,
+            "source": document.document.source,
+            "pages": [{"number": p.number, "chars": len(p.text)} for p in document.document.pages],
+            "skipped_pages": list(document.document.skipped_pages),
+        },
+        "tokens": {"document": document.cache.document_tokens, "kept_per_layer": document.cache.lengths},
+        "stats": document.stats.to_dict(),
+        "files": {
+            TENSORS: {"sha256": _sha256(tensor_bytes), "bytes": len(tensor_bytes)},
+            TEXT: {"sha256": _sha256(text_bytes), "bytes": len(text_bytes)},
+        },
+    }
+    manifest["checksum"] = _manifest_checksum(manifest)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    try:
+        _write_synced(staging / TENSORS, tensor_bytes)
+        _write_synced(staging / TEXT, text_bytes)
+        # The manifest goes last: a directory without one is never loadable.
+        _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(staging)
+        if target.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, retired / "cache")
+            os.replace(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The verified manifest of a saved cache (format and checksum checked, files not yet)."""
+    path = Path(directory).expanduser()
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CacheStoreError(f"{path} is not a saved document cache (no {MANIFEST}); save one with doc.save()")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CacheStoreError(f"{manifest_path} is damaged ({exc}); delete the cache and ingest again") from exc
+    if not isinstance(manifest, dict) or manifest.get("checksum") != _manifest_checksum(manifest):
+        raise CacheStoreError(f"{manifest_path} fails its checksum (edited or damaged); ingest the document again")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CacheStoreError(
+            f"{path} uses cache format {version!r}; this version of infokv-rag reads format {FORMAT_VERSION}; "
+            "ingest the document again"
+        )
+    return manifest
+
+
+def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
+    try:
+        data = (path / name).read_bytes()
+    except FileNotFoundError as exc:
+        raise CacheStoreError(f"{path / name} is missing; ingest the document again") from exc
+    if len(data) != record["bytes"] or _sha256(data) != record["sha256"]:
+        raise CacheStoreError(
+            f"{path / name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
+        )
+    return data
+
+
+def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> CompressedDocument:
+    """Loads and verifies a saved cache; refuses one made by another model or damaged in any way."""
+    from .engine import CompressedDocument, DocumentStats
+
+    path = Path(directory).expanduser()
+    manifest = read_manifest(path)
+    model = manifest["model"]
+    if model["fingerprint"] != engine.fingerprint:
+        raise CacheStoreError(
+            f"{path} was made by model {model['name']!r} (fingerprint {model['fingerprint'][:12]}), not by the "
+            f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
+        )
+    tensors = load(_read_verified(path, TENSORS, manifest["files"][TENSORS]))
+    text = _read_verified(path, TEXT, manifest["files"][TEXT]).decode("utf-8")
+    runner = engine.runner
+    n = int(manifest["tokens"]["document"])
+    layers = []
+    for index in range(runner.num_layers):
+        try:
+            layer = LayerKV(*(tensors[f"{name}.{index}"] for name in ("keys", "values", "positions", "scores")))
+        except KeyError as exc:
+            raise CacheStoreError(f"{path} lacks tensors of layer {index}; ingest the document again") from exc
+        expected = (runner.kv_heads, layer.length, runner.head_dim)
+        if tuple(layer.keys.shape) != expected or layer.values.shape != layer.keys.shape:
+            raise CacheStoreError(f"{path} layer {index} has shape {tuple(layer.keys.shape)}, expected {expected}")
+        if layer.length and int(layer.positions.max()) >= n:
+            raise CacheStoreError(f"{path} layer {index} holds positions beyond the document length {n}")
+        layers.append(
+            LayerKV(
+                keys=layer.keys.to(device=runner.device, dtype=runner.dtype),
+                values=layer.values.to(device=runner.device, dtype=runner.dtype),
+                positions=layer.positions.to(runner.device),
+                scores=layer.scores.to(runner.device),
+            )
+        )
+    try:
+        config = CompressionConfig.from_dict(manifest["config"])
+    except (ConfigError, TypeError) as exc:
+        raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
+    document = _rebuild_document(text, manifest["document"])
+    stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
+    entropy = tensors.get("entropy_reference")
+    return CompressedDocument(
+        engine,
+        DocumentCache(layers, n),
+        config,
+        document,
+        DocumentStats(**stats_fields),
+        entropy_reference=entropy.to(runner.device) if entropy is not None else None,
+    )
+
+
+def _rebuild_document(text: str, record: dict[str, Any]) -> Document:
+    pages, offset = [], 0
+    for page in record["pages"]:
+        pages.append(Page(number=page["number"], text=text[offset : offset + page["chars"]]))
+        offset += page["chars"] + 2
+    return Document(
+        text=text,
+        pages=tuple(pages),
+        source=record["source"],
+        sha256=record["sha256"],
+        skipped_pages=tuple(record["skipped_pages"]),
+    )
+
+
+class CacheStore:
+    """Saved caches keyed by (document sha256, model fingerprint, compression config).
+
+    Ingesting the same file again with the same model and config loads the stored cache instead of
+    prefilling; a stored entry that fails verification is replaced by a fresh ingestion.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+
+    def key(self, document_sha256: str, fingerprint: str, config: CompressionConfig) -> str:
+        material = json.dumps([document_sha256, fingerprint, config.to_dict()], sort_keys=True)
+        return _sha256(material.encode())[:32]
+
+    def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig) -> Path:
+        return self.root / self.key(document.sha256, engine.fingerprint, config)
+
+    def ingest(
+        self,
+        engine: InfoKVEngine,
+        document: Document,
+        config: CompressionConfig | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> tuple[CompressedDocument, bool]:
+        """Returns (document, reused): the stored cache when valid, else a new ingestion saved here."""
+        config = config or CompressionConfig()
+        path = self.path_for(engine, document, config)
+        if (path / MANIFEST).is_file():
+            try:
+                return load_document(engine, path), True
+            except InfoKVError:
+                pass  # damaged or stale entry: fall through and rebuild it
+        compressed = engine.ingest_document(document, config, progress=progress)
+        save_document(compressed, path)
+        return compressed, False
+
+
+def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A summary of a saved cache for `infokv-rag info` (manifest verified, tensors not loaded)."""
+    manifest = read_manifest(directory)
+    return {
+        "model": manifest["model"],
+        "config": manifest["config"],
+        "document": {**manifest["document"], "pages": len(manifest["document"]["pages"])},
+        "tokens": manifest["tokens"],
+        "stats": manifest["stats"],
+        "library_version": manifest["library_version"],
+        "format_version": manifest["format_version"],
+    }
+
+

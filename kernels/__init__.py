@@ -1,0 +1,27 @@
+"""Scoring kernels for InfoKV: Triton on CUDA, PyTorch references everywhere.
+
+A leaf package: it imports nothing from the rest of infokv_rag, and Triton only when a Triton
+kernel is about to run. Choose the backend with ``INFOKV_KERNELS`` (auto | triton | torch),
+:func:`set_kernel_backend` or ``with kernel_backend(...)``; see :mod:`.dispatch`.
+
+Every kernel returns float32 and computes in float32 from float32, bfloat16 or float16 inputs.
+"""
+
+from .accumulated_attention import accumulated_attention, accumulated_attention_reference
+from .dispatch import get_kernel_backend, kernel_backend, set_kernel_backend
+from .entropy import TRITON_MAX_TOP_K, predictive_entropy, predictive_entropy_reference
+from .window_attention import group_reduce, window_attention, window_attention_reference
+
+__all__ = [
+    "TRITON_MAX_TOP_K",
+    "accumulated_attention",
+    "accumulated_attention_reference",
+    "get_kernel_backend",
+    "group_reduce",
+    "kernel_backend",
+    "predictive_entropy",
+    "predictive_entropy_reference",
+    "set_kernel_backend",
+    "window_attention",
+    "window_attention_reference",
+]

@@ -1,0 +1,147 @@
+"""Triton kernel for :func:`infokv_rag.kernels.entropy.predictive_entropy` (imported lazily).
+
+One program owns BLOCK_N tokens and sweeps the whole vocabulary in BLOCK_V tiles, computing each
+(BLOCK_N x BLOCK_V) logits tile with tl.dot over BLOCK_D slices of the hidden size, so logits only
+ever exist in registers:
+
+* full vocabulary (TOP_K == 0): an online log-sum-exp carrying, per token, the running max m,
+  s = sum exp(z - m) and t = sum exp(z - m) * (z - m); H = log s - t / s.
+* top-k (1 <= TOP_K <= 64): a running, sorted top-K_PAD list per token (K_PAD = next power of two
+  >= TOP_K, as tl.topk's bitonic network needs). Each tile's top-K_PAD is merged into it with a
+  second tl.topk; at the end only the first TOP_K entries enter the entropy.
+
+Limits: top_k <= 64 (registers); any n, V and d (all masked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dispatch import triton_interpreter_requested
+
+# Triton's interpreter multiplies bf16/fp16 tl.dot operands as their raw integer bit patterns, so
+# interpreted runs upcast tiles to float32 before tl.dot. Compiled runs keep half-precision
+# operands on the tensor cores; the products are exact in the float32 accumulator either way.
+_UPCAST_DOT_OPERANDS = triton_interpreter_requested()
+
+_BLOCK_N = 64
+_BLOCK_V = 128
+_BLOCK_D = 64
+
+
+@triton.jit
+def _entropy_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    n,
+    vocab,
+    hidden_size,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    if TOP_K == 0:
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        t = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        best = tl.full((BLOCK_N, K_PAD), float("-inf"), tl.float32)
+
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + offs_v
+        col_ok = cols < vocab
+        z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+        for d0 in range(0, hidden_size, BLOCK_D):
+            dims = d0 + offs_d
+            dim_ok = dims < hidden_size
+            h = tl.load(
+                h_ptr + rows[:, None] * stride_hn + dims[None, :] * stride_hd,
+                mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[None, :] * stride_wv + dims[:, None] * stride_wd,
+                mask=col_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            if UPCAST:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            z = tl.dot(h, w, z, input_precision="ieee")
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+
+        if TOP_K == 0:
+            # Every tile has a valid column, so m_new is finite; padded columns give exp(-inf) = 0.
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            zc = z - m_new[:, None]
+            e = tl.exp(zc)
+            alpha = tl.exp(m - m_new)
+            # On the first tile m = -inf and s = 0: skip the (m - m_new) * s term (0 * inf = NaN).
+            shift = tl.where(s > 0, (m - m_new) * s, 0.0)
+            t = alpha * (t + shift) + tl.sum(tl.where(col_ok[None, :], e * zc, 0.0), axis=1)
+            s = alpha * s + tl.sum(e, axis=1)
+            m = m_new
+        else:
+            tile_best = tl.topk(z, K_PAD, dim=1)
+            both = tl.reshape(tl.join(best, tile_best), (BLOCK_N, 2 * K_PAD))
+            best = tl.topk(both, K_PAD, dim=1)
+
+    if TOP_K == 0:
+        entropy = tl.log(s) - t / s
+    else:
+        # best is sorted descending: column 0 is the max, the first TOP_K columns the top-k.
+        keep = (tl.arange(0, K_PAD)[None, :] < TOP_K) & (best > float("-inf"))
+        zc = best - tl.max(best, axis=1)[:, None]
+        e = tl.where(keep, tl.exp(zc), 0.0)
+        s = tl.sum(e, axis=1)
+        t = tl.sum(tl.where(keep, e * zc, 0.0), axis=1)
+        entropy = tl.log(s) - t / s
+    tl.store(out_ptr + rows, entropy, mask=row_ok)
+
+
+def predictive_entropy_triton(hidden: Tensor, weight: Tensor, top_k: int) -> Tensor:
+    """(n,) float32 entropies; hidden (n, d), weight (V, d); 0 <= top_k <= 64, top_k < V.
+
+    Inputs are validated by the public :func:`predictive_entropy`.
+    """
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    k_pad = triton.next_power_of_2(top_k) if top_k > 0 else 1
+    grid = (triton.cdiv(n, _BLOCK_N),)
+    _entropy_kernel[grid](
+        hidden,
+        weight,
+        out,
+        n,
+        vocab,
+        hidden_size,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        TOP_K=top_k,
+        K_PAD=k_pad,
+        # tl.dot needs one operand dtype: mixed inputs meet in float32 tile by tile, not by copying.
+        UPCAST=_UPCAST_DOT_OPERANDS or hidden.dtype != weight.dtype,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_V=_BLOCK_V,
+        BLOCK_D=_BLOCK_D,
+    )
+    return out

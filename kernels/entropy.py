@@ -1,0 +1,143 @@
+"""Predictive entropy of the LM head's next-token distribution, without n x vocab logits.
+
+For final hidden states ``hidden`` (n, d) and LM-head weight ``weight`` (V, d), token t's logits are
+z_t = weight @ hidden_t and its entropy is H(softmax(z_t)). With ``top_k`` > 0 the distribution is
+restricted to the k largest logits and renormalised, which is the same as the softmax over those
+k logits. Both paths compute in float32 whatever the input dtype.
+
+With m = max z, s = sum exp(z - m) and t = sum exp(z - m) * (z - m):
+
+    H = -sum p log p = log s - t / s,
+
+so three running scalars per token suffice for the full vocabulary (an online log-sum-exp that
+rescales s and t when the running max grows), and the k largest logits suffice for top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dispatch import get_kernel_backend, use_triton
+
+#: Largest top_k the Triton kernel handles (its running top-k lives in registers).
+TRITON_MAX_TOP_K = 64
+
+# Reference tile sizes: a (512 x 4096) float32 logits tile is 8 MiB; with the exp of it and a
+# float32 copy of a bf16 weight tile (4096 x d), peak extra memory stays near 35 MiB for d = 896.
+_TOKEN_BLOCK = 512
+_VOCAB_BLOCK = 4096
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, top_k: int) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be (n, d) and weight (V, d); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden has d={hidden.shape[1]}, weight has d={weight.shape[1]}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocabulary")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = full vocabulary); got {top_k!r}")
+
+
+def _effective_top_k(top_k: int, vocab: int) -> int:
+    """Top-k over at least the whole vocabulary is the full-vocabulary entropy (coded as 0)."""
+    return 0 if top_k >= vocab else top_k
+
+
+def predictive_entropy(hidden: Tensor, weight: Tensor, top_k: int = 20) -> Tensor:
+    """Entropy of softmax(hidden @ weight.T) per token, over the top-k logits (0 = all).
+
+    Args:
+        hidden: (n, d) final hidden states (after the final norm), float32/bf16/fp16.
+        weight: (V, d) LM-head weight, on the same device.
+        top_k: 0 for the full vocabulary, else entropy of the top-k probabilities renormalised.
+
+    Returns:
+        (n,) float32 entropies in nats.
+
+    Runs the Triton kernel or the PyTorch reference as the dispatch switch decides; the Triton
+    kernel supports top_k <= TRITON_MAX_TOP_K (larger k falls back to the reference under "auto").
+    """
+    _check_inputs(hidden, weight, top_k)
+    k = _effective_top_k(top_k, weight.shape[0])
+    if hidden.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=hidden.device)
+    if use_triton(hidden, weight):
+        if k <= TRITON_MAX_TOP_K:
+            from ._triton_entropy import predictive_entropy_triton
+
+            return predictive_entropy_triton(hidden, weight, k)
+        if get_kernel_backend() == "triton":
+            raise ValueError(f"the Triton entropy kernel supports top_k <= {TRITON_MAX_TOP_K}; got {top_k}")
+    return predictive_entropy_reference(hidden, weight, k)
+
+
+def predictive_entropy_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    top_k: int = 20,
+    *,
+    token_block: int = _TOKEN_BLOCK,
+    vocab_block: int = _VOCAB_BLOCK,
+) -> Tensor:
+    """PyTorch reference of :func:`predictive_entropy`, tiled over tokens and vocabulary.
+
+    Shapes and semantics as :func:`predictive_entropy`. Never holds more than one
+    (token_block x vocab_block) float32 logits tile (plus its exp), so its extra memory does not
+    grow with n or V. Works on any device.
+    """
+    _check_inputs(hidden, weight, top_k)
+    k = _effective_top_k(top_k, weight.shape[0])
+    n = hidden.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, token_block):
+        h = hidden[start : start + token_block].float()
+        block = _full_entropy(h, weight, vocab_block) if k == 0 else _top_k_entropy(h, weight, k, vocab_block)
+        out[start : start + token_block] = block
+    return out
+
+
+def _tile_logits(h: Tensor, weight: Tensor, start: int, vocab_block: int) -> Tensor:
+    """(tokens, tile) float32 logits for vocabulary rows [start, start + vocab_block)."""
+    return h @ weight[start : start + vocab_block].float().T
+
+
+def _tile_stats(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, s, t) of a logits tile (consumed in place): max, sum exp(z-m), sum exp(z-m)*(z-m)."""
+    m = z.amax(dim=1)
+    z.sub_(m[:, None])
+    e = z.exp()
+    s = e.sum(dim=1)
+    t = z.mul_(e).sum(dim=1)
+    return m, s, t
+
+
+def _full_entropy(h: Tensor, weight: Tensor, vocab_block: int) -> Tensor:
+    """(tokens,) full-vocabulary entropy via an online log-sum-exp over vocabulary tiles."""
+    m, s, t = _tile_stats(_tile_logits(h, weight, 0, vocab_block))
+    for start in range(vocab_block, weight.shape[0], vocab_block):
+        m2, s2, t2 = _tile_stats(_tile_logits(h, weight, start, vocab_block))
+        m_new = torch.maximum(m, m2)
+        # Re-centre both partial sums on the new max: exp(z - m_new) = exp(m - m_new) * exp(z - m)
+        # and (z - m_new) = (z - m) + (m - m_new).
+        d1, d2 = m - m_new, m2 - m_new
+        a1, a2 = d1.exp(), d2.exp()
+        t = a1 * (t + d1 * s) + a2 * (t2 + d2 * s2)
+        s = a1 * s + a2 * s2
+        m = m_new
+    return s.log() - t / s
+
+
+def _top_k_entropy(h: Tensor, weight: Tensor, k: int, vocab_block: int) -> Tensor:
+    """(tokens,) entropy over each token's k largest logits, merged tile by tile."""
+    best = h.new_empty((h.shape[0], 0))
+    for start in range(0, weight.shape[0], vocab_block):
+        z = _tile_logits(h, weight, start, vocab_block)
+        tile_best = z.topk(min(k, z.shape[1]), dim=1, sorted=False).values
+        merged = torch.cat((best, tile_best), dim=1)
+        best = merged.topk(min(k, merged.shape[1]), dim=1, sorted=False).values
+    _, s, t = _tile_stats(best)
+    return s.log() - t / s

@@ -1,0 +1,390 @@
+"""Document loading: page map, text decoding, and a typed, actionable error for each bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pypdf
+import pytest
+from pypdf.errors import DependencyError
+
+from infokv_rag.documents import (
+    PAGE_SEPARATOR,
+    Document,
+    Page,
+    PageExtractionWarning,
+    document_from_text,
+    load_document,
+)
+from infokv_rag.errors import (
+    CorruptPDFError,
+    DocumentError,
+    EmptyDocumentError,
+    EncryptedPDFError,
+    NoExtractableTextError,
+    UnsupportedFormatError,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_DIR = ROOT / "examples" / "sample"
+
+
+def _load_factory() -> ModuleType:
+    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
+    spec = importlib.util.spec_from_file_location("infokv_tests_pdf_factory", Path(__file__).with_name("pdf_factory.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pdfs = _load_factory()
+
+PAGES = ["Alpha page one.\nThe notice period is   thirty   days.", "Beta page two.", "Gamma page three."]
+
+
+def _load_quietly(path: Path, **kwargs: object) -> Document:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unexpected warning fails the test
+        return load_document(path, **kwargs)  # type: ignore[arg-type]
+
+
+# --- good PDFs ---------------------------------------------------------------------------------
+
+
+def test_pdf_pages_numbers_and_page_of(tmp_path: Path) -> None:
+    path = pdfs.text_pdf(tmp_path / "contract.pdf", PAGES)
+    doc = _load_quietly(path)
+    assert [p.number for p in doc.pages] == [1, 2, 3]
+    assert doc.skipped_pages == ()
+    assert doc.source == str(path)
+    assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert doc.text == PAGE_SEPARATOR.join(p.text for p in doc.pages)
+    # Runs of spaces collapse, line breaks stay.
+    assert doc.pages[0].text == "Alpha page one.\nThe notice period is thirty days."
+    for page, (start, end) in zip(doc.pages, doc.page_spans):
+        assert doc.text[start:end] == page.text
+        assert doc.page_of(start) == page.number
+        assert doc.page_of(end - 1) == page.number
+    assert doc.page_of(doc.text.index("thirty")) == 1
+    assert doc.page_of(doc.text.index("Beta")) == 2
+    assert doc.page_of(doc.text.index("Gamma")) == 3
+    # The separator after a page belongs to that page; len(text) maps to the last page.
+    assert doc.page_of(doc.page_spans[0][1]) == 1
+    assert doc.page_of(len(doc.text)) == 3
+    with pytest.raises(IndexError):
+        doc.page_of(len(doc.text) + 1)
+    with pytest.raises(IndexError):
+        doc.page_of(-1)
+
+
+def test_blank_pdf_page_keeps_real_page_numbers(tmp_path: Path) -> None:
+    doc = _load_quietly(pdfs.text_pdf(tmp_path / "gap.pdf", ["first", "", "third"]))
+    assert [p.number for p in doc.pages] == [1, 3]
+    assert doc.page_of(doc.text.index("third")) == 3
+    assert doc.skipped_pages == ()
+
+
+def test_pdf_is_sniffed_whatever_its_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "download.bin"
+    path.write_bytes(pdfs.text_pdf_bytes(["Sniffed as a PDF."]))
+    assert _load_quietly(path).text == "Sniffed as a PDF."
+
+
+def test_pdf_header_after_junk_only_counts_for_pdf_suffix(tmp_path: Path) -> None:
+    data = b"junk from a mail gateway\n" + pdfs.text_pdf_bytes(["Behind junk."])
+    (tmp_path / "mail.pdf").write_bytes(data)
+    assert _load_quietly(tmp_path / "mail.pdf").text == "Behind junk."
+    note = tmp_path / "note.md"
+    note.write_text("# PDF internals\n\nEvery PDF starts with `%PDF-1.7`.\n", encoding="utf-8")
+    assert "%PDF-1.7" in _load_quietly(note).text
+
+
+def test_sample_pdf_holds_the_whole_license() -> None:
+    pdf, txt = SAMPLE_DIR / "apache-license-2.0.pdf", SAMPLE_DIR / "apache-license-2.0.txt"
+    if not pdf.exists():
+        pytest.skip("sample PDF not generated")
+    assert pdf.stat().st_size < 200_000
+    doc = _load_quietly(pdf)
+    assert len(doc.pages) >= 3
+    # Same words in the same order as the unmodified license text.
+    assert doc.text.split() == txt.read_text(encoding="utf-8").split()
+    for heading in ("1. Definitions.", "4. Redistribution.", "9. Accepting Warranty or Additional Liability."):
+        assert heading in doc.text
+    assert doc.page_of(doc.text.index("January 2004")) == 1
+
+
+# --- encrypted PDFs ----------------------------------------------------------------------------
+
+
+def test_encrypted_pdf_without_password(tmp_path: Path) -> None:
+    path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret")
+    with pytest.raises(EncryptedPDFError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "locked.pdf" in message and "password=" in message and "--password" in message
+
+
+def test_encrypted_pdf_wrong_password(tmp_path: Path) -> None:
+    path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret")
+    with pytest.raises(EncryptedPDFError) as info:
+        load_document(path, password="guess")
+    message = str(info.value)
+    assert "Wrong password" in message and "locked.pdf" in message and "--password" in message
+
+
+def test_aes256_pdf_opens_with_password(tmp_path: Path) -> None:
+    path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret", owner_password="owner")
+    assert "/AESV3" in str(pypdf.PdfReader(path).trailer["/Encrypt"].get_object())  # really AES-256
+    doc = _load_quietly(path, password="s3cret")
+    assert [p.number for p in doc.pages] == [1, 2, 3] and "Beta page two." in doc.text
+    assert _load_quietly(path, password="owner").text == doc.text  # the owner password opens it too
+
+
+def test_owner_only_encryption_opens_without_password(tmp_path: Path) -> None:
+    path = pdfs.encrypted_pdf(tmp_path / "restricted.pdf", ["Readable."], user_password="", owner_password="o")
+    assert _load_quietly(path).text == "Readable."
+
+
+def test_password_is_ignored_for_unencrypted_pdf_and_text(tmp_path: Path) -> None:
+    assert _load_quietly(pdfs.text_pdf(tmp_path / "a.pdf", ["open"]), password="x").text == "open"
+    (tmp_path / "a.txt").write_text("plain", encoding="utf-8")
+    assert _load_quietly(tmp_path / "a.txt", password="x").text == "plain"
+
+
+def test_missing_crypto_dependency_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret")
+
+    def no_crypto(*args: object, **kwargs: object) -> None:
+        raise DependencyError("cryptography>=3.1 is required for AES algorithm")
+
+    monkeypatch.setattr(pypdf._encryption.Encryption, "verify", no_crypto)
+    with pytest.raises(EncryptedPDFError) as info:
+        load_document(path, password="s3cret")
+    assert "pypdf[crypto]" in str(info.value) and "locked.pdf" in str(info.value)
+
+
+# --- scanned, damaged and partly broken PDFs ----------------------------------------------------
+
+
+def test_image_only_pdf_needs_ocr(tmp_path: Path) -> None:
+    path = pdfs.image_only_pdf(tmp_path / "scan.pdf", n_pages=2)
+    with pytest.raises(NoExtractableTextError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "scan.pdf" in message and "OCR" in message and "ocrmypdf" in message and "2 page" in message
+
+
+def test_truncated_pdf(tmp_path: Path) -> None:
+    path = pdfs.truncated_pdf(tmp_path / "cut.pdf", PAGES, keep=0.6)
+    with pytest.raises(CorruptPDFError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "cut.pdf" in message and "truncated" in message and "again" in message
+
+
+@pytest.mark.parametrize("keep", [0.2, 0.5, 0.9, 0.99])
+def test_pdf_cut_anywhere_is_refused(tmp_path: Path, keep: float) -> None:
+    with pytest.raises(CorruptPDFError):
+        load_document(pdfs.truncated_pdf(tmp_path / "cut.pdf", PAGES, keep=keep))
+
+
+def test_truncated_pdf_with_eof_marker_appended_still_fails_in_pypdf(tmp_path: Path) -> None:
+    # The %%EOF check cannot see this one: pypdf's own parse has to catch it.
+    data = pdfs.text_pdf_bytes(PAGES)
+    path = tmp_path / "patched.pdf"
+    path.write_bytes(data[: len(data) // 2] + b"\n%%EOF\n")
+    with pytest.raises(CorruptPDFError) as info:
+        load_document(path)
+    assert "patched.pdf" in str(info.value) and "repair" in str(info.value)
+
+
+def test_corrupt_pdf(tmp_path: Path) -> None:
+    path = pdfs.corrupt_pdf(tmp_path / "garbage.pdf")
+    with pytest.raises(CorruptPDFError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "garbage.pdf" in message and "damaged" in message and "qpdf" in message
+
+
+def test_pdf_without_pages_is_empty(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    pypdf.PdfWriter().write(buf)
+    path = tmp_path / "nopages.pdf"
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(EmptyDocumentError, match="nopages.pdf is a PDF with no pages"):
+        load_document(path)
+
+
+@pytest.mark.parametrize("kind", ["hex", "filter"])
+def test_page_that_fails_alone_is_skipped_with_warning(tmp_path: Path, kind: str) -> None:
+    path = pdfs.broken_page_pdf(tmp_path / "partly.pdf", PAGES + ["Delta page four."], broken=[2, 4], kind=kind)
+    with pytest.warns(PageExtractionWarning) as record:
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [1, 3]
+    assert doc.skipped_pages == (2, 4)
+    assert "Beta" not in doc.text and "Gamma page three." in doc.text
+    assert doc.page_of(doc.text.index("Gamma")) == 3
+    [warning] = record.list
+    assert warning.filename == __file__  # points at the caller, not at documents.py
+    assert isinstance(warning.message, PageExtractionWarning) and warning.message.pages == (2, 4)
+    assert "partly.pdf" in str(warning.message) and "pages 2, 4 of 4" in str(warning.message)
+
+
+def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
+    path = pdfs.broken_page_pdf(tmp_path / "allbad.pdf", ["one", "two"], broken=[1, 2])
+    with pytest.raises(CorruptPDFError) as info:
+        load_document(path)
+    assert "allbad.pdf" in str(info.value) and "pages 1, 2" in str(info.value)
+
+
+def test_pypdf_log_noise_is_not_printed(tmp_path: Path) -> None:
+    # A page whose Flate stream is garbage makes pypdf log an error (and give no text). Without a
+    # handler, Python would print that record to stderr; loading must stay silent.
+    from pypdf.generic import DecodedStreamObject, NameObject
+
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(["ok", "x"]))))
+    stream = DecodedStreamObject()
+    stream.set_data(b"not zlib at all " * 4)
+    stream[NameObject("/Filter")] = NameObject("/FlateDecode")
+    writer.pages[1][NameObject("/Contents")] = writer._add_object(stream)
+    path = tmp_path / "noisy.pdf"
+    with path.open("wb") as fh:
+        writer.write(fh)
+    code = (
+        "import sys, warnings; warnings.simplefilter('error');"
+        "from infokv_rag.documents import load_document;"
+        f"print(load_document({str(path)!r}).text)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert result.stderr == ""
+
+
+# --- text files --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".md", ".markdown", ".rst", ""])
+def test_text_and_markdown_files(tmp_path: Path, suffix: str) -> None:
+    body = "# Title\n\nThe fee is   EUR 40.\n\n    indented code stays\n"
+    path = tmp_path / f"notes{suffix}"
+    path.write_text(body, encoding="utf-8")
+    doc = _load_quietly(path)
+    assert doc.text == body  # text is not re-spaced: markdown indentation matters
+    assert doc.pages == (Page(1, body),)
+    assert doc.page_of(0) == 1 and doc.page_of(len(body)) == 1
+    assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_utf8_bom_and_crlf(tmp_path: Path) -> None:
+    path = tmp_path / "windows.txt"
+    path.write_bytes(b"\xef\xbb\xbfFirst line\r\nSecond line \xe2\x82\xac\r\n\r\nOld Mac\rend")
+    doc = _load_quietly(path)
+    assert doc.text == "First line\nSecond line \u20ac\n\nOld Mac\nend"
+    assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # of the raw bytes
+
+
+def test_utf16_with_bom(tmp_path: Path) -> None:
+    path = tmp_path / "unicode.txt"
+    path.write_bytes("\ufeffNotice: 30 days\r\n".encode("utf-16-le"))
+    assert _load_quietly(path).text == "Notice: 30 days\n"
+
+
+def test_latin1_fallback(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.txt"
+    path.write_bytes("Caf\u00e9 cr\u00e8me \u00e0 2 \u00a3, \u201cquoted\u201d".encode("cp1252"))
+    assert _load_quietly(path).text == "Caf\u00e9 cr\u00e8me \u00e0 2 \u00a3, \u201cquoted\u201d"
+
+
+def test_document_from_text() -> None:
+    doc = document_from_text("\ufeffa\r\nb", source="memo")
+    assert doc.text == "a\nb" and doc.pages == (Page(1, "a\nb"),) and doc.source == "memo"
+    assert doc.sha256 == hashlib.sha256("\ufeffa\r\nb".encode()).hexdigest()
+    assert doc.page_of(1) == 1 and doc.page_spans == ((0, 3),)
+    with pytest.raises(EmptyDocumentError, match="memo is empty"):
+        document_from_text(" \n\t", source="memo")
+
+
+def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
+    with pytest.raises(ValueError):
+        Document(text="x", pages=(Page(1, "y"),), source=None, sha256="0" * 64)
+
+
+# --- not documents -----------------------------------------------------------------------------
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    for name in ("empty.txt", "empty.pdf"):
+        (tmp_path / name).write_bytes(b"")
+        with pytest.raises(EmptyDocumentError) as info:
+            load_document(tmp_path / name)
+        assert name in str(info.value) and "0 bytes" in str(info.value)
+
+
+def test_whitespace_only_text(tmp_path: Path) -> None:
+    path = tmp_path / "blank.md"
+    path.write_text(" \n\r\n\t  \n", encoding="utf-8")
+    with pytest.raises(EmptyDocumentError) as info:
+        load_document(path)
+    assert "blank.md" in str(info.value) and "whitespace" in str(info.value)
+
+
+def test_binary_with_unknown_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "blob.dat"
+    path.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(UnsupportedFormatError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "blob.dat" in message and "PDF" in message and "plain text" in message
+
+
+def test_zero_bytes_file_is_binary_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "zeros.txt"
+    path.write_bytes(b"\x00" * 1000)  # valid UTF-8, but not text
+    with pytest.raises(UnsupportedFormatError, match="zeros.txt is named .txt but is not a supported"):
+        load_document(path)
+
+
+def test_office_file_says_export_first(tmp_path: Path) -> None:
+    path = tmp_path / "contract.docx"
+    path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    with pytest.raises(UnsupportedFormatError) as info:
+        load_document(path)
+    assert "contract.docx" in str(info.value) and "ZIP" in str(info.value) and "export" in str(info.value)
+
+
+def test_html_saved_as_pdf(tmp_path: Path) -> None:
+    path = tmp_path / "report.pdf"
+    path.write_text("<!DOCTYPE html><html><body>Access denied</body></html>", encoding="utf-8")
+    with pytest.raises(UnsupportedFormatError) as info:
+        load_document(path)
+    message = str(info.value)
+    assert "report.pdf" in message and "not a PDF" in message and "HTML" in message
+
+
+def test_image_file_suggests_ocr(tmp_path: Path) -> None:
+    path = tmp_path / "scan.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    with pytest.raises(UnsupportedFormatError, match="OCR"):
+        load_document(path)
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.pdf"):
+        load_document(tmp_path / "nope.pdf")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        load_document(tmp_path)
+
+
+def test_every_document_error_is_a_document_error() -> None:
+    for cls in (UnsupportedFormatError, EmptyDocumentError, EncryptedPDFError, NoExtractableTextError, CorruptPDFError):
+        assert issubclass(cls, DocumentError)

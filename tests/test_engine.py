@@ -1,0 +1,136 @@
+"""Unit tests of the engine on a random 3-layer Llama built in code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine
+from infokv_rag.config import METHODS
+
+from .conftest import CORPUS, build_random_model_dir
+
+TEXT = " ".join(CORPUS * 12)
+
+
+def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> None:
+    for method in METHODS + ("infokv_entropy", "infokv_evolution"):
+        doc = random_engine.ingest_text(TEXT, CompressionConfig(method=method, keep=0.25))
+        n = doc.stats.document_tokens
+        expected = n if method == "full" else round(0.25 * n)
+        assert doc.stats.kept_tokens_per_layer == [expected] * 3, method
+        for layer in doc.cache.layers:
+            positions = layer.positions
+            assert bool((positions[:, 1:] > positions[:, :-1]).all()), "kept tokens stay in original order"
+            assert bool((positions[:, :4] == torch.arange(4)).all()), "attention sinks are kept"
+            assert bool((positions[:, -32:] == torch.arange(n - 32, n)).all()), "the observation window is kept"
+
+
+def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    assert full.stats.cache_bytes == full.stats.full_cache_bytes
+    for keep in (0.1, 0.25, 0.5):
+        doc = random_engine.ingest_text(TEXT, CompressionConfig(method="infokv", keep=keep))
+        n = doc.stats.document_tokens
+        budget = max(round(keep * n), 36)
+        assert doc.stats.cache_bytes == budget * random_engine.bytes_per_token
+        assert abs(doc.stats.cache_bytes - keep * full.stats.cache_bytes) <= 0.02 * keep * full.stats.cache_bytes + max(
+            0, 36 - keep * n
+        ) * random_engine.bytes_per_token
+
+
+def test_adaptive_budget_keeps_the_total_and_varies_per_layer(random_engine: InfoKVEngine) -> None:
+    fixed = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    adaptive = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, adaptive_budget=True))
+    assert adaptive.stats.kept_tokens == fixed.stats.kept_tokens
+    assert adaptive.stats.cache_bytes == fixed.stats.cache_bytes
+    assert min(adaptive.stats.kept_tokens_per_layer) >= 36
+
+
+def test_token_count_budget(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(method="snapkv", keep=100))
+    assert doc.stats.kept_tokens_per_layer == [100] * 3
+
+
+def test_questions_never_change_the_document_cache(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    before = [(layer.keys.clone(), layer.values.clone(), layer.positions.clone()) for layer in doc.cache.layers]
+    first = doc.ask("What is the notice period?", max_new_tokens=12)
+    doc.ask("Who delivers the goods?", max_new_tokens=12)
+    again = doc.ask("What is the notice period?", max_new_tokens=12)
+    assert first == again
+    for (keys, values, positions), layer in zip(before, doc.cache.layers):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+        assert torch.equal(positions, layer.positions)
+
+
+def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) -> None:
+    config = CompressionConfig(keep=0.2, chunk_size=64)
+    doc = random_engine.ingest_text(TEXT, config)
+    n = doc.stats.document_tokens
+    assert n >= 4 * config.chunk_size
+    budget = config.budget_for(n)
+    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
+    assert doc.stats.kept_tokens_per_layer == [budget] * 3
+
+
+def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:
+    one_shot = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    chunked = random_engine.ingest_text(TEXT, CompressionConfig(method="full", chunk_size=64))
+    for a, b in zip(one_shot.cache.layers, chunked.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
+    question = "What is the notice period?"
+    assert one_shot.ask(question, max_new_tokens=8) == chunked.ask(question, max_new_tokens=8)
+
+
+def test_document_longer_than_context_names_both_lengths(tmp_path) -> None:
+    engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=256)), device="cpu")
+    with pytest.raises(ContextLengthError) as error:
+        engine.ingest_text(TEXT)
+    message = str(error.value)
+    assert "256" in message and "tokens" in message
+
+
+def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    with pytest.raises(ContextLengthError, match="context window of 4096"):
+        doc.ask("why? " * 3000)
+
+
+def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    cap = max(doc.stats.kept_tokens_per_layer) + 60
+    generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
+    generation.text()
+    assert generation.usage.completion_tokens == 2 * cap
+    assert generation.usage.max_resident_tokens <= cap
+    with pytest.raises(ConfigError, match="max_cache_tokens"):
+        doc.ask("What?", max_cache_tokens=20)
+
+
+def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.5))
+    a = doc.ask("Pay?", temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16)
+    b = doc.ask("Pay?", temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16)
+    assert a == b
+    greedy = doc.ask("Pay?", max_new_tokens=16)
+    assert len(greedy) > 2
+    stop = greedy[2:4]
+    cut = doc.ask("Pay?", max_new_tokens=16, stop=[stop])
+    assert cut == greedy[: greedy.index(stop)]
+    assert "".join(doc.stream("Pay?", max_new_tokens=16)) == greedy
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="unknown method"):
+        CompressionConfig(method="magic")
+    with pytest.raises(ConfigError, match="keep ratio"):
+        CompressionConfig(keep=1.5)
+    with pytest.raises(ConfigError, match="tau"):
+        CompressionConfig(tau=2.0)
+
+
+def _options(**kwargs):
+    from infokv_rag.generation import GenerationOptions
+
+    return GenerationOptions(**kwargs)
