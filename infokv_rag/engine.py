@@ -166,8 +166,7 @@ class InfoKVEngine:
                 f"the document is {len(ids)} tokens but the model's context window is {self.context_window} "
                 f"tokens (and questions need room too); split the document or use a model with a longer context"
             )
-        with self.lock:
-            cache, stats, entropy = _Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
+        cache, stats, entropy = _Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         stats.pages = len(document.pages)
         return CompressedDocument(self, cache, config, document, stats, entropy_reference=entropy)
 
@@ -293,7 +292,8 @@ class _Ingestion:
         chunk = self.config.chunk_size
         for start in range(0, self.n, chunk):
             end = min(self.n, start + chunk)
-            self._read_chunk(cache, start, end)
+            with self.engine.lock:  # answers about other documents may run between chunks
+                self._read_chunk(cache, start, end)
             self.peak_resident = max(self.peak_resident, cache.resident_tokens)
             if progress is not None:
                 progress(end, self.n)
