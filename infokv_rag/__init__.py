@@ -1,7 +1,10 @@
 """infokv-rag: answer questions about long documents from an InfoKV-compressed, persisted KV cache."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .config import CompressionConfig
-from .engine import CompressedDocument, DocumentStats, InfoKVEngine
 from .errors import (
     CacheStoreError,
     ConfigError,
@@ -16,9 +19,39 @@ from .errors import (
     UnsupportedFormatError,
 )
 
+if TYPE_CHECKING:
+    from .engine import CompressedDocument, DocumentStats, InfoKVEngine
+    from .store import CacheStore
+
 __version__ = "0.1.0"
 
+# The engine pulls in torch and transformers (seconds to import); it is imported on first use, so
+# that the command line can reject a bad document, and tools can read a cache manifest, at once.
+_LAZY = {
+    "CompressedDocument": "engine",
+    "DocumentStats": "engine",
+    "InfoKVEngine": "engine",
+    "CacheStore": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
+    "CacheStore",
     "CacheStoreError",
     "CompressedDocument",
     "CompressionConfig",

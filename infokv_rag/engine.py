@@ -170,6 +170,12 @@ class InfoKVEngine:
         stats.pages = len(document.pages)
         return CompressedDocument(self, cache, config, document, stats, entropy_reference=entropy)
 
+    def load(self, directory: str | os.PathLike[str]) -> CompressedDocument:
+        """Loads a cache saved with `CompressedDocument.save`; refuses another model's or a damaged one."""
+        from .store import load_document as load_saved
+
+        return load_saved(self, directory)
+
     # Answering -------------------------------------------------------------------------------------
 
     def generate(self, document: CompressedDocument, turns: Sequence[Turn], options: GenerationOptions) -> Generation:
@@ -297,6 +303,9 @@ class _Ingestion:
             self.peak_resident = max(self.peak_resident, cache.resident_tokens)
             if progress is not None:
                 progress(end, self.n)
+        return self.finish(cache)
+
+    def finish(self, cache: KVCache) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
         frozen = cache.freeze(self.n)
         stats = DocumentStats(
             document_tokens=self.n,
@@ -314,21 +323,39 @@ class _Ingestion:
         return frozen, stats, entropy
 
     def _read_chunk(self, cache: KVCache, start: int, end: int) -> None:
+        scorer = self.scorer
+        capture = SignalCapture(self.config.window, scorer.needs_window_attention, scorer.needs_accumulated_attention)
+        hidden = self.forward_chunk(cache, capture, start, end)
+        self.score_and_compress(cache, capture, hidden, start, end)
+
+    def forward_chunk(self, cache: KVCache, capture: SignalCapture, start: int, end: int) -> Tensor:
+        """Prefills tokens [start, end) into `cache`; returns their final hidden states (end - start, hidden)."""
         clock = time.perf_counter()
-        capture = SignalCapture(self.config.window, self.scorer.needs_accumulated_attention)
         positions = torch.arange(start, end, device=self.ids.device)
         hidden = self.runner.forward(self.ids[start:end], positions, cache, capture)
         self.timings["prefill"] += time.perf_counter() - clock
-        clock = time.perf_counter()
+        return hidden
+
+    def score_and_compress(
+        self, cache: KVCache, capture: SignalCapture, hidden: Tensor, start: int, end: int, entropy: Tensor | None = None
+    ) -> None:
+        """Records the chunk's signals and compresses when over budget (always after the last chunk).
+
+        `entropy` (end - start,) may be given when it was already computed with this config's top-k.
+        """
+        clock, compression_before = time.perf_counter(), self.timings["compression"]
         if self.entropy is not None:
-            self.entropy[start:end] = predictive_entropy(hidden, self.runner.lm_head.weight, self.config.entropy_top_k)
+            if entropy is None:
+                entropy = predictive_entropy(hidden, self.runner.lm_head.weight, self.config.entropy_top_k)
+            self.entropy[start:end] = entropy
         for layer, change in capture.layer_change.items():
             self.evolution[layer, start:end] = change
         self._accumulate(capture, cache)
         final = end == self.n
         if final or max(cache.lengths) > self.budget:
             self._compress(cache, capture, end, final)
-        self.timings["scoring"] += time.perf_counter() - clock
+        compression = self.timings["compression"] - compression_before
+        self.timings["scoring"] += time.perf_counter() - clock - compression
 
     def _accumulate(self, capture: SignalCapture, cache: KVCache) -> None:
         for layer, chunk_sums in capture.accumulated_attention.items():
@@ -348,8 +375,8 @@ class _Ingestion:
                 tokens_read=tokens_read,
                 positions=layer.live("positions"),
                 keys=layer.live("keys"),
-                window_attention=capture.window_attention[index],
-                last_query_attention=capture.last_query_attention[index],
+                window_attention=capture.window_attention.get(index),
+                last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],
                 entropy=self.entropy[:tokens_read] if self.entropy is not None else None,
                 evolution=self.evolution[index, :tokens_read],
@@ -378,6 +405,49 @@ class _Ingestion:
         self.timings["compression"] += time.perf_counter() - clock
 
 
+@torch.inference_mode()
+def compress_variants(
+    engine: InfoKVEngine, document: Document, configs: Sequence[CompressionConfig]
+) -> list[CompressedDocument]:
+    """Compresses one document several ways from a single prefill (for benchmarks and ablations).
+
+    Exact only when the document fits one prefill chunk of every config (then chunking never
+    interleaves with compression) and all configs share the observation window.
+    """
+    ids = torch.tensor(engine.prompt.document_ids(document.text), device=engine.runner.device)
+    if any(len(ids) > c.chunk_size for c in configs) or len({c.window for c in configs}) > 1:
+        raise ConfigError("compress_variants needs a document within one chunk and a common window")
+    reference = _Ingestion(engine, CompressionConfig(method="full", window=configs[0].window), ids)
+    full = engine.runner.new_cache()
+    scorers = [scorer_for(c) for c in configs]
+    capture = SignalCapture(
+        configs[0].window,
+        any(s.needs_window_attention for s in scorers),
+        any(s.needs_accumulated_attention for s in scorers),
+    )
+    with engine.lock:
+        hidden = reference.forward_chunk(full, capture, 0, len(ids))
+    full_cache = full.freeze(len(ids))
+    entropies: dict[int, Tensor] = {}
+    results = []
+    for config in configs:
+        ingestion = _Ingestion(engine, config, ids)
+        ingestion.timings["prefill"] = reference.timings["prefill"]
+        entropy = None
+        if ingestion.entropy is not None:
+            if config.entropy_top_k not in entropies:
+                entropies[config.entropy_top_k] = predictive_entropy(
+                    hidden, engine.runner.lm_head.weight, config.entropy_top_k
+                )
+            entropy = entropies[config.entropy_top_k]
+        cache = full_cache.working_copy(0)
+        ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), entropy)
+        frozen, stats, entropy_reference = ingestion.finish(cache)
+        stats.pages = len(document.pages)
+        results.append(CompressedDocument(engine, frozen, config, document, stats, entropy_reference))
+    return results
+
+
 @dataclass
 class CompressedDocument:
     """A document read once into a compressed cache; answers any number of questions against it."""
@@ -398,9 +468,22 @@ class CompressedDocument:
         rank = torch.searchsorted(self.entropy_reference, value.to(self.entropy_reference.device))
         return (rank.float() / len(self.entropy_reference)).reshape(()).to(logits.device)
 
-    def generate(
-        self, turns: Sequence[Turn], options: GenerationOptions | None = None
-    ) -> Generation:
+    @torch.inference_mode()
+    def teacher_forced_logits(self, turns: Sequence[Turn], continuation: Sequence[int]) -> Tensor:
+        """Next-token logits (len(continuation) + 1, vocab) after the conversation, fed `continuation`.
+
+        Row i is the distribution of continuation token i (the last row, of the token after it).
+        """
+        runner = self.engine.runner
+        suffix = self.engine.prompt.conversation_ids(turns)
+        ids = torch.tensor([*suffix, *continuation], device=runner.device)
+        n = self.cache.document_tokens
+        with self.engine.lock:
+            session = self.cache.working_copy(len(ids))
+            hidden = runner.forward(ids, torch.arange(n, n + len(ids), device=runner.device), session)
+            return runner.logits(hidden[len(suffix) - 1 :])
+
+    def generate(self, turns: Sequence[Turn], options: GenerationOptions | None = None) -> Generation:
         """Answers a conversation ((role, content) turns after the document); see `ask` for options."""
         return self.engine.generate(self, turns, options or GenerationOptions())
 
@@ -429,3 +512,9 @@ class CompressedDocument:
     def ask(self, question: str, **options: Any) -> str:
         """Answers one question (greedy unless `temperature` > 0); options as for `stream`."""
         return "".join(self.stream(question, **options))
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Writes this cache to `directory` atomically (see `infokv_rag.store`); returns its path."""
+        from .store import save_document
+
+        return save_document(self, directory)

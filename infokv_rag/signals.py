@@ -18,8 +18,9 @@ from .kernels import accumulated_attention, window_attention
 class SignalCapture:
     """Collects per-layer signals during one chunk's forward pass (fed by the model runner)."""
 
-    def __init__(self, window: int, accumulated: bool) -> None:
+    def __init__(self, window: int, attention: bool, accumulated: bool) -> None:
         self.window = window
+        self.attention = attention
         self.accumulated = accumulated
         self.window_attention: dict[int, Tensor] = {}
         self.last_query_attention: dict[int, Tensor] = {}
@@ -28,9 +29,10 @@ class SignalCapture:
 
     def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
         """queries: (heads, q, head_dim) for this chunk; keys: (kv_heads, resident + q, head_dim)."""
-        window = min(self.window, queries.shape[1])
-        self.window_attention[layer] = window_attention(queries[:, -window:], keys, scaling)
-        self.last_query_attention[layer] = window_attention(queries[:, -1:], keys, scaling)
+        if self.attention:
+            window = min(self.window, queries.shape[1])
+            self.window_attention[layer] = window_attention(queries[:, -window:], keys, scaling)
+            self.last_query_attention[layer] = window_attention(queries[:, -1:], keys, scaling)
         if self.accumulated:
             self.accumulated_attention[layer] = accumulated_attention(queries, keys, scaling)
 
@@ -46,7 +48,7 @@ class LayerSignals:
 
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
     head_dim); window_attention, last_query_attention: (heads, length) mean attention of the observation
-    window and of the last document query; accumulated_attention: (kv_heads, length) or None;
+    window and of the last document query (None when the scorer needs no attention); accumulated_attention: (kv_heads, length) or None;
     entropy: (tokens_read,) outgoing predictive entropy per position (entropy of the distribution at t);
     evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers.
     """
@@ -55,8 +57,8 @@ class LayerSignals:
     tokens_read: int
     positions: Tensor
     keys: Tensor
-    window_attention: Tensor
-    last_query_attention: Tensor
+    window_attention: Tensor | None
+    last_query_attention: Tensor | None
     accumulated_attention: Tensor | None
     entropy: Tensor | None
     evolution: Tensor

@@ -12,11 +12,14 @@ old cache or none, never a half-written one. Loading verifies everything before 
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +38,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
+STALE_SECONDS = 3600.0
+"""Leftover staging / retired directories of a save killed this long ago are removed by the next save."""
 
 
 def _sha256(data: bytes) -> str:
@@ -66,7 +71,6 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     from . import __version__
 
     target = Path(directory).expanduser().resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(document.cache.layers):
         for name in ("keys", "values", "positions", "scores"):
@@ -94,25 +98,71 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
         },
     }
     manifest["checksum"] = _manifest_checksum(manifest)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_leftovers(target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    except OSError as exc:
+        raise CacheStoreError(f"cannot write a cache into {target.parent}: {exc}") from exc
     try:
         _write_synced(staging / TENSORS, tensor_bytes)
         _write_synced(staging / TEXT, text_bytes)
         # The manifest goes last: a directory without one is never loadable.
         _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(staging)
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, retired / "cache")
-            os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, target)
+        _install(staging, target)
         _fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CacheStoreError(f"cannot write the cache to {target}: {exc}") from exc
         raise
     return target
+
+
+def _install(staging: Path, target: Path) -> None:
+    """Renames the complete `staging` directory to `target`, retiring a cache already there.
+
+    Between retiring the old cache and renaming the new one, `target` does not exist: a crash there
+    leaves no cache, never a mix of two. Another process may install the same target concurrently;
+    the last rename wins (both caches are complete).
+    """
+    for attempt in range(5):
+        if target.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            try:
+                os.replace(target, retired / "cache")
+            except FileNotFoundError:
+                pass  # another process retired it first
+        else:
+            retired = None
+        try:
+            os.replace(staging, target)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 4:
+                raise
+            # another save installed its cache between our retire and rename: retire that one too
+        finally:
+            if retired is not None:
+                shutil.rmtree(retired, ignore_errors=True)
+
+
+def _sweep_leftovers(target: Path) -> None:
+    """Removes staging and retired directories that killed saves of `target` left behind.
+
+    Only old ones: a young one may belong to a save running in another process right now.
+    """
+    if not target.parent.is_dir():
+        return
+    cutoff = time.time() - STALE_SECONDS
+    for prefix in (f".{target.name}.saving-", f".{target.name}.old-"):
+        for leftover in target.parent.glob(f"{glob.escape(prefix)}*"):
+            try:
+                if leftover.is_dir() and leftover.stat().st_mtime < cutoff:
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except OSError:
+                pass
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -120,18 +170,26 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory).expanduser()
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise CacheStoreError(f"{path} is not a saved document cache (no {MANIFEST}); save one with doc.save()")
+        raise CacheStoreError(
+            f"{path} is not a saved document cache (no {MANIFEST}): check the path, or ingest the document "
+            "and save its cache (doc.save(dir), or `infokv-rag ingest FILE --out DIR`)"
+        )
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CacheStoreError(f"{manifest_path} is damaged ({exc}); delete the cache and ingest again") from exc
-    if not isinstance(manifest, dict) or manifest.get("checksum") != _manifest_checksum(manifest):
-        raise CacheStoreError(f"{manifest_path} fails its checksum (edited or damaged); ingest the document again")
+    if not isinstance(manifest, dict):
+        raise CacheStoreError(f"{manifest_path} is damaged (not a JSON object); delete the cache and ingest again")
+    # The version first: another format may checksum its manifest differently.
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CacheStoreError(
-            f"{path} uses cache format {version!r}; this version of infokv-rag reads format {FORMAT_VERSION}; "
-            "ingest the document again"
+            f"{path} uses cache format {version!r}, but this version of infokv-rag reads format {FORMAT_VERSION}; "
+            "ingest the document again (or load it with the infokv-rag version that saved it)"
+        )
+    if manifest.get("checksum") != _manifest_checksum(manifest):
+        raise CacheStoreError(
+            f"{manifest_path} fails its checksum (edited or damaged); delete {path} and ingest the document again"
         )
     return manifest
 
@@ -140,7 +198,9 @@ def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
     try:
         data = (path / name).read_bytes()
     except FileNotFoundError as exc:
-        raise CacheStoreError(f"{path / name} is missing; ingest the document again") from exc
+        raise CacheStoreError(f"{path / name} is missing; delete {path} and ingest the document again") from exc
+    except OSError as exc:
+        raise CacheStoreError(f"cannot read {path / name} ({exc}); delete {path} and ingest the document again") from exc
     if len(data) != record["bytes"] or _sha256(data) != record["sha256"]:
         raise CacheStoreError(
             f"{path / name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
@@ -150,9 +210,19 @@ def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
 
 def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> CompressedDocument:
     """Loads and verifies a saved cache; refuses one made by another model or damaged in any way."""
+    path = Path(directory).expanduser()
+    try:
+        return _load_verified(engine, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InfoKVError):
+            raise
+        # A manifest that passes its checksum but lacks fields was written by a broken tool.
+        raise CacheStoreError(f"{path} holds an incomplete manifest ({exc!r}); ingest the document again") from exc
+
+
+def _load_verified(engine: InfoKVEngine, path: Path) -> CompressedDocument:
     from .engine import CompressedDocument, DocumentStats
 
-    path = Path(directory).expanduser()
     manifest = read_manifest(path)
     model = manifest["model"]
     if model["fingerprint"] != engine.fingerprint:
@@ -160,7 +230,12 @@ def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> Co
             f"{path} was made by model {model['name']!r} (fingerprint {model['fingerprint'][:12]}), not by the "
             f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
         )
-    tensors = load(_read_verified(path, TENSORS, manifest["files"][TENSORS]))
+    try:
+        tensors = load(_read_verified(path, TENSORS, manifest["files"][TENSORS]))
+    except Exception as exc:  # safetensors raises its own error type on a malformed header
+        if isinstance(exc, InfoKVError):
+            raise
+        raise CacheStoreError(f"{path / TENSORS} cannot be parsed ({exc}); ingest the document again") from exc
     text = _read_verified(path, TEXT, manifest["files"][TEXT]).decode("utf-8")
     runner = engine.runner
     n = int(manifest["tokens"]["document"])
@@ -251,10 +326,20 @@ class CacheStore:
         return compressed, False
 
 
+def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Checks the manifest and the sha256 of every file without a model; returns the manifest."""
+    path = Path(directory).expanduser()
+    manifest = read_manifest(path)
+    for name, record in manifest["files"].items():
+        _read_verified(path, name, record)
+    return manifest
+
+
 def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """A summary of a saved cache for `infokv-rag info` (manifest verified, tensors not loaded)."""
-    manifest = read_manifest(directory)
+    """A summary of a saved cache for `infokv-rag info`: manifest and file checksums verified."""
+    manifest = verify_files(directory)
     return {
+        "path": str(Path(directory).expanduser().resolve()),
         "model": manifest["model"],
         "config": manifest["config"],
         "document": {**manifest["document"], "pages": len(manifest["document"]["pages"])},

@@ -18,6 +18,7 @@ class Scorer:
     surgery are handled once, in `selection` and the engine.
     """
 
+    needs_window_attention: ClassVar[bool] = True
     needs_entropy: ClassVar[bool] = False
     needs_accumulated_attention: ClassVar[bool] = False
 

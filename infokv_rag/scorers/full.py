@@ -12,5 +12,7 @@ from .base import Scorer, recency
 class FullScorer(Scorer):
     """No compression at ingestion (the budget is the whole document); recency orders decode-time eviction."""
 
+    needs_window_attention = False
+
     def score(self, signals: LayerSignals) -> Tensor:
         return recency(signals)

@@ -12,6 +12,7 @@ from .base import Scorer
 class H2OScorer(Scorer):
     """H2O: attention accumulated over every document query (heavy hitters) plus the recent window."""
 
+    needs_window_attention = False
     needs_accumulated_attention = True
 
     def score(self, signals: LayerSignals) -> Tensor:

@@ -33,9 +33,11 @@ class InfoKVScorer(Scorer):
 
     def __post_init__(self) -> None:
         self.needs_entropy = self.tau > 0 and self.lam < 1
+        self.needs_window_attention = self.lam > 0
         self.needs_accumulated_attention = self.accumulated
 
     def attention_term(self, signals: LayerSignals) -> Tensor:
+        assert signals.window_attention is not None
         pooled = pool(signals.window_attention, self.pooling_kernel)
         attention = normalize(reduce_groups(pooled, signals.kv_heads, self.head_reduction), self.normalization)
         if self.accumulated:

@@ -12,5 +12,7 @@ from .base import Scorer
 class KnormScorer(Scorer):
     """Knorm: keys with a low L2 norm draw more attention, so they are kept."""
 
+    needs_window_attention = False
+
     def score(self, signals: LayerSignals) -> Tensor:
         return -signals.keys.float().norm(dim=-1)

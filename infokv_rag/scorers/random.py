@@ -12,5 +12,7 @@ from .base import Scorer, seeded_uniform
 class RandomScorer(Scorer):
     """Uniformly random scores (seeded): the floor every method must beat."""
 
+    needs_window_attention = False
+
     def score(self, signals: LayerSignals) -> Tensor:
         return seeded_uniform(signals)

@@ -15,4 +15,5 @@ class SnapKVScorer(Scorer):
     pooling_kernel: int = 5
 
     def score(self, signals: LayerSignals) -> Tensor:
+        assert signals.window_attention is not None
         return reduce_groups(pool(signals.window_attention, self.pooling_kernel), signals.kv_heads, "mean")

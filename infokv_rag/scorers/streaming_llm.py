@@ -12,5 +12,7 @@ from .base import Scorer, recency
 class StreamingLLMScorer(Scorer):
     """StreamingLLM: attention sinks (protected) plus the most recent tokens."""
 
+    needs_window_attention = False
+
     def score(self, signals: LayerSignals) -> Tensor:
         return recency(signals)

@@ -13,4 +13,5 @@ class TOVAScorer(Scorer):
     """TOVA: the attention of the last document query, averaged over each KV group."""
 
     def score(self, signals: LayerSignals) -> Tensor:
+        assert signals.last_query_attention is not None
         return reduce_groups(signals.last_query_attention, signals.kv_heads, "mean")

@@ -1,0 +1,169 @@
+"""From a request to an answer job: readiness, limits, options, and reading the job's events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from ..errors import CacheStoreError, ConfigError, InfoKVError
+from ..generation import GenerationOptions
+from .dependencies import Service
+from .errors import ServiceError, error_body, from_core
+from .registry import DocumentRecord
+from .uploads import compression_config
+from .worker import Event, GenerationJob, IngestJob, QueueFull
+
+if TYPE_CHECKING:
+    from ..engine import CompressedDocument
+    from ..prompt import Turn
+
+log = logging.getLogger(__name__)
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HEARTBEAT_SECONDS = 10.0
+
+
+async def ready_document(service: Service, record: DocumentRecord) -> CompressedDocument:
+    """The document's compressed cache (from memory or disk), or a 409 that says why not."""
+    if record.status in ("queued", "processing"):
+        done, total = record.progress_done, record.progress_total
+        progress = f", {done} of {total} tokens read" if record.status == "processing" and total else ""
+        raise ServiceError(
+            409, "document_not_ready",
+            f"the document is still being read (status {record.status}{progress}); poll GET /v1/documents/{record.id}",
+        )
+    if record.status == "failed":
+        raise ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
+    assert service.engine is not None
+    try:
+        return await run_in_threadpool(service.registry.load, service.engine, record)
+    except CacheStoreError as exc:
+        log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
+        _rebuild(service, record)
+        raise ServiceError(
+            409, "cache_rebuilding",
+            "the document's saved cache could not be used (damaged, or made by another model); it is being "
+            f"read again: poll GET /v1/documents/{record.id}",
+        ) from exc
+
+
+def _rebuild(service: Service, record: DocumentRecord) -> None:
+    assert service.worker is not None
+    service.registry.forget_loaded(record.id)
+    if not service.registry.update(record, status="queued", reason=None, reason_code=None):
+        return
+    config = compression_config(service.settings, record.method, record.keep)
+    service.worker.submit_ingestion(IngestJob(record, config), force=True)
+
+
+def check_question(service: Service, text: str, limit: int | None = None) -> None:
+    limit = limit or service.settings.max_question_chars
+    if len(text) > limit:
+        raise ServiceError(
+            413, "question_too_long", f"the question is {len(text)} characters; this server accepts at most {limit}",
+        )
+
+
+def generation_options(
+    service: Service,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    stop: str | Sequence[str] | None,
+    seed: int | None,
+) -> GenerationOptions:
+    settings = service.settings
+    max_tokens = max_tokens or settings.default_max_tokens
+    if max_tokens > settings.max_new_tokens:
+        raise ServiceError(
+            422, "max_tokens_too_large", f"max_tokens is {max_tokens}; this server generates at most "
+            f"{settings.max_new_tokens} tokens per answer",
+        )
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ServiceError(422, "invalid_stop", f"give at most {MAX_STOPS} stop strings of at most "
+                           f"{MAX_STOP_CHARS} characters")
+    try:
+        return GenerationOptions.build(
+            max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
+        )
+    except ConfigError as exc:
+        raise ServiceError(422, "invalid_option", str(exc)) from exc
+
+
+async def start_answer(
+    service: Service, document: CompressedDocument, turns: list[Turn], options: GenerationOptions
+) -> GenerationJob:
+    """Tokenises and checks the conversation, then queues it with the model worker."""
+    assert service.worker is not None
+    try:
+        generation = await run_in_threadpool(document.generate, turns, options)
+    except ConfigError as exc:
+        raise ServiceError(400, "invalid_conversation", str(exc)) from exc
+    except InfoKVError as exc:
+        raise from_core(exc) from exc
+    try:
+        return service.worker.submit_generation(generation, asyncio.get_running_loop())
+    except QueueFull as exc:
+        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
+                           headers={"Retry-After": "2"}) from exc
+
+
+def event_error(event: Event) -> ServiceError:
+    if event.kind == "cancelled":
+        return ServiceError(503, "cancelled", "the answer was cancelled because the server is shutting down")
+    exc = event.error
+    if isinstance(exc, InfoKVError):
+        error = from_core(exc)
+        if error.status < 500:
+            return error
+    return ServiceError(500, "internal_error", "internal server error while generating the answer")
+
+
+async def collect(job: GenerationJob, request: Request) -> str:
+    """The whole answer; cancels it when the client disconnects while waiting."""
+    pieces: list[str] = []
+    checked = time.monotonic()
+    async for event in job.stream(heartbeat=0.5):
+        if time.monotonic() - checked >= 0.5 or event.kind == "heartbeat":
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                job.cancel()
+                raise ServiceError(499, "client_closed", "the client closed the connection")
+        if event.kind == "piece":
+            pieces.append(event.text)
+        elif event.kind == "done":
+            return "".join(pieces)
+        elif event.kind in ("error", "cancelled"):
+            raise event_error(event)
+    raise ServiceError(500, "internal_error", "the answer ended unexpectedly")
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return head + "".join(f"data: {line}\n" for line in body.split("\n")) + "\n"
+
+
+async def sse_events(job: GenerationJob) -> AsyncIterator[tuple[str, Any]]:
+    """('piece', text), then ('done', None) or ('error', error body); heartbeats as ('heartbeat', None).
+
+    When the client disconnects, the response stops iterating and the job is cancelled.
+    """
+    async for event in job.stream(heartbeat=HEARTBEAT_SECONDS):
+        if event.kind in ("piece", "heartbeat"):
+            yield event.kind, event.text
+        elif event.kind == "done":
+            yield "done", None
+        else:
+            error = event_error(event)
+            yield "error", error_body(error.status, error.code, error.message)

@@ -1,0 +1,124 @@
+"""Errors as clients see them: one JSON shape, a status code per cause, never a stack trace.
+
+Every error body is OpenAI-shaped, so OpenAI clients show the message:
+    {"error": {"message": "...", "type": "invalid_request_error", "code": "encrypted_pdf"}}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import errors as core
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "overloaded_error",
+}
+
+
+class ServiceError(Exception):
+    """An error with the status code, code and message the client receives."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.code, self.message)
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "code": code}}
+
+
+# The typed core errors, mapped to status and code (most specific first).
+_CORE: list[tuple[type[BaseException], int, str]] = [
+    (core.UnsupportedFormatError, 415, "unsupported_format"),
+    (core.EncryptedPDFError, 422, "encrypted_pdf"),
+    (core.NoExtractableTextError, 422, "no_text"),
+    (core.EmptyDocumentError, 422, "empty_document"),
+    (core.CorruptPDFError, 422, "corrupt_pdf"),
+    (core.DocumentError, 422, "unreadable_document"),
+    (core.ContextLengthError, 400, "context_length_exceeded"),
+    (core.ConfigError, 422, "invalid_option"),
+    (core.CacheStoreError, 500, "cache_error"),
+]
+
+
+def error_code(exc: BaseException) -> str:
+    for kind, _, code in _CORE:
+        if isinstance(exc, kind):
+            return code
+    return "internal_error"
+
+
+def from_core(exc: BaseException, message: str | None = None) -> ServiceError:
+    for kind, status, code in _CORE:
+        if isinstance(exc, kind):
+            return ServiceError(status, code, message or str(exc))
+    return ServiceError(500, "internal_error", "internal server error")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        location = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path"))
+        parts.append(f"{location}: {error.get('msg', 'invalid')}" if location else str(error.get("msg", "invalid")))
+    return "invalid request: " + "; ".join(parts) if parts else "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(core.InfoKVError)
+    async def _core(_: Request, exc: core.InfoKVError) -> JSONResponse:
+        error = from_core(exc)
+        if error.status >= 500:
+            log.error("unexpected core error: %s", exc, exc_info=exc)
+            error = ServiceError(500, "internal_error", "internal server error")
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # The message names the fields and what is wrong with them; it never echoes the input back.
+        return JSONResponse(error_body(422, "invalid_request", _validation_message(exc)), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "bad_request"}
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404 and message == "Not Found":
+            message = "no such endpoint; see /docs for the API"
+        return JSONResponse(
+            error_body(exc.status_code, codes.get(exc.status_code, "http_error"), message),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc)
+        return JSONResponse(error_body(500, "internal_error", "internal server error"), status_code=500)

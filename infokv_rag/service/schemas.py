@@ -1,0 +1,240 @@
+"""Request and response bodies (they make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Errors ------------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong and what to do about it.")
+    type: str = Field(description="Error class, OpenAI-style (invalid_request_error, authentication_error, ...).")
+    code: str = Field(description="Machine-readable cause, e.g. encrypted_pdf, no_text, document_not_found.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        400: "Invalid request (e.g. the question does not fit the model's context window)",
+        401: "Missing or invalid API key",
+        404: "No such document",
+        409: "The document is not ready (still being read, or failed)",
+        413: "Upload, page count, document or question too large",
+        415: "Not a PDF or text file",
+        422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
+        503: "Busy: too many queued requests; retry later",
+    }
+    return {code: {"model": ErrorResponse, "description": descriptions[code]} for code in codes}
+
+
+# Documents ---------------------------------------------------------------------------------------
+
+DocumentStatus = Literal["queued", "processing", "ready", "failed"]
+
+
+class Progress(BaseModel):
+    tokens_done: int
+    tokens_total: int
+    fraction: float
+
+
+class DocumentInfo(BaseModel):
+    id: str
+    object: Literal["document"] = "document"
+    filename: str
+    status: DocumentStatus
+    progress: Progress | None = Field(None, description="Prefill progress while processing (and once ready).")
+    reason: str | None = Field(None, description="Why reading the document failed (status failed).")
+    reason_code: str | None = None
+    created_at: int
+    updated_at: int
+    method: str
+    keep: float | int
+    size_bytes: int
+    pages: int = Field(description="Pages with text.")
+    skipped_pages: list[int] = Field(description="PDF pages whose text could not be extracted.")
+    tokens: int = Field(description="Document tokens (the uncompressed prefix).")
+    kept_tokens: int | None = Field(None, description="Tokens kept over all layers, per KV head.")
+    cache_bytes: int | None = Field(None, description="Bytes of the compressed cache's keys and values.")
+    full_cache_bytes: int | None = None
+    compression_ratio: float | None = None
+    prefill_seconds: float | None = None
+    cache_origin: Literal["prefill", "disk"] | None = Field(
+        None, description="Where the cache in memory came from: read in this process, or loaded from disk "
+        "(after a restart: no prefill). None while not in memory."
+    )
+
+
+class DocumentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[DocumentInfo]
+
+
+class DocumentDeleted(BaseModel):
+    id: str
+    object: Literal["document.deleted"] = "document.deleted"
+    deleted: bool = True
+
+
+class UploadForm(BaseModel):
+    """The multipart/form-data body of an upload (documented here; parsed by hand after the API-key check)."""
+
+    file: bytes = Field(description="The document: a PDF, or UTF-8/Latin-1 text or markdown.",
+                        json_schema_extra={"format": "binary"})
+    method: str | None = Field(None, description="Compression method (infokv, full, streaming_llm, snapkv, h2o, "
+                               "tova, knorm, random). Default: the server's.")
+    keep: str | None = Field(None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512.")
+    password: str | None = Field(None, description="Password of an encrypted PDF.")
+
+
+# Asking ------------------------------------------------------------------------------------------
+
+
+class AskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(min_length=1, description="The question (length limited by the server).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (limited by the server).")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy (deterministic).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
+    seed: int | None = Field(None, description="Seed for sampling (temperature > 0).")
+    stream: bool = Field(False, description="Stream the answer as Server-Sent Events: `token` events "
+                         "({\"text\": ...}), then one `done` event (the full answer, as without streaming), "
+                         "or an `error` event.")
+
+
+class AskUsage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens of the question (the document is not read again).")
+    cached_tokens: int = Field(description="Document tokens served from the compressed cache.")
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(BaseModel):
+    queued_seconds: float | None = Field(None, description="Wait for the model worker.")
+    time_to_first_token: float | None = Field(None, description="From the request reaching the worker queue.")
+    total_seconds: float
+    tokens_per_second: float | None = Field(None, description="Decoding speed after the first token.")
+
+
+class AskResponse(BaseModel):
+    id: str
+    object: Literal["answer"] = "answer"
+    document_id: str
+    answer: str
+    finish_reason: str | None
+    usage: AskUsage
+    timings: Timings
+
+
+# OpenAI-compatible -------------------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request plus `document_id` (send it with `extra_body`).
+
+    The conversation is about the document: it is placed before the first message, from the
+    compressed cache. `temperature` defaults to 0 (greedy) here. Unknown OpenAI fields are ignored.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    document_id: str = Field(description="The document the conversation is about (extension field).")
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatCompletionMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int = Field(description="Document plus conversation tokens.")
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    timings: Timings | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "infokv-rag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# Health ------------------------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    uptime_seconds: float
+    documents: dict[str, int] = Field(description="Documents by status.")
+    queue: dict[str, int] = Field(description="Active and queued answers, queued uploads.")
+    counters: dict[str, int] = Field(
+        description="Since start: prefills (documents read), cache_loads (caches loaded from disk), "
+        "generations submitted/completed/cancelled/failed, generated tokens."
+    )

@@ -1,0 +1,146 @@
+"""Service settings: defaults, environment variables, and the refusal to start unprotected."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+ENV_PREFIX = "INFOKV_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def default_data_dir() -> Path:
+    from ..models import cache_root
+
+    return cache_root() / "service"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service can be configured with; `from_env` reads `INFOKV_<FIELD>` variables.
+
+    Authentication: requests to /v1 need one of `api_keys` (Bearer token or X-API-Key header). With no
+    keys the service refuses to start unless `allow_anonymous` is set explicitly.
+    """
+
+    model: str = "default"
+    data_dir: Path = field(default_factory=default_data_dir)
+    device: str | None = None
+    api_keys: tuple[str, ...] = ()
+    allow_anonymous: bool = False
+    # Limits
+    max_upload_bytes: int = 32 * 1024 * 1024
+    max_pages: int = 1000
+    max_question_chars: int = 4000
+    max_new_tokens: int = 1024
+    """The largest max_tokens a request may ask for."""
+    default_max_tokens: int = 256
+    max_request_bytes: int = 1024 * 1024
+    """Body limit of every request but uploads (JSON questions and chats)."""
+    # Scheduling
+    max_active_generations: int = 8
+    """Answers decoded in round-robin at once; later ones wait in FIFO order."""
+    max_queued_generations: int = 64
+    max_queued_uploads: int = 16
+    ingest_chunk_size: int = 256
+    """Prefill chunk of uploads: an answer waits at most about one chunk's forward pass at a time."""
+    loaded_documents: int = 8
+    """Compressed caches kept in memory (least recently used are dropped; they reload from disk)."""
+    # Defaults of uploads
+    default_method: str = "infokv"
+    default_keep: float | int = 0.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        keys = tuple(k.strip() for k in self.api_keys if k and k.strip())
+        object.__setattr__(self, "api_keys", keys)
+        for key in keys:
+            if len(key) < 8:
+                raise ConfigError("API keys must be at least 8 characters long; generate one with "
+                                  "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        positive = ("max_upload_bytes", "max_pages", "max_question_chars", "max_new_tokens", "default_max_tokens",
+                    "max_request_bytes", "max_active_generations", "max_queued_generations",
+                    "max_queued_uploads", "ingest_chunk_size", "loaded_documents")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ConfigError("default_max_tokens must not exceed max_new_tokens")
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.api_keys)
+
+    def check_startable(self) -> None:
+        """Refuses an unprotected service unless anonymous access was asked for explicitly."""
+        if not self.api_keys and not self.allow_anonymous:
+            raise ConfigError(
+                "refusing to start without API keys: set INFOKV_API_KEYS=key1,key2 (clients send "
+                "'Authorization: Bearer <key>' or 'X-API-Key: <key>'), or set INFOKV_ALLOW_ANONYMOUS=1 "
+                "to run an open service on a trusted network"
+            )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then `INFOKV_*` environment variables, then `overrides` that are not None."""
+        environ = dict(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+
+_INT_FIELDS = {
+    "max_upload_bytes", "max_pages", "max_question_chars", "max_new_tokens", "default_max_tokens",
+    "max_request_bytes", "max_active_generations", "max_queued_generations", "max_queued_uploads",
+    "ingest_chunk_size", "loaded_documents",
+}
+
+
+def _parse(name: str, raw: str) -> Any:
+    variable = ENV_PREFIX + name.upper()
+    if name == "api_keys":
+        return tuple(k for k in raw.split(",") if k.strip())
+    if name == "allow_anonymous":
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ConfigError(f"{variable} must be 1/true/yes or 0/false/no, got {raw!r}")
+    if name in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{variable} must be an integer, got {raw!r}") from None
+    if name == "default_keep":
+        return parse_keep(raw)
+    return raw or None if name == "device" else raw
+
+
+def parse_keep(raw: str | float | int) -> float | int:
+    """`0.25` is a ratio, `512` a token count (as on the command line)."""
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"keep must be a ratio like 0.25 or a token count like 512, not {text!r}") from None

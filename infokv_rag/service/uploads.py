@@ -1,0 +1,168 @@
+"""Receiving an upload: bounded reading, checks before any model work, client-safe error messages."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from ..config import CompressionConfig
+from ..errors import ConfigError, DocumentError, EncryptedPDFError
+from .errors import ServiceError, from_core
+from .settings import Settings, parse_keep
+
+if TYPE_CHECKING:
+    from ..documents import Document
+    from ..engine import InfoKVEngine
+    from .registry import Registry
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
+_FIELDS = ("method", "keep", "password")
+
+
+def display_name(raw: str | None) -> str:
+    """The client's file name reduced to one safe path component (only ever shown, never trusted)."""
+    name = (raw or "").replace("\\", "/").rsplit("/", 1)[-1]
+    name = _UNSAFE.sub("_", name).strip(" ._")[:120]
+    return name or "upload"
+
+
+@dataclass
+class StagedUpload:
+    directory: Path
+    path: Path
+    name: str
+    size: int
+    method: str | None
+    keep: str | None
+    password: str | None
+
+    def discard(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _copy_limited(source: IO[bytes], target: Path, limit: int) -> int:
+    size = 0
+    with open(target, "wb") as out:
+        while block := source.read(1 << 20):
+            size += len(block)
+            if size > limit:
+                raise ServiceError(
+                    413, "file_too_large", f"the upload is larger than the server's limit of {_mib(limit)}",
+                )
+            out.write(block)
+    return size
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
+
+
+async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
+    """Reads the multipart body (one file, a few small fields) into a private staging directory."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise ServiceError(
+            415, "multipart_required",
+            "send the document as multipart/form-data with the file in the 'file' field "
+            "(e.g. curl -F file=@contract.pdf ...)",
+        )
+    form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=4096)
+    try:
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise ServiceError(422, "missing_file", "no file: send the document in the multipart field 'file'")
+        fields: dict[str, str | None] = {}
+        for name in _FIELDS:
+            value = form.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ServiceError(422, "invalid_field", f"the field '{name}' must be text, not a file")
+            fields[name] = value.strip() if isinstance(value, str) and name != "password" else value
+        name = display_name(upload.filename)
+        directory = registry.staging_dir()
+        path = directory / name
+        try:
+            size = await run_in_threadpool(_copy_limited, upload.file, path, settings.max_upload_bytes)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+    finally:
+        await form.close()
+    return StagedUpload(directory, path, name, size, fields["method"] or None, fields["keep"] or None,
+                        fields["password"] or None)
+
+
+def compression_config(settings: Settings, method: str | None, keep: str | float | int | None) -> CompressionConfig:
+    try:
+        return CompressionConfig(
+            method=method or settings.default_method,
+            keep=parse_keep(keep) if keep is not None else settings.default_keep,
+            chunk_size=settings.ingest_chunk_size,
+        )
+    except ConfigError as exc:
+        raise ServiceError(422, "invalid_option", str(exc)) from exc
+
+
+def _pdf_page_count(path: Path) -> int | None:
+    """Pages of an unencrypted PDF, counted before any text is extracted (None when unknown)."""
+    try:
+        from pypdf import PdfReader
+
+        with open(path, "rb") as handle:
+            if b"%PDF-" not in handle.read(1024):
+                return None
+            handle.seek(0)
+            reader = PdfReader(handle, strict=False)
+            if reader.is_encrypted:
+                return None
+            return len(reader.pages)
+    except Exception:  # noqa: BLE001 - load_document reports damage properly
+        return None
+
+
+def _too_many_pages(pages: int, settings: Settings) -> ServiceError:
+    return ServiceError(
+        413, "too_many_pages", f"the document has {pages} pages; this server reads at most {settings.max_pages}",
+    )
+
+
+def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine) -> tuple[Document, int]:
+    """The upload's text and token count, or a ServiceError that says exactly what is wrong with it."""
+    from ..documents import load_document
+
+    pages = _pdf_page_count(staged.path)
+    if pages is not None and pages > settings.max_pages:
+        raise _too_many_pages(pages, settings)
+    try:
+        document = load_document(staged.path, password=staged.password)
+    except DocumentError as exc:
+        raise from_core(exc, _client_message(exc, staged)) from exc
+    total_pages = len(document.pages) + len(document.skipped_pages)
+    if total_pages > settings.max_pages:
+        raise _too_many_pages(total_pages, settings)
+    document = replace(document, source=staged.name)
+    tokens = len(engine.prompt.document_ids(document.text))
+    if tokens + 64 > engine.context_window:
+        raise ServiceError(
+            413, "document_too_long",
+            f"{staged.name} is {tokens} tokens, more than the model's context window of {engine.context_window} "
+            "tokens (questions need room too); split the document",
+        )
+    return document, tokens
+
+
+def _client_message(exc: DocumentError, staged: StagedUpload) -> str:
+    """The core's message without server paths, and with advice that fits an HTTP client."""
+    message = str(exc).replace(str(staged.directory) + "/", "").replace(str(staged.directory), "")
+    if isinstance(exc, EncryptedPDFError):
+        if staged.password is None and "needs a password" in message:
+            return f"{staged.name} is encrypted: send its password in the form field 'password', or upload a decrypted copy"
+        if "Wrong password" in message:
+            return f"wrong password for {staged.name}: check the form field 'password', or upload a decrypted copy"
+    return message

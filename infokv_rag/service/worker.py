@@ -1,0 +1,326 @@
+"""The one model worker: owns the engine, reads uploads in the background, decodes answers fairly.
+
+Two threads do all model work, and nothing else touches the model:
+- the decoding thread takes answers in FIFO order (at most `max_active_generations` at a time) and
+  advances them round-robin, one text piece (usually one decoding step) each per turn;
+- the ingestion thread reads one upload at a time in small prefill chunks, with progress.
+Their forward passes alternate through a `FairLock` installed as `engine.lock`, so while an upload is
+prefilled an answer waits at most about one prefill chunk between its steps, and vice versa.
+
+Results reach the HTTP handlers through an asyncio queue per answer; a handler whose client went away
+cancels its answer, and the decoding thread drops it at its next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..config import CompressionConfig
+from ..errors import InfoKVError
+from .registry import DocumentRecord, Registry
+from .scheduling import FairLock
+
+if TYPE_CHECKING:
+    from ..documents import Document
+    from ..engine import Generation, InfoKVEngine
+    from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The worker's queue is full: the client should retry later (HTTP 503)."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Event:
+    kind: str  # piece | done | error | cancelled
+    text: str = ""
+    error: BaseException | None = None
+
+
+@dataclass
+class GenerationJob:
+    """One answer being generated for an HTTP request."""
+
+    generation: Generation
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_piece: float | None = None
+    finished: float | None = None
+    outcome: str | None = None
+    _iterator: Iterator[str] | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    def timings(self) -> dict[str, float | None]:
+        end = self.finished or time.perf_counter()
+        completion = self.generation.usage.completion_tokens
+        decode = end - self.first_piece if self.first_piece is not None else None
+        return {
+            "queued_seconds": _round(self.started - self.submitted) if self.started else None,
+            "time_to_first_token": _round(self.first_piece - self.submitted) if self.first_piece else None,
+            "total_seconds": _round(end - self.submitted),
+            "tokens_per_second": _round((completion - 1) / decode) if decode and completion > 1 else None,
+        }
+
+    async def stream(self, heartbeat: float | None = None) -> AsyncIterator[Event]:
+        """Events until the answer ends; `Event('heartbeat')` every `heartbeat` seconds of silence.
+
+        Leaving the iteration early (the client disconnected) cancels the answer.
+        """
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.events.get(), heartbeat) if heartbeat else await self.events.get()
+                except asyncio.TimeoutError:
+                    yield Event("heartbeat")
+                    continue
+                yield event
+                if event.kind != "piece":
+                    return
+        finally:
+            if not self.done:
+                self.cancel()
+
+
+def _round(value: float) -> float:
+    return round(value, 4)
+
+
+@dataclass
+class IngestJob:
+    record: DocumentRecord
+    config: CompressionConfig
+    document: Document | None = None
+    """The parsed upload; None after a restart (then read again from the saved text)."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class ModelWorker:
+    """Owns the engine; see the module docstring."""
+
+    def __init__(self, engine: InfoKVEngine, registry: Registry, settings: Settings) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.settings = settings
+        self.lock = FairLock()
+        self._cond = threading.Condition()
+        self._pending: deque[GenerationJob] = deque()
+        self._active: deque[GenerationJob] = deque()
+        self._uploads: queue.Queue[IngestJob | None] = queue.Queue()
+        self._ingest_jobs: dict[str, IngestJob] = {}
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.counters: dict[str, int] = {
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "generations_submitted": 0,
+            "generations_completed": 0,
+            "generations_cancelled": 0,
+            "generations_failed": 0,
+            "generated_tokens": 0,
+        }
+
+    # Lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine.lock = self.lock  # every forward pass of the engine now takes turns fairly
+        for name, target in (("infokv-decode", self._decode_loop), ("infokv-ingest", self._ingest_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancels running work (an interrupted upload is read again after a restart) and joins the threads."""
+        with self._cond:
+            self._stopping = True
+            for job in (*self._pending, *self._active):
+                job.cancel()
+            self._cond.notify_all()
+        for job in list(self._ingest_jobs.values()):
+            job.cancelled.set()
+        self._uploads.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    # Status --------------------------------------------------------------------------------------
+
+    def queue_state(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "active_generations": len(self._active),
+                "queued_generations": len(self._pending),
+                "queued_uploads": self._uploads.qsize(),
+            }
+
+    # Answers -------------------------------------------------------------------------------------
+
+    def submit_generation(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> GenerationJob:
+        job = GenerationJob(generation, loop)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._pending) >= self.settings.max_queued_generations:
+                raise QueueFull(f"{len(self._pending)} questions are waiting already")
+            self._pending.append(job)
+            self.counters["generations_submitted"] += 1
+            self._cond.notify()
+        return job
+
+    def _decode_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._active:
+                    self._cond.wait()
+                if self._stopping and not self._active and not self._pending:
+                    return
+                while self._pending and len(self._active) < self.settings.max_active_generations:
+                    self._active.append(self._pending.popleft())
+                job = self._active.popleft()
+            if not self._step(job):
+                with self._cond:
+                    self._active.append(job)
+
+    def _step(self, job: GenerationJob) -> bool:
+        """Advances one answer by one text piece; True when it has ended."""
+        if job.cancelled.is_set():
+            self._close(job)
+            return self._end(job, Event("cancelled"), "cancelled")
+        if job.started is None:
+            job.started = time.perf_counter()
+        try:
+            if job._iterator is None:
+                job._iterator = iter(job.generation)
+            piece = next(job._iterator)
+        except StopIteration:
+            self.counters["generated_tokens"] += job.generation.usage.completion_tokens
+            return self._end(job, Event("done"), "completed")
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a clean error
+            if not isinstance(exc, InfoKVError):
+                log.exception("generation failed")
+            self._close(job)
+            return self._end(job, Event("error", error=exc), "failed")
+        if job.first_piece is None:
+            job.first_piece = time.perf_counter()
+        if not self._emit(job, Event("piece", piece)):
+            self._close(job)
+            return self._end(job, Event("cancelled"), "cancelled")
+        return False
+
+    @staticmethod
+    def _close(job: GenerationJob) -> None:
+        close = getattr(job._iterator, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing a generation failed")
+
+    def _end(self, job: GenerationJob, event: Event, outcome: str) -> bool:
+        job.finished = time.perf_counter()
+        job.outcome = outcome
+        self.counters[f"generations_{outcome}"] += 1
+        self._emit(job, event)
+        return True
+
+    @staticmethod
+    def _emit(job: GenerationJob, event: Event) -> bool:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            job.cancel()
+            return False
+
+    # Uploads -------------------------------------------------------------------------------------
+
+    def submit_ingestion(self, job: IngestJob, *, force: bool = False) -> None:
+        if not force and self._uploads.qsize() >= self.settings.max_queued_uploads:
+            raise QueueFull(f"{self._uploads.qsize()} uploads are waiting to be read already")
+        self._ingest_jobs[job.record.id] = job
+        self._uploads.put(job)
+
+    def cancel_ingestion(self, doc_id: str) -> None:
+        job = self._ingest_jobs.get(doc_id)
+        if job is not None:
+            job.cancelled.set()
+
+    def _ingest_loop(self) -> None:
+        while True:
+            job = self._uploads.get()
+            if job is None or self._stopping:
+                return
+            try:
+                self._ingest(job)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("ingestion of %s failed", job.record.id)
+            finally:
+                self._ingest_jobs.pop(job.record.id, None)
+
+    def _ingest(self, job: IngestJob) -> None:
+        record = job.record
+        if job.cancelled.is_set() or record.deleted:
+            return
+        document = job.document
+        try:
+            if document is None:
+                document = self.registry.read_document(record)
+            total = record.tokens or 0
+            record.progress_done, record.progress_total = 0, total
+            if not self.registry.update(record, status="processing"):
+                return
+
+            def progress(done: int, total: int) -> None:
+                record.progress_done, record.progress_total = done, total
+                if job.cancelled.is_set() or self._stopping:
+                    raise _Cancelled
+
+            compressed = self.engine.ingest_document(document, job.config, progress=progress)
+        except _Cancelled:
+            return  # deleted (its files are gone) or shutting down (read again after the restart)
+        except InfoKVError as exc:
+            self.registry.fail(record, _error_code(exc), str(exc))
+            return
+        except Exception:  # noqa: BLE001
+            log.exception("ingestion of %s failed", record.id)
+            self.registry.fail(record, "internal_error", "an internal error stopped reading this document; "
+                               "upload it again, and tell the operator if it persists")
+            return
+        self.counters["prefills"] += 1
+        self.counters["prefill_tokens"] += compressed.stats.document_tokens
+        try:
+            self.registry.finish(record, compressed)
+        except Exception as exc:  # noqa: BLE001
+            if record.deleted:
+                return
+            log.exception("saving the cache of %s failed", record.id)
+            self.registry.fail(record, "storage_error", f"the cache could not be saved ({type(exc).__name__}); "
+                               "check the server's disk and upload again")
+
+
+def _error_code(exc: BaseException) -> str:
+    from .errors import error_code
+
+    return error_code(exc)
+
