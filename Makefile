@@ -47,3 +47,27 @@ bench-overhead: models
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# --- service block (issue 7): headless Chromium for the page test, and the load benchmark ---------
+# `make test` needs Debian's chromium + chromium-driver for tests/test_service.py's browser test.
+# Idempotent: nothing happens when both are installed. Installs with apt-get as root (or sudo -n);
+# where neither is possible it says so, and that one test skips with the reason.
+.PHONY: browser bench-load
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "note: no apt-get: install chromium and chromium-driver yourself, or the browser test is skipped"; \
+	else \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else \
+	    echo "note: installing chromium needs root: run 'sudo make browser', or the browser test is skipped"; exit 0; fi; \
+	  echo "installing chromium and chromium-driver (apt-get)"; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+test: browser
+
+# 8 clients, 3 documents, 60 s on the tiny model; e.g. `make bench-load LOAD_ARGS="--duration 20"`.
+bench-load: models
+	$(PY) benchmarks/load.py $(LOAD_ARGS)
+# --- end of service block -------------------------------------------------------------------------

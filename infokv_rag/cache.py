@@ -43,6 +43,8 @@ class DocumentCache:
     layers: list[LayerKV]
     document_tokens: int
     """n: the uncompressed length, and the position the first question token takes."""
+    sink_tokens: int = 4
+    """Leading positions that are never evicted (attention sinks, and the prompt head when protected)."""
 
     @property
     def lengths(self) -> list[int]:
@@ -148,5 +150,5 @@ class KVCache:
         """Tokens held over all layers (per KV head)."""
         return sum(self.lengths)
 
-    def freeze(self, document_tokens: int) -> DocumentCache:
-        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens)
+    def freeze(self, document_tokens: int, sink_tokens: int) -> DocumentCache:
+        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens, sink_tokens)

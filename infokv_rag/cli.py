@@ -176,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(piece, end="", flush=True)
         if not args.json:
-            print("\n" if len(args.questions) > 1 else "", end="\n", flush=True)
+            print("\n" if len(args.questions) > 1 else "", flush=True)  # a blank line between answers
         results.append(
             {
                 "question": question,
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    warnings.showwarning = _show_warning
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         return _run(args)
     except (InfoKVError, OSError) as error:
@@ -228,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("infokv-rag: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

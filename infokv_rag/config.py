@@ -17,6 +17,7 @@ Attribution = Literal["incoming", "outgoing"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
 EvolutionMode = Literal["per_layer", "mean"]
+Aggregation = Literal["token", "sentence"]
 
 
 @dataclass(frozen=True)
@@ -30,18 +31,27 @@ class CompressionConfig:
     method: str = "infokv"
     keep: float | int = 0.25
     sink_tokens: int = 4
+    protect_prompt: bool = True
+    """Also keep the chat template's head and the instruction before the document, like sinks."""
     window: int = 32
     chunk_size: int = 2048
     # InfoKV signals
     entropy_top_k: int = 20
+    entropy_vocabulary: int = 0
+    """0: entropy over the whole vocabulary; N: over the N lowest token ids (BPE's most frequent
+    merges) plus every token of the document, a cheaper estimate of the top-k entropy."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
-    tau: float = 0.5
-    lam: float = 0.5
+    # Defaults chosen on the dev split (benchmarks/fact_recall.py, benchmarks/quality.py --ablate).
+    tau: float = 0.75
+    lam: float = 0.25
     normalization: Normalization = "minmax"
     head_reduction: HeadReduction = "mean"
     pooling_kernel: int = 5
     accumulated_attention: bool = False
+    aggregation: Aggregation = "sentence"
+    """"sentence": InfoKV's entropy and evolution terms score each token by its sentence's mean,
+    so the facts a question needs are kept with their sentence."""
     adaptive_budget: bool = False
     seed: int = 0
 
@@ -56,7 +66,7 @@ class CompressionConfig:
             raise ConfigError(f"keep ratio must be in (0, 1], got {self.keep}")
         if isinstance(self.keep, int) and self.keep < 1:
             raise ConfigError(f"keep token count must be positive, got {self.keep}")
-        for name in ("sink_tokens", "window", "entropy_top_k"):
+        for name in ("sink_tokens", "window", "entropy_top_k", "entropy_vocabulary"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.chunk_size < max(1, self.window):
@@ -69,6 +79,7 @@ class CompressionConfig:
             "evolution": ("per_layer", "mean"),
             "normalization": ("minmax", "rank"),
             "head_reduction": ("mean", "max"),
+            "aggregation": ("token", "sentence"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -81,12 +92,16 @@ class CompressionConfig:
         """Tokens never evicted from a full-length document: attention sinks plus observation window."""
         return self.sink_tokens + self.window
 
-    def budget_for(self, document_tokens: int) -> int:
-        """Tokens kept per (layer, KV head) for a document of `document_tokens` tokens."""
+    def budget_for(self, document_tokens: int, sink_tokens: int | None = None) -> int:
+        """Tokens kept per (layer, KV head) for a document of `document_tokens` tokens.
+
+        `sink_tokens` is the effective number of protected leading tokens (at least `self.sink_tokens`).
+        """
         if self.method == "full":
             return document_tokens
         wanted = round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep
-        return min(document_tokens, max(wanted, self.protected_tokens))
+        protected = max(sink_tokens or 0, self.sink_tokens) + self.window
+        return min(document_tokens, max(wanted, protected))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -126,6 +127,15 @@ class InfoKVEngine:
                 ids.update(int(i) for i in source)
         return frozenset(ids)
 
+    @functools.cached_property
+    def sentence_boundaries(self) -> Tensor:
+        """(vocab,) True for tokens that end a sentence or line (their text holds . ; : ! ? or a newline)."""
+        size = max(len(self.tokenizer), self.runner.lm_head.weight.shape[0])
+        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        flags = torch.zeros(size, dtype=torch.bool)
+        flags[: len(texts)] = torch.tensor([any(c in text for c in ".;:!?\n") for text in texts])
+        return flags.to(self.runner.device)
+
     @property
     def context_window(self) -> int:
         return self.runner.max_positions
@@ -190,7 +200,7 @@ class InfoKVEngine:
                 f"{self.context_window}; shorten the question or lower max_new_tokens"
             )
         config = document.config
-        protected = config.sink_tokens + len(suffix) + config.window
+        protected = document.cache.sink_tokens + len(suffix) + config.window
         if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
             raise ConfigError(
                 f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
@@ -222,7 +232,7 @@ class InfoKVEngine:
         for _ in range(options.max_new_tokens):
             with self.lock:
                 if options.max_cache_tokens is not None:
-                    self._evict(session, config, options, position, len(pending), n, question_end)
+                    self._evict(session, document, options, position, len(pending), question_end)
                 positions = torch.arange(position, position + len(pending), device=runner.device)
                 hidden = runner.forward(pending, positions, session, token_scores=pending_scores)
                 logits = runner.logits(hidden[-1])
@@ -250,11 +260,10 @@ class InfoKVEngine:
     @staticmethod
     def _evict(
         session: KVCache,
-        config: CompressionConfig,
+        document: CompressedDocument,
         options: GenerationOptions,
         position: int,
         incoming: int,
-        question_start: int,
         question_end: int,
     ) -> None:
         """Evicts the lowest-scored tokens of each layer so that `incoming` more fit under the cap."""
@@ -268,9 +277,9 @@ class InfoKVEngine:
                 continue
             positions = layer.live("positions")
             protected = (
-                (positions < config.sink_tokens)
-                | ((positions >= question_start) & (positions < question_end))
-                | (positions >= position - config.window)
+                (positions < document.cache.sink_tokens)
+                | ((positions >= document.cache.document_tokens) & (positions < question_end))
+                | (positions >= position - document.config.window)
             )
             layer.retain(select_tokens(layer.live("scores"), protected, target))
 
@@ -285,8 +294,12 @@ class _Ingestion:
         self.ids = ids
         self.n = len(ids)
         self.scorer: Scorer = scorer_for(config)
-        self.budget = config.budget_for(self.n)
+        self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
+        self.budget = config.budget_for(self.n, self.sinks)
         self.entropy = torch.zeros(self.n, device=ids.device) if self.scorer.needs_entropy else None
+        self.entropy_head = self._entropy_head() if self.entropy is not None else None
+        boundaries = engine.sentence_boundaries[ids]
+        self.sentences = torch.cumsum(boundaries.long(), 0) - boundaries.long()
         self.evolution = torch.zeros(self.runner.num_layers, self.n, device=ids.device)
         self.accumulated: list[Tensor | None] = [None] * self.runner.num_layers
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
@@ -306,7 +319,7 @@ class _Ingestion:
         return self.finish(cache)
 
     def finish(self, cache: KVCache) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
-        frozen = cache.freeze(self.n)
+        frozen = cache.freeze(self.n, self.sinks)
         stats = DocumentStats(
             document_tokens=self.n,
             kept_tokens_per_layer=frozen.lengths,
@@ -346,7 +359,7 @@ class _Ingestion:
         clock, compression_before = time.perf_counter(), self.timings["compression"]
         if self.entropy is not None:
             if entropy is None:
-                entropy = predictive_entropy(hidden, self.runner.lm_head.weight, self.config.entropy_top_k)
+                entropy = predictive_entropy(hidden, self.entropy_head, self.config.entropy_top_k)
             self.entropy[start:end] = entropy
         for layer, change in capture.layer_change.items():
             self.evolution[layer, start:end] = change
@@ -356,6 +369,15 @@ class _Ingestion:
             self._compress(cache, capture, end, final)
         compression = self.timings["compression"] - compression_before
         self.timings["scoring"] += time.perf_counter() - clock - compression
+
+    def _entropy_head(self) -> Tensor:
+        """The LM-head rows entropy is computed over: (vocab or subset, hidden)."""
+        weight = self.runner.lm_head.weight
+        size = self.config.entropy_vocabulary
+        if not size or size >= weight.shape[0]:
+            return weight
+        rows = torch.cat([torch.arange(size, device=weight.device), self.ids]).unique()
+        return weight[rows]
 
     def _accumulate(self, capture: SignalCapture, cache: KVCache) -> None:
         for layer, chunk_sums in capture.accumulated_attention.items():
@@ -381,12 +403,13 @@ class _Ingestion:
                 entropy=self.entropy[:tokens_read] if self.entropy is not None else None,
                 evolution=self.evolution[index, :tokens_read],
                 mean_evolution=mean_evolution,
+                sentences=self.sentences[:tokens_read],
                 seed=self.config.seed,
             )
             scores.append(self.scorer.score(signals))
         clock = time.perf_counter()
         if self.config.adaptive_budget and self.config.method != "full":
-            minimum = min(self.config.protected_tokens, self.budget)
+            minimum = min(self.sinks + self.config.window, self.budget)
             normalized = [normalize(s, "minmax") for s in scores]
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)
         else:
@@ -396,7 +419,7 @@ class _Ingestion:
                 layer.live("scores").copy_(normalize(layer_scores, "rank"))
             if layer.length <= budget:
                 continue
-            protected = protected_mask(layer.live("positions"), tokens_read, self.config.sink_tokens, self.config.window)
+            protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
             keep = select_tokens(layer_scores, protected, budget)
             layer.retain(keep)
             accumulated = self.accumulated[index]
@@ -427,19 +450,18 @@ def compress_variants(
     )
     with engine.lock:
         hidden = reference.forward_chunk(full, capture, 0, len(ids))
-    full_cache = full.freeze(len(ids))
-    entropies: dict[int, Tensor] = {}
+    full_cache = full.freeze(len(ids), reference.sinks)
+    entropies: dict[tuple[int, int], Tensor] = {}
     results = []
     for config in configs:
         ingestion = _Ingestion(engine, config, ids)
         ingestion.timings["prefill"] = reference.timings["prefill"]
         entropy = None
         if ingestion.entropy is not None:
-            if config.entropy_top_k not in entropies:
-                entropies[config.entropy_top_k] = predictive_entropy(
-                    hidden, engine.runner.lm_head.weight, config.entropy_top_k
-                )
-            entropy = entropies[config.entropy_top_k]
+            key = (config.entropy_top_k, config.entropy_vocabulary)
+            if key not in entropies:
+                entropies[key] = predictive_entropy(hidden, ingestion.entropy_head, config.entropy_top_k)
+            entropy = entropies[key]
         cache = full_cache.working_copy(0)
         ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), entropy)
         frozen, stats, entropy_reference = ingestion.finish(cache)

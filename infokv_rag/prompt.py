@@ -47,6 +47,11 @@ class PromptFormat:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @property
+    def head_tokens(self) -> int:
+        """Tokens of the template head and instruction that precede every document."""
+        return len(self._encode(f"{self._head}{DOCUMENT_INTRO}"))
+
     def document_ids(self, text: str) -> list[int]:
         """Tokens of the template head, the instruction and the document: the cached prefix."""
         return self._encode(f"{self._head}{DOCUMENT_INTRO}{text.strip()}\n\n")

@@ -22,9 +22,11 @@ def select_tokens(scores: Tensor, protected: Tensor, budget: int) -> Tensor:
     length = scores.shape[1]
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(scores.shape[0], -1)
-    # Protected tokens outrank every score; among them later positions win, so a tight budget keeps the window.
-    ranked = torch.where(protected, 2.0 + torch.arange(length, device=scores.device) / length, scores.float())
-    ranked = torch.where(protected, ranked, torch.nan_to_num(ranked, nan=-1.0).clamp(-1.0, 1.9))
+    # Scores become ranks in [0, 1) (order kept, any scale); protected tokens rank above all of them, and
+    # among themselves later positions win, so a budget tighter than the protected set keeps the window.
+    order = torch.nan_to_num(scores.float(), nan=-torch.inf).argsort(dim=1, stable=True).argsort(dim=1)
+    index = torch.arange(length, device=scores.device)
+    ranked = torch.where(protected, 2.0 + index / length, order.float() / length)
     return ranked.topk(budget, dim=1).indices.sort(dim=1).values
 
 

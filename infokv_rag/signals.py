@@ -50,7 +50,8 @@ class LayerSignals:
     head_dim); window_attention, last_query_attention: (heads, length) mean attention of the observation
     window and of the last document query (None when the scorer needs no attention); accumulated_attention: (kv_heads, length) or None;
     entropy: (tokens_read,) outgoing predictive entropy per position (entropy of the distribution at t);
-    evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers.
+    evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers;
+    sentences: (tokens_read,) int64 index of the sentence each position belongs to.
     """
 
     layer: int
@@ -63,6 +64,7 @@ class LayerSignals:
     entropy: Tensor | None
     evolution: Tensor
     mean_evolution: Tensor
+    sentences: Tensor
     seed: int = 0
     kv_heads: int = field(init=False)
 
@@ -73,14 +75,22 @@ class LayerSignals:
         """(tokens_read,) -> (kv_heads, length) values of the resident tokens."""
         return per_position[self.positions]
 
+    def sentence_mean(self, per_position: Tensor) -> Tensor:
+        """(tokens_read,) -> (tokens_read,): each position gets the mean over its sentence."""
+        count = int(self.sentences[-1]) + 1
+        sums = per_position.new_zeros(count).index_add_(0, self.sentences, per_position)
+        sizes = torch.bincount(self.sentences, minlength=count).clamp_min(1)
+        return (sums / sizes)[self.sentences]
+
     def incoming_entropy(self) -> Tensor:
-        """(kv_heads, length): H(p(. | x_<t)) credited to token t; 0 for the first token."""
-        if self.entropy is None:
-            raise RuntimeError("entropy was not computed for this compression")
-        shifted = torch.cat([self.entropy.new_zeros(1), self.entropy[:-1]])
-        return self.at_positions(shifted)
+        """(tokens_read,): H(p(. | x_<t)) credited to token t; 0 for the first token."""
+        return torch.cat([self._entropy().new_zeros(1), self._entropy()[:-1]])
 
     def outgoing_entropy(self) -> Tensor:
+        """(tokens_read,): H(p(. | x_<=t)) credited to token t."""
+        return self._entropy()
+
+    def _entropy(self) -> Tensor:
         if self.entropy is None:
             raise RuntimeError("entropy was not computed for this compression")
-        return self.at_positions(self.entropy)
+        return self.entropy

@@ -90,7 +90,11 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
             "pages": [{"number": p.number, "chars": len(p.text)} for p in document.document.pages],
             "skipped_pages": list(document.document.skipped_pages),
         },
-        "tokens": {"document": document.cache.document_tokens, "kept_per_layer": document.cache.lengths},
+        "tokens": {
+            "document": document.cache.document_tokens,
+            "sink_tokens": document.cache.sink_tokens,
+            "kept_per_layer": document.cache.lengths,
+        },
         "stats": document.stats.to_dict(),
         "files": {
             TENSORS: {"sha256": _sha256(tensor_bytes), "bytes": len(tensor_bytes)},
@@ -267,7 +271,7 @@ def _load_verified(engine: InfoKVEngine, path: Path) -> CompressedDocument:
     entropy = tensors.get("entropy_reference")
     return CompressedDocument(
         engine,
-        DocumentCache(layers, n),
+        DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"])),
         config,
         document,
         DocumentStats(**stats_fields),

@@ -34,9 +34,9 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_queries(q_ptr, head, qi, dims, q_len, head_dim, stride_qh, stride_qi, stride_qd, UPCAST: tl.constexpr):
-    """(BLOCK_Q, BLOCK_DH) query tile, zero-padded."""
+    """(BLOCK_Q, BLOCK_DH) query tile, zero-padded (64-bit head offset: H * q * dh may pass 2**31)."""
     q = tl.load(
-        q_ptr + head * stride_qh + qi[:, None] * stride_qi + dims[None, :] * stride_qd,
+        q_ptr + head.to(tl.int64) * stride_qh + qi[:, None] * stride_qi + dims[None, :] * stride_qd,
         mask=(qi[:, None] < q_len) & (dims[None, :] < head_dim),
         other=0.0,
     )
@@ -49,7 +49,7 @@ def _load_queries(q_ptr, head, qi, dims, q_len, head_dim, stride_qh, stride_qi, 
 def _load_keys_t(k_ptr, kv_head, kj, dims, n, head_dim, stride_kh, stride_kn, stride_kd, UPCAST: tl.constexpr):
     """(BLOCK_DH, BLOCK_K) transposed key tile, zero-padded."""
     k = tl.load(
-        k_ptr + kv_head * stride_kh + kj[None, :] * stride_kn + dims[:, None] * stride_kd,
+        k_ptr + kv_head.to(tl.int64) * stride_kh + kj[None, :] * stride_kn + dims[:, None] * stride_kd,
         mask=(kj[None, :] < n) & (dims[:, None] < head_dim),
         other=0.0,
     )
@@ -98,7 +98,7 @@ def _lse_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         total = total * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m = m_new
-    tl.store(lse_ptr + head * q_len + qi, m + tl.log2(total), mask=qi < q_len)
+    tl.store(lse_ptr + head.to(tl.int64) * q_len + qi, m + tl.log2(total), mask=qi < q_len)
 
 
 @triton.jit
@@ -138,11 +138,11 @@ def _column_sum_kernel(
         qi = q0 + offs_q
         q_ok = qi < q_len
         q = _load_queries(q_ptr, head, qi, dims, q_len, head_dim, stride_qh, stride_qi, stride_qd, UPCAST)
-        lse = tl.load(lse_ptr + head * q_len + qi, mask=q_ok, other=0.0)
+        lse = tl.load(lse_ptr + head.to(tl.int64) * q_len + qi, mask=q_ok, other=0.0)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2
         visible = (kj[None, :] <= (n - q_len + qi)[:, None]) & q_ok[:, None]
         acc += tl.sum(tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), axis=0)
-    tl.store(out_ptr + head * n + kj, acc, mask=kj < n)
+    tl.store(out_ptr + head.to(tl.int64) * n + kj, acc, mask=kj < n)
 
 
 def accumulated_attention_triton(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:

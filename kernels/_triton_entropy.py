@@ -6,9 +6,10 @@ ever exist in registers:
 
 * full vocabulary (TOP_K == 0): an online log-sum-exp carrying, per token, the running max m,
   s = sum exp(z - m) and t = sum exp(z - m) * (z - m); H = log s - t / s.
-* top-k (1 <= TOP_K <= 64): a running, sorted top-K_PAD list per token (K_PAD = next power of two
-  >= TOP_K, as tl.topk's bitonic network needs). Each tile's top-K_PAD is merged into it with a
-  second tl.topk; at the end only the first TOP_K entries enter the entropy.
+* top-k (1 <= TOP_K <= 64): a running top-k list per token in registers (K_PAD = next power of
+  two >= TOP_K slots). Tile values enter it by repeated max extraction, only while some row's tile
+  max beats its current k-th best, which after the first tiles is rare. (tl.topk's bitonic network
+  is exact too, but costs a full partial sort per tile and is ~100x slower in the interpreter.)
 
 Limits: top_k <= 64 (registers); any n, V and d (all masked).
 """
@@ -53,6 +54,8 @@ def _entropy_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
+    # 64-bit row/column offsets: V * d passes 2**31 for large vocabularies and hidden sizes.
+    row_offsets = rows.to(tl.int64) * stride_hn
     offs_v = tl.arange(0, BLOCK_V)
     offs_d = tl.arange(0, BLOCK_D)
 
@@ -61,22 +64,26 @@ def _entropy_kernel(
         s = tl.zeros((BLOCK_N,), tl.float32)
         t = tl.zeros((BLOCK_N,), tl.float32)
     else:
+        # Running top-k per token, unsorted; slots >= TOP_K (padding up to K_PAD) stay unused.
+        slots = tl.arange(0, K_PAD)
+        slot_ok = slots[None, :] < TOP_K
         best = tl.full((BLOCK_N, K_PAD), float("-inf"), tl.float32)
 
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + offs_v
         col_ok = cols < vocab
+        col_offsets = cols.to(tl.int64) * stride_wv
         z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
         for d0 in range(0, hidden_size, BLOCK_D):
             dims = d0 + offs_d
             dim_ok = dims < hidden_size
             h = tl.load(
-                h_ptr + rows[:, None] * stride_hn + dims[None, :] * stride_hd,
+                h_ptr + row_offsets[:, None] + dims[None, :] * stride_hd,
                 mask=row_ok[:, None] & dim_ok[None, :],
                 other=0.0,
             )
             w = tl.load(
-                w_ptr + cols[None, :] * stride_wv + dims[:, None] * stride_wd,
+                w_ptr + col_offsets[None, :] + dims[:, None] * stride_wd,
                 mask=col_ok[None, :] & dim_ok[:, None],
                 other=0.0,
             )
@@ -89,28 +96,39 @@ def _entropy_kernel(
         if TOP_K == 0:
             # Every tile has a valid column, so m_new is finite; padded columns give exp(-inf) = 0.
             m_new = tl.maximum(m, tl.max(z, axis=1))
-            zc = z - m_new[:, None]
-            e = tl.exp(zc)
+            zc = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+            e = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
             alpha = tl.exp(m - m_new)
-            # On the first tile m = -inf and s = 0: skip the (m - m_new) * s term (0 * inf = NaN).
-            shift = tl.where(s > 0, (m - m_new) * s, 0.0)
-            t = alpha * (t + shift) + tl.sum(tl.where(col_ok[None, :], e * zc, 0.0), axis=1)
+            # Re-centre t on the new max: (z - m_new) = (z - m) + (m - m_new). On the first tile
+            # m = -inf and s = 0; the where keeps 0 * inf = NaN out.
+            shift = tl.where(s > 0, m - m_new, 0.0) * s
+            t = alpha * (t + shift) + tl.sum(e * zc, axis=1)
             s = alpha * s + tl.sum(e, axis=1)
             m = m_new
         else:
-            tile_best = tl.topk(z, K_PAD, dim=1)
-            both = tl.reshape(tl.join(best, tile_best), (BLOCK_N, 2 * K_PAD))
-            best = tl.topk(both, K_PAD, dim=1)
+            # Move tile values into the running top-k one per row per step, largest first, while
+            # some row's tile max beats its current k-th best. Past the first tiles few values
+            # qualify, so this usually takes a step or two per tile rather than TOP_K.
+            kth = tl.min(tl.where(slot_ok, best, float("inf")), axis=1)
+            tile_max = tl.max(z, axis=1)
+            while tl.max((tile_max > kth).to(tl.int32), axis=0) > 0:
+                take = tile_max > kth
+                weakest = tl.argmin(tl.where(slot_ok, best, float("inf")), axis=1)
+                best = tl.where(take[:, None] & (slots[None, :] == weakest[:, None]), tile_max[:, None], best)
+                # Remove exactly one occurrence, so tied logits each keep their own slot.
+                taken = tl.argmax(z, axis=1)
+                z = tl.where(take[:, None] & (offs_v[None, :] == taken[:, None]), float("-inf"), z)
+                kth = tl.min(tl.where(slot_ok, best, float("inf")), axis=1)
+                tile_max = tl.max(z, axis=1)
 
     if TOP_K == 0:
         entropy = tl.log(s) - t / s
     else:
-        # best is sorted descending: column 0 is the max, the first TOP_K columns the top-k.
-        keep = (tl.arange(0, K_PAD)[None, :] < TOP_K) & (best > float("-inf"))
-        zc = best - tl.max(best, axis=1)[:, None]
-        e = tl.where(keep, tl.exp(zc), 0.0)
+        # The caller guarantees TOP_K < V, so every real slot holds a logit; padding slots are -inf.
+        zc = tl.where(slot_ok, best - tl.max(best, axis=1)[:, None], 0.0)
+        e = tl.where(slot_ok, tl.exp(zc), 0.0)
         s = tl.sum(e, axis=1)
-        t = tl.sum(tl.where(keep, e * zc, 0.0), axis=1)
+        t = tl.sum(e * zc, axis=1)
         entropy = tl.log(s) - t / s
     tl.store(out_ptr + rows, entropy, mask=row_ok)
 

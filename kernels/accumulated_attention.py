@@ -25,7 +25,7 @@ _QUERY_BLOCK = 128
 _KEY_BLOCK = 4096
 
 
-def check_attention_inputs(queries: Tensor, keys: Tensor) -> None:
+def _check_inputs(queries: Tensor, keys: Tensor) -> None:
     """Validate (H, q, dh) queries against (Hkv, n, dh) keys; raise ValueError with the reason."""
     if queries.dim() != 3 or keys.dim() != 3:
         raise ValueError(
@@ -54,7 +54,7 @@ def accumulated_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tens
     Returns:
         (H, n) float32; row h sums to q (each query's probabilities sum to 1).
     """
-    check_attention_inputs(queries, keys)
+    _check_inputs(queries, keys)
     if use_triton(queries, keys):
         from ._triton_attention import accumulated_attention_triton
 
@@ -75,7 +75,7 @@ def accumulated_attention_reference(
     Per KV group and block of query_block queries, a two-pass softmax over key tiles of key_block
     keys: extra memory is O(G * query_block * key_block), independent of n and q.
     """
-    check_attention_inputs(queries, keys)
+    _check_inputs(queries, keys)
     heads, q_len, head_dim = queries.shape
     kv_heads, n, _ = keys.shape
     group = heads // kv_heads

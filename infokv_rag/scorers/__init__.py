@@ -40,6 +40,7 @@ def _infokv(config: CompressionConfig, tau: float, lam: float) -> InfoKVScorer:
         head_reduction=config.head_reduction,
         pooling_kernel=config.pooling_kernel,
         accumulated=config.accumulated_attention,
+        aggregation=config.aggregation,
     )
 
 

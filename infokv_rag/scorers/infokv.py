@@ -22,14 +22,15 @@ class InfoKVScorer(Scorer):
 
     needs_entropy = True
 
-    tau: float = 0.5
-    lam: float = 0.5
+    tau: float = 0.75
+    lam: float = 0.25
     attribution: Literal["incoming", "outgoing"] = "incoming"
     evolution: Literal["per_layer", "mean"] = "per_layer"
     normalization: Literal["minmax", "rank"] = "minmax"
     head_reduction: Literal["mean", "max"] = "mean"
     pooling_kernel: int = 5
     accumulated: bool = False
+    aggregation: Literal["token", "sentence"] = "sentence"
 
     def __post_init__(self) -> None:
         self.needs_entropy = self.tau > 0 and self.lam < 1
@@ -50,11 +51,17 @@ class InfoKVScorer(Scorer):
         term = torch.zeros(signals.positions.shape, device=signals.positions.device)
         if self.tau > 0:
             entropy = signals.incoming_entropy() if self.attribution == "incoming" else signals.outgoing_entropy()
-            term += self.tau * normalize(entropy, self.normalization)
+            term += self.tau * normalize(self._resident(signals, entropy), self.normalization)
         if self.tau < 1:
-            per_layer = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
-            term += (1 - self.tau) * normalize(signals.at_positions(per_layer), self.normalization)
+            evolution = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
+            term += (1 - self.tau) * normalize(self._resident(signals, evolution), self.normalization)
         return term
+
+    def _resident(self, signals: LayerSignals, per_position: Tensor) -> Tensor:
+        """(tokens_read,) signal -> (kv_heads, length) for the resident tokens, sentence-averaged if asked."""
+        if self.aggregation == "sentence":
+            per_position = signals.sentence_mean(per_position)
+        return signals.at_positions(per_position)
 
     def score(self, signals: LayerSignals) -> Tensor:
         if self.lam == 1.0:

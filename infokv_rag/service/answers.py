@@ -44,6 +44,9 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
     if record.status == "failed":
         raise ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
     assert service.engine is not None
+    document = service.registry.loaded(record.id)
+    if document is not None:
+        return document
     try:
         return await run_in_threadpool(service.registry.load, service.engine, record)
     except CacheStoreError as exc:
@@ -65,11 +68,11 @@ def _rebuild(service: Service, record: DocumentRecord) -> None:
     service.worker.submit_ingestion(IngestJob(record, config), force=True)
 
 
-def check_question(service: Service, text: str, limit: int | None = None) -> None:
+def check_question(service: Service, chars: int, *, what: str = "question", limit: int | None = None) -> None:
     limit = limit or service.settings.max_question_chars
-    if len(text) > limit:
+    if chars > limit:
         raise ServiceError(
-            413, "question_too_long", f"the question is {len(text)} characters; this server accepts at most {limit}",
+            413, f"{what}_too_long", f"the {what} is {chars} characters; this server accepts at most {limit}",
         )
 
 

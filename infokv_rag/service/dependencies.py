@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
@@ -42,11 +43,14 @@ _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="X-API-Ke
 
 
 def key_matches(candidate: str, keys: tuple[str, ...]) -> bool:
-    """Constant-time comparison against every configured key (no early exit on a match)."""
-    given = candidate.encode("utf-8")
+    """Constant-time comparison against every configured key (no early exit, no length leak).
+
+    Both sides are hashed first so that `hmac.compare_digest` always compares equal-length digests.
+    """
+    given = hashlib.sha256(candidate.encode("utf-8", "surrogatepass")).digest()
     matched = False
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode("utf-8"))
+        matched |= hmac.compare_digest(given, hashlib.sha256(key.encode("utf-8")).digest())
     return matched
 
 

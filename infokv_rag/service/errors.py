@@ -83,6 +83,8 @@ def from_core(exc: BaseException, message: str | None = None) -> ServiceError:
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            return "the request body is not valid JSON"
         location = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path"))
         parts.append(f"{location}: {error.get('msg', 'invalid')}" if location else str(error.get("msg", "invalid")))
     return "invalid request: " + "; ".join(parts) if parts else "invalid request"

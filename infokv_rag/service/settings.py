@@ -52,6 +52,8 @@ class Settings:
     """Prefill chunk of uploads: an answer waits at most about one chunk's forward pass at a time."""
     loaded_documents: int = 8
     """Compressed caches kept in memory (least recently used are dropped; they reload from disk)."""
+    warmup: bool = True
+    """Run one tiny prefill and decoding step at startup, so the first real request is not slowed down."""
     # Defaults of uploads
     default_method: str = "infokv"
     default_keep: float | int = 0.25
@@ -114,7 +116,7 @@ def _parse(name: str, raw: str) -> Any:
     variable = ENV_PREFIX + name.upper()
     if name == "api_keys":
         return tuple(k for k in raw.split(",") if k.strip())
-    if name == "allow_anonymous":
+    if name in ("allow_anonymous", "warmup"):
         value = raw.strip().lower()
         if value in _TRUE:
             return True

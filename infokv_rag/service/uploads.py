@@ -73,7 +73,10 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             "send the document as multipart/form-data with the file in the 'file' field "
             "(e.g. curl -F file=@contract.pdf ...)",
         )
-    form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=4096)
+    try:
+        form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=4096)
+    except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
+        form = await request.form(max_files=1, max_fields=len(_FIELDS))
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
@@ -117,6 +120,9 @@ def _pdf_page_count(path: Path) -> int | None:
         with open(path, "rb") as handle:
             if b"%PDF-" not in handle.read(1024):
                 return None
+            handle.seek(max(0, path.stat().st_size - 1024))
+            if b"%%EOF" not in handle.read():
+                return None  # truncated: load_document says so
             handle.seek(0)
             reader = PdfReader(handle, strict=False)
             if reader.is_encrypted:
@@ -162,7 +168,8 @@ def _client_message(exc: DocumentError, staged: StagedUpload) -> str:
     message = str(exc).replace(str(staged.directory) + "/", "").replace(str(staged.directory), "")
     if isinstance(exc, EncryptedPDFError):
         if staged.password is None and "needs a password" in message:
-            return f"{staged.name} is encrypted: send its password in the form field 'password', or upload a decrypted copy"
+            return (f"{staged.name} is encrypted: send its password in the form field 'password', "
+                    "or upload a decrypted copy")
         if "Wrong password" in message:
             return f"wrong password for {staged.name}: check the form field 'password', or upload a decrypted copy"
     return message

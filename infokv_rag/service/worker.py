@@ -4,8 +4,9 @@ Two threads do all model work, and nothing else touches the model:
 - the decoding thread takes answers in FIFO order (at most `max_active_generations` at a time) and
   advances them round-robin, one text piece (usually one decoding step) each per turn;
 - the ingestion thread reads one upload at a time in small prefill chunks, with progress.
-Their forward passes alternate through a `FairLock` installed as `engine.lock`, so while an upload is
-prefilled an answer waits at most about one prefill chunk between its steps, and vice versa.
+Their forward passes alternate through a `FairLock` installed as `engine.lock`: the ingestion thread
+holds it for one prefill chunk, the decoding thread for a time slice of about the same length, so while
+an upload is read, answers keep about half of the model's time and wait at most one chunk at a time.
 
 Results reach the HTTP handlers through an asyncio queue per answer; a handler whose client went away
 cancels its answer, and the decoding thread drops it at its next turn.
@@ -92,7 +93,7 @@ class GenerationJob:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(self.events.get(), heartbeat) if heartbeat else await self.events.get()
+                    event = await asyncio.wait_for(self.events.get(), heartbeat)
                 except asyncio.TimeoutError:
                     yield Event("heartbeat")
                     continue
@@ -128,6 +129,7 @@ class ModelWorker:
         self._cond = threading.Condition()
         self._pending: deque[GenerationJob] = deque()
         self._active: deque[GenerationJob] = deque()
+        self._stepping = 0  # 1 while the decoding thread advances a job it took off _active
         self._uploads: queue.Queue[IngestJob | None] = queue.Queue()
         self._ingest_jobs: dict[str, IngestJob] = {}
         self._stopping = False
@@ -135,6 +137,7 @@ class ModelWorker:
         self.counters: dict[str, int] = {
             "prefills": 0,
             "prefill_tokens": 0,
+            "prefills_cancelled": 0,
             "generations_submitted": 0,
             "generations_completed": 0,
             "generations_cancelled": 0,
@@ -169,7 +172,7 @@ class ModelWorker:
     def queue_state(self) -> dict[str, int]:
         with self._cond:
             return {
-                "active_generations": len(self._active),
+                "active_generations": len(self._active) + self._stepping,
                 "queued_generations": len(self._pending),
                 "queued_uploads": self._uploads.qsize(),
             }
@@ -195,12 +198,36 @@ class ModelWorker:
                     self._cond.wait()
                 if self._stopping and not self._active and not self._pending:
                     return
-                while self._pending and len(self._active) < self.settings.max_active_generations:
-                    self._active.append(self._pending.popleft())
-                job = self._active.popleft()
-            if not self._step(job):
-                with self._cond:
-                    self._active.append(job)
+            # One time slice: decode round-robin while holding the model. When the prefill thread waits,
+            # hand over after about as long as its last chunk took (min/max bounded), so answers and
+            # uploads share the model's time evenly and neither waits for more than one turn of the other.
+            with self.lock:
+                began = time.perf_counter()
+                while True:
+                    job = self._next_job()
+                    if job is None:
+                        break
+                    ended = self._step(job)
+                    with self._cond:
+                        self._stepping = 0
+                        if not ended:
+                            self._active.append(job)
+                    if self.lock.waiting:
+                        turn = min(max(self.lock.others_last_hold(), self.MIN_SLICE), self.MAX_SLICE)
+                        if time.perf_counter() - began >= turn:
+                            break
+
+    MIN_SLICE = 0.05
+    MAX_SLICE = 2.0
+
+    def _next_job(self) -> GenerationJob | None:
+        with self._cond:
+            while self._pending and len(self._active) < self.settings.max_active_generations:
+                self._active.append(self._pending.popleft())
+            if not self._active:
+                return None
+            self._stepping = 1
+            return self._active.popleft()
 
     def _step(self, job: GenerationJob) -> bool:
         """Advances one answer by one text piece; True when it has ended."""
@@ -298,6 +325,7 @@ class ModelWorker:
 
             compressed = self.engine.ingest_document(document, job.config, progress=progress)
         except _Cancelled:
+            self.counters["prefills_cancelled"] += 1
             return  # deleted (its files are gone) or shutting down (read again after the restart)
         except InfoKVError as exc:
             self.registry.fail(record, _error_code(exc), str(exc))

@@ -1,0 +1,78 @@
+"""A fast proxy for tuning on the dev split: how many planted-fact tokens each method keeps.
+
+No generation: one prefill per document, every config compresses it, and we count, per (layer, KV
+head), the fraction of the fact sentences' tokens that survive (and of the answer tokens alone).
+Use it to explore; confirm with benchmarks/quality.py, which asks the questions.
+
+    python benchmarks/fact_recall.py --docs 6 --keep 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.documents import document_from_text
+from infokv_rag.engine import compress_variants
+from infokv_rag.evaluation import make_fact_document
+from infokv_rag.prompt import DOCUMENT_INTRO
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from quality import ABLATIONS, SPLIT_SEEDS  # noqa: E402
+
+
+def token_spans(engine: InfoKVEngine, text: str, needles: list[str]) -> list[torch.Tensor]:
+    """Token positions (in the document prefix) covered by each needle's characters."""
+    prefix = f"{engine.prompt._head}{DOCUMENT_INTRO}{text.strip()}\n\n"
+    encoded = engine.tokenizer(prefix, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = torch.tensor(encoded["offset_mapping"])
+    spans = []
+    for needle in needles:
+        start = prefix.index(needle)
+        end = start + len(needle)
+        spans.append(torch.nonzero((offsets[:, 1] > start) & (offsets[:, 0] < end)).flatten())
+    return spans
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--docs", type=int, default=6)
+    parser.add_argument("--words", type=int, default=900)
+    parser.add_argument("--keep", type=float, default=0.25)
+    parser.add_argument("--split", default="dev", choices=["dev", "test"])
+    args = parser.parse_args()
+    engine = InfoKVEngine.from_pretrained(args.model)
+    base = CompressionConfig(keep=args.keep, chunk_size=8192)
+    configs = {m: dataclasses.replace(base, method=m) for m in
+               ("streaming_llm", "snapkv", "h2o", "tova", "knorm", "random", "infokv_entropy", "infokv_evolution", "infokv")}
+    configs |= {f"infokv[{k}]": dataclasses.replace(base, **v) for k, v in ABLATIONS.items()}
+    totals = {name: [0.0, 0.0] for name in configs}
+    seeds = list(SPLIT_SEEDS[args.split])[: args.docs]
+    for seed in seeds:
+        generated = make_fact_document(seed=seed, target_words=args.words)
+        sentences = token_spans(engine, generated.text, [f.sentence for f in generated.facts])
+        answers = token_spans(engine, generated.text, [f.answer for f in generated.facts])
+        docs = compress_variants(engine, document_from_text(generated.text), list(configs.values()))
+        for name, doc in zip(configs, docs):
+            kept_sentence, kept_answer = [], []
+            for layer in doc.cache.layers:
+                for head_positions in layer.positions:
+                    kept = set(head_positions.tolist())
+                    kept_sentence += [sum(int(p) in kept for p in s) / len(s) for s in sentences]
+                    kept_answer += [sum(int(p) in kept for p in s) / len(s) for s in answers]
+            totals[name][0] += sum(kept_sentence) / len(kept_sentence)
+            totals[name][1] += sum(kept_answer) / len(kept_answer)
+        print(f"seed {seed} done", file=sys.stderr)
+    print(f"| config (keep {args.keep}) | fact-sentence tokens kept | answer tokens kept |\n|---|---|---|")
+    for name, (sentence, answer) in sorted(totals.items(), key=lambda item: -item[1][0]):
+        print(f"| {name} | {sentence / len(seeds):.3f} | {answer / len(seeds):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

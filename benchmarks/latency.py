@@ -1,0 +1,170 @@
+"""Follow-up latency: answering from a stored compressed cache vs re-reading the document per question.
+
+    python benchmarks/latency.py                         # default model, ~4K-token document (make bench-latency)
+    python benchmarks/latency.py --model tiny --words 600   # a quick run
+
+Measured on one planted-fact document (`infokv_rag.evaluation.make_fact_document`):
+- ingestion: chunked prefill + InfoKV scoring + compression (keep 0.25 by default);
+- save, and load from disk (manifest and sha256 checks, tensors rebuilt), median of --repeats loads;
+- follow-up time to first token (TTFT): wall time of `generate(question, max_new_tokens=1)` against the
+  in-memory cache and against the reloaded disk cache, median over the document's questions x repeats;
+- re-prefill: what a question costs without a stored cache, measured: one plain forward pass of the
+  model (Hugging Face, no compression, no signal capture) over the document + question tokens, up to the
+  first token's logits. Same tokens as the cached path: the document prefix followed by the question.
+Targets (from the issue): follow-up TTFT at least 20x faster than re-prefilling; loading under 0.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.documents import document_from_text
+from infokv_rag.evaluation import make_fact_document
+from infokv_rag.generation import GenerationOptions
+from infokv_rag.prompt import question_turns
+
+TTFT_SPEEDUP_TARGET = 20.0
+LOAD_TARGET_SECONDS = 0.5
+
+
+def follow_up_seconds(doc, question: str) -> float:
+    """Wall time from asking to the first generated token."""
+    started = time.perf_counter()
+    generation = doc.generate(question_turns(question), GenerationOptions(max_new_tokens=1))
+    generation.text()
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def reprefill_seconds(engine: InfoKVEngine, text: str, question: str) -> tuple[float, int]:
+    """A plain forward of document + question to the first token's logits: (seconds, tokens)."""
+    ids = engine.prompt.document_ids(text) + engine.prompt.conversation_ids(question_turns(question))
+    input_ids = torch.tensor([ids], device=engine.runner.device)
+    started = time.perf_counter()
+    with engine.lock:
+        output = engine.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    int(output.logits[0, -1].argmax())
+    return time.perf_counter() - started, len(ids)
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
+    parser.add_argument("--words", type=int, default=3300, help="document length in words (3300: ~4K tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="which planted-fact document")
+    parser.add_argument("--method", default="infokv")
+    parser.add_argument("--keep", type=float, default=0.25)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of follow-up questions and of loads")
+    parser.add_argument("--reprefills", type=int, default=1, help="re-prefill measurements (each costs a full prefill)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+
+    device = "cpu" if not torch.cuda.is_available() else "cuda"
+    started = time.perf_counter()
+    engine = InfoKVEngine.from_pretrained(args.model, device=device)
+    print(f"model {args.model} loaded in {time.perf_counter() - started:.1f} s on {device}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    fact_doc = make_fact_document(args.seed, target_words=args.words)
+    questions = [fact.question for fact in fact_doc.facts]
+    document = document_from_text(fact_doc.text)
+
+    # Warm-up (allocator, kernels), not measured.
+    engine.ingest_text(" ".join(fact_doc.text.split()[:200]), CompressionConfig(method=args.method, keep=args.keep))
+
+    config = CompressionConfig(method=args.method, keep=args.keep)
+    print(f"ingesting {len(fact_doc.text.split()):,} words ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    doc = engine.ingest_document(document, config)
+    ingest_seconds = time.perf_counter() - started
+    stats = doc.stats
+
+    in_memory = []
+    for _ in range(args.repeats):
+        in_memory += [follow_up_seconds(doc, q) for q in questions]
+
+    with tempfile.TemporaryDirectory(prefix="infokv-latency-") as workdir:
+        started = time.perf_counter()
+        path = doc.save(Path(workdir) / "cache")
+        save_seconds = time.perf_counter() - started
+        cache_file_bytes = sum(p.stat().st_size for p in path.iterdir())
+        loads, reloaded = [], []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            loaded = engine.load(path)
+            loads.append(time.perf_counter() - started)
+            reloaded += [follow_up_seconds(loaded, q) for q in questions]
+
+    print("measuring re-prefill of document + question ...", file=sys.stderr, flush=True)
+    reprefills = []
+    for index in range(args.reprefills):
+        seconds, prompt_tokens = reprefill_seconds(engine, fact_doc.text, questions[index % len(questions)])
+        reprefills.append(seconds)
+
+    ttft_memory = statistics.median(in_memory)
+    ttft_disk = statistics.median(reloaded)
+    load = statistics.median(loads)
+    reprefill = statistics.median(reprefills)
+    speedup_memory = reprefill / ttft_memory
+    speedup_disk = reprefill / ttft_disk
+    speedup_disk_with_load = reprefill / (load + ttft_disk)
+
+    def met(ok: bool) -> str:
+        return "yes" if ok else "**no**"
+
+    rows = [
+        ("document", f"{stats.document_tokens:,} tokens ({args.words:,} words, seed {args.seed})", "", ""),
+        ("cache kept", f"{stats.kept_tokens_per_layer[0]:,} tokens per layer ({config.method}, keep {config.keep}); "
+                       f"{stats.cache_bytes / 2**20:,.1f} MiB vs {stats.full_cache_bytes / 2**20:,.1f} MiB full "
+                       f"(ratio {stats.compression_ratio:.3f}); {cache_file_bytes / 2**20:,.1f} MiB on disk", "", ""),
+        ("ingestion (prefill + scoring + compression)",
+         f"{fmt(ingest_seconds)} (prefill {fmt(stats.prefill_seconds)}, "
+         f"{stats.document_tokens / stats.prefill_seconds:,.0f} tok/s; scoring {fmt(stats.scoring_seconds)}; "
+         f"compression {fmt(stats.compression_seconds)})", "", ""),
+        ("save (atomic, fsynced)", fmt(save_seconds), "", ""),
+        ("load from disk (verify + rebuild), median", f"{fmt(load)} (min {fmt(min(loads))}, max {fmt(max(loads))})",
+         f"< {LOAD_TARGET_SECONDS} s", met(load < LOAD_TARGET_SECONDS)),
+        ("follow-up TTFT, in-memory cache, median",
+         f"{fmt(ttft_memory)} (min {fmt(min(in_memory))}, max {fmt(max(in_memory))}, n={len(in_memory)})", "", ""),
+        ("follow-up TTFT, reloaded disk cache, median",
+         f"{fmt(ttft_disk)} (min {fmt(min(reloaded))}, max {fmt(max(reloaded))}, n={len(reloaded)})", "", ""),
+        ("re-prefill document + question to first token",
+         f"{fmt(reprefill)} ({prompt_tokens:,} tokens, plain forward, n={len(reprefills)})", "", ""),
+        ("speedup: re-prefill / TTFT in memory", f"{speedup_memory:,.1f}x",
+         f">= {TTFT_SPEEDUP_TARGET:.0f}x", met(speedup_memory >= TTFT_SPEEDUP_TARGET)),
+        ("speedup: re-prefill / TTFT reloaded", f"{speedup_disk:,.1f}x",
+         f">= {TTFT_SPEEDUP_TARGET:.0f}x", met(speedup_disk >= TTFT_SPEEDUP_TARGET)),
+        ("speedup: re-prefill / (load + TTFT reloaded)", f"{speedup_disk_with_load:,.1f}x", "", ""),
+    ]
+    print(
+        f"\n### Follow-up latency: model `{args.model}`, {device}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after\n"
+    )
+    print("| measurement | value | target | met |")
+    print("|---|---|---|---|")
+    for name, value, target, ok in rows:
+        print(f"| {name} | {value} | {target} | {ok} |")
+    all_met = load < LOAD_TARGET_SECONDS and min(speedup_memory, speedup_disk) >= TTFT_SPEEDUP_TARGET
+    print(f"\nTargets: follow-up TTFT >= {TTFT_SPEEDUP_TARGET:.0f}x faster than re-prefilling "
+          f"({met(min(speedup_memory, speedup_disk) >= TTFT_SPEEDUP_TARGET)}); "
+          f"load < {LOAD_TARGET_SECONDS} s ({met(load < LOAD_TARGET_SECONDS)}).")
+    return 0 if all_met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""What scoring costs on top of prefill: InfoKV beside SnapKV, measured side by side in one run.
+
+For each document length, the same document is ingested with `full` (prefill only: no signal is
+captured and nothing is compressed), with `snapkv` and with `infokv`, interleaved and repeated; the
+fastest of the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk
+size so every method does the same forward passes.
+
+    python benchmarks/overhead.py --tokens 1024 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.evaluation import make_fact_document
+from infokv_rag.kernels import get_kernel_backend
+
+
+def document_of(engine: InfoKVEngine, tokens: int) -> str:
+    """Planted-fact text trimmed to about `tokens` document-prefix tokens."""
+    text = make_fact_document(seed=7, target_words=int(tokens * 0.9)).text
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    overhead = len(engine.prompt.document_ids("")) + 2
+    return engine.tokenizer.decode(ids[: max(tokens - overhead, 16)])
+
+
+def timed_ingest(engine: InfoKVEngine, text: str, config: CompressionConfig) -> tuple[float, dict[str, float]]:
+    started = time.perf_counter()
+    doc = engine.ingest_text(text, config)
+    total = time.perf_counter() - started
+    stats = doc.stats
+    return total, {"prefill": stats.prefill_seconds, "scoring": stats.scoring_seconds, "compression": stats.compression_seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=2048)
+    parser.add_argument("--keep", type=float, default=0.25)
+    args = parser.parse_args()
+
+    engine = InfoKVEngine.from_pretrained(args.model)
+    device = engine.runner.device
+    print(f"model={args.model} device={device} threads={torch.get_num_threads()} kernels={get_kernel_backend()} "
+          f"chunk={args.chunk_size} keep={args.keep}", file=sys.stderr)
+    methods = ("full", "snapkv", "infokv")
+    rows = []
+    for tokens in args.tokens:
+        text = document_of(engine, tokens)
+        best: dict[str, float] = {m: float("inf") for m in methods}
+        for _ in range(args.repeats):
+            for method in methods:
+                config = CompressionConfig(method=method, keep=args.keep, chunk_size=args.chunk_size)
+                seconds, _ = timed_ingest(engine, text, config)
+                best[method] = min(best[method], seconds)
+        n = len(engine.prompt.document_ids(text))
+        rows.append((n, best))
+        print(f"{n} tokens done: {best}", file=sys.stderr)
+
+    print(f"\n`python benchmarks/overhead.py {' '.join(sys.argv[1:])}` on {device}\n")
+    print("| tokens | prefill only (s) | snapkv (s) | snapkv overhead | infokv (s) | infokv overhead |")
+    print("|---|---|---|---|---|---|")
+    for n, best in rows:
+        base = best["full"]
+        print(
+            f"| {n} | {base:.2f} | {best['snapkv']:.2f} | {(best['snapkv'] - base) / base:+.1%} | "
+            f"{best['infokv']:.2f} | {(best['infokv'] - base) / base:+.1%} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The application factory and `serve()` (what `infokv-rag serve` runs).
+
+    from infokv_rag.service import Settings, create_app
+    app = create_app(Settings.from_env(model="tiny"))   # any ASGI server; run ONE process per model
+
+The app loads the model at startup (lifespan), reopens the data directory (ready documents answer from
+their saved caches without a prefill; interrupted uploads are read again) and starts the model worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+try:
+    from fastapi import FastAPI
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    from ..errors import ConfigError
+
+    raise ConfigError("the service needs FastAPI and uvicorn: pip install 'infokv-rag[service]'") from exc
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .dependencies import Service
+from .errors import error_body, install_error_handlers
+from .registry import Registry
+from .routers import documents, health, openai, page
+from .settings import Settings
+
+if TYPE_CHECKING:
+    from ..engine import InfoKVEngine
+
+log = logging.getLogger(__name__)
+
+UPLOAD_OVERHEAD = 64 * 1024
+"""Multipart framing and form fields allowed on top of the upload size limit."""
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes")
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over the limit (413) before they are read, or as soon as they pass it."""
+
+    def __init__(self, app: ASGIApp, default_limit: int, upload_limit: int) -> None:
+        self.app = app
+        self.default_limit = default_limit
+        self.upload_limit = upload_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/documents"
+        limit = self.upload_limit if upload else self.default_limit
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    await _send_json(send, 413, error_body(413, "request_too_large", BodyTooLarge(limit).detail))
+                    return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class SecurityHeadersMiddleware:
+    HEADERS = [
+        (b"x-content-type-options", b"nosniff"),
+        (b"referrer-policy", b"no-referrer"),
+        (b"x-frame-options", b"DENY"),
+    ]
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + self.HEADERS
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    import json
+
+    payload = json.dumps(body).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": payload})
+
+
+def model_id(settings: Settings) -> str:
+    name = settings.model
+    return Path(name).name if os.sep in name or name.endswith(".gguf") else name
+
+
+def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = None) -> FastAPI:
+    """The service as an ASGI app. `engine` may be given (tests); otherwise `settings.model` loads at startup.
+
+    Raises `ConfigError` when the settings would leave the service unprotected (no API keys and
+    anonymous access not enabled explicitly).
+    """
+    settings = settings or Settings.from_env()
+    settings.check_startable()
+    service = Service(settings=settings, registry=Registry(settings.data_dir, settings.loaded_documents),
+                      engine=engine, model_id=model_id(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from ..engine import InfoKVEngine
+        from .uploads import compression_config
+        from .worker import IngestJob, ModelWorker
+
+        if service.engine is None:
+            log.info("loading model %s", settings.model)
+            service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model, settings.device)
+        if settings.warmup:
+            await run_in_threadpool(_warm_up, service.engine)
+        pending = await run_in_threadpool(service.registry.open)
+        worker = ModelWorker(service.engine, service.registry, settings)
+        worker.start()
+        service.worker = worker
+        for record in pending:
+            log.info("reading %s again (interrupted by the last shutdown)", record.id)
+            worker.submit_ingestion(IngestJob(record, compression_config(settings, record.method, record.keep)),
+                                    force=True)
+        service.started_at = time.time()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.stop)
+
+    app = FastAPI(
+        title="infokv-rag",
+        version=_version(),
+        summary="Question answering over long documents from an InfoKV-compressed, persisted KV cache",
+        description=(
+            "Upload a PDF or text file once; it is read into the model's KV cache, compressed with InfoKV and "
+            "saved. Then ask any number of questions: each costs only its own tokens. Authenticate with "
+            "`Authorization: Bearer <key>` or `X-API-Key: <key>`. Errors are JSON: "
+            "`{\"error\": {\"message\", \"type\", \"code\"}}`."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    install_error_handlers(app)
+    app.include_router(documents.router)
+    app.include_router(openai.router)
+    app.include_router(health.router)
+    app.include_router(page.router)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=settings.max_request_bytes,
+        upload_limit=settings.max_upload_bytes + UPLOAD_OVERHEAD,
+    )
+    app.add_middleware(SecurityHeadersMiddleware)
+    return app
+
+
+def _warm_up(engine: InfoKVEngine) -> None:
+    from ..config import CompressionConfig
+
+    engine.ingest_text("Warm-up.", CompressionConfig(method="full")).ask("Ready?", max_new_tokens=1)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    **overrides: Any,
+) -> None:
+    """Runs the service with uvicorn (one process: the model worker owns the model)."""
+    import uvicorn
+
+    settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
+    app = create_app(settings)
+    if not settings.auth_required:
+        log.warning("anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s:%s can use it",
+                    host, port)
+    uvicorn.run(app, host=host, port=port, workers=1, timeout_graceful_shutdown=5, server_header=False,
+                log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower())

@@ -1,0 +1,1 @@
+"""Route groups: documents (upload, status, ask), openai (chat completions, models), health, page."""

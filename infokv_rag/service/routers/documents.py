@@ -1,0 +1,199 @@
+"""/v1/documents: upload (read in the background), status, list, delete, ask (JSON or SSE)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ...prompt import question_turns
+from ..answers import (
+    SSE_HEADERS,
+    check_question,
+    collect,
+    generation_options,
+    ready_document,
+    sse,
+    sse_events,
+    start_answer,
+)
+from ..dependencies import ServiceDep, find_document, require_api_key
+from ..errors import ServiceError
+from ..registry import DocumentRecord, new_document_id
+from ..schemas import (
+    AskRequest,
+    AskResponse,
+    AskUsage,
+    DocumentDeleted,
+    DocumentInfo,
+    DocumentList,
+    Progress,
+    UploadForm,
+    error_responses,
+)
+from ..uploads import compression_config, parse_upload, receive_upload
+from ..worker import GenerationJob, IngestJob, QueueFull
+
+router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(require_api_key)])
+
+
+def document_info(record: DocumentRecord) -> DocumentInfo:
+    progress = None
+    if record.progress_total:
+        fraction = record.progress_done / record.progress_total
+        progress = Progress(tokens_done=record.progress_done, tokens_total=record.progress_total,
+                            fraction=round(fraction, 4))
+    return DocumentInfo(
+        id=record.id,
+        filename=record.filename,
+        status=record.status,
+        progress=progress,
+        reason=record.reason,
+        reason_code=record.reason_code,
+        created_at=int(record.created_at),
+        updated_at=int(record.updated_at),
+        method=record.method,
+        keep=record.keep,
+        size_bytes=record.size_bytes,
+        pages=record.pages,
+        skipped_pages=record.skipped_pages,
+        tokens=record.tokens,
+        kept_tokens=record.kept_tokens,
+        cache_bytes=record.cache_bytes,
+        full_cache_bytes=record.full_cache_bytes,
+        compression_ratio=record.compression_ratio,
+        prefill_seconds=record.prefill_seconds,
+        cache_origin=record.cache_origin,  # type: ignore[arg-type]
+    )
+
+
+_UPLOAD_BODY = {
+    "required": True,
+    "content": {"multipart/form-data": {"schema": UploadForm.model_json_schema()}},
+}
+
+
+@router.post(
+    "/documents",
+    status_code=202,
+    response_model=DocumentInfo,
+    summary="Upload a document (PDF or text); it is read and compressed in the background",
+    responses=error_responses(401, 413, 415, 422, 503),
+    openapi_extra={"requestBody": _UPLOAD_BODY},
+)
+async def upload_document(request: Request, response: Response, service: ServiceDep) -> DocumentInfo:
+    """Returns 202 with the document's id at once; poll `GET /v1/documents/{id}` until `ready`."""
+    assert service.engine is not None and service.worker is not None
+    settings = service.settings
+    staged = await receive_upload(request, service.registry, settings)
+    try:
+        config = compression_config(settings, staged.method, staged.keep)
+        document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
+        now = time.time()
+        record = DocumentRecord(
+            id=new_document_id(), filename=staged.name, status="queued", method=config.method, keep=config.keep,
+            created_at=now, updated_at=now, size_bytes=staged.size, pages=len(document.pages),
+            skipped_pages=list(document.skipped_pages), tokens=tokens,
+        )
+        record.progress_total = tokens
+        await run_in_threadpool(service.registry.create, record, document)
+    finally:
+        await run_in_threadpool(staged.discard)
+    try:
+        service.worker.submit_ingestion(IngestJob(record, config, document))
+    except QueueFull as exc:
+        await run_in_threadpool(service.registry.delete, record.id)
+        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
+                           headers={"Retry-After": "10"}) from exc
+    response.headers["Location"] = f"/v1/documents/{record.id}"
+    return document_info(record)
+
+
+@router.get("/documents", response_model=DocumentList, summary="List documents", responses=error_responses(401))
+async def list_documents(service: ServiceDep) -> DocumentList:
+    return DocumentList(data=[document_info(record) for record in service.registry.list()])
+
+
+@router.get(
+    "/documents/{document_id}",
+    response_model=DocumentInfo,
+    summary="A document's status (queued, processing with progress, ready, failed with the reason) and sizes",
+    responses=error_responses(401, 404),
+)
+async def get_document(document_id: str, service: ServiceDep) -> DocumentInfo:
+    return document_info(find_document(service, document_id))
+
+
+@router.delete(
+    "/documents/{document_id}",
+    response_model=DocumentDeleted,
+    summary="Delete a document and its cache (stops reading it if still in progress)",
+    responses=error_responses(401, 404),
+)
+async def delete_document(document_id: str, service: ServiceDep) -> DocumentDeleted:
+    record = find_document(service, document_id)
+    assert service.worker is not None
+    service.worker.cancel_ingestion(record.id)
+    await run_in_threadpool(service.registry.delete, record.id)
+    return DocumentDeleted(id=record.id)
+
+
+def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: GenerationJob) -> AskResponse:
+    usage = job.generation.usage
+    return AskResponse(
+        id=answer_id,
+        document_id=record.id,
+        answer=answer,
+        finish_reason=usage.finish_reason,
+        usage=AskUsage(
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.prompt_tokens + usage.cached_tokens + usage.completion_tokens,
+        ),
+        timings=job.timings(),  # type: ignore[arg-type]
+    )
+
+
+@router.post(
+    "/documents/{document_id}/ask",
+    response_model=AskResponse,
+    summary="Ask a question about a ready document (JSON, or Server-Sent Events with stream=true)",
+    responses={
+        **error_responses(400, 401, 404, 409, 413, 422, 503),
+        200: {
+            "description": "The answer as JSON, or with `stream: true` a `text/event-stream` of `token` "
+            "events ({\"text\": ...}) then one `done` event (the JSON answer) or an `error` event.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+    },
+)
+async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
+    record = find_document(service, document_id)
+    check_question(service, len(body.question))
+    options = generation_options(service, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
+    document = await ready_document(service, record)
+    job = await start_answer(service, document, question_turns(body.question), options)
+    answer_id = "ans_" + secrets.token_urlsafe(12)
+    if not body.stream:
+        answer = await collect(job, request)
+        return _ask_response(record, answer_id, answer, job)
+
+    async def events() -> AsyncIterator[str]:
+        pieces: list[str] = []
+        async for kind, payload in sse_events(job):
+            if kind == "heartbeat":
+                yield ": keep-alive\n\n"
+            elif kind == "piece":
+                pieces.append(payload)
+                yield sse({"text": payload}, "token")
+            elif kind == "done":
+                yield sse(_ask_response(record, answer_id, "".join(pieces), job).model_dump(), "done")
+            else:
+                yield sse(payload, "error")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,159 @@
+"""OpenAI-compatible face: POST /v1/chat/completions (with `document_id`) and GET /v1/models.
+
+    client = OpenAI(base_url="http://host:8000/v1", api_key=KEY)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "..."}],
+                                   extra_body={"document_id": doc_id}, stream=True)
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from ...prompt import Turn
+from ..answers import (
+    SSE_HEADERS,
+    check_question,
+    collect,
+    generation_options,
+    ready_document,
+    sse,
+    sse_events,
+    start_answer,
+)
+from ..dependencies import Service, ServiceDep, find_document, require_api_key
+from ..errors import ServiceError
+from ..schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatUsage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    error_responses,
+)
+from ..worker import GenerationJob
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+
+CONVERSATION_CHAR_FACTOR = 4
+"""A conversation may hold this many times the question limit in characters, over all messages."""
+
+
+@router.get("/models", response_model=ModelList, summary="The served model (OpenAI-compatible)",
+            responses=error_responses(401))
+async def list_models(service: ServiceDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=service.model_id, created=int(service.started_at))])
+
+
+def _turns(request: ChatCompletionRequest) -> list[Turn]:
+    turns: list[Turn] = []
+    for index, message in enumerate(request.messages):
+        role = "system" if message.role == "developer" else message.role
+        if role not in ("system", "user", "assistant"):
+            raise ServiceError(400, "unsupported_role", f"messages[{index}]: role {message.role!r} is not supported; "
+                               "use system, developer, user or assistant")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ServiceError(400, "unsupported_content", f"messages[{index}]: only text content is "
+                                       f"supported, not {part.type!r}")
+                texts.append(part.text)
+            content = "".join(texts)
+        if not content:
+            raise ServiceError(400, "empty_message", f"messages[{index}] has no text content")
+        turns.append((role, content))
+    return turns
+
+
+def _usage(job: GenerationJob) -> ChatUsage:
+    usage = job.generation.usage
+    prompt = usage.prompt_tokens + usage.cached_tokens
+    return ChatUsage(
+        prompt_tokens=prompt,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=prompt + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def _check_model(service: Service, model: str) -> None:
+    if model != service.model_id:
+        raise ServiceError(404, "model_not_found", f"model {model!r} is not served here; use {service.model_id!r} "
+                           "(GET /v1/models)")
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    summary="OpenAI-compatible chat completion about a document (`document_id`; streaming and not)",
+    responses={
+        **error_responses(400, 401, 404, 409, 413, 422, 503),
+        200: {
+            "description": "A chat completion, or with `stream: true` OpenAI's `text/event-stream` of "
+            "`chat.completion.chunk` objects ending in `data: [DONE]`.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+    },
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
+    _check_model(service, body.model)
+    record = find_document(service, body.document_id)
+    turns = _turns(body)
+    check_question(service, sum(len(content) for _, content in turns), what="conversation",
+                   limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR)
+    options = generation_options(
+        service, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p, body.stop, body.seed
+    )
+    document = await ready_document(service, record)
+    job = await start_answer(service, document, turns, options)
+    completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
+    created = int(time.time())
+    if not body.stream:
+        answer = await collect(job, request)
+        return ChatCompletion(
+            id=completion_id,
+            created=created,
+            model=service.model_id,
+            choices=[ChatChoice(message=ChatCompletionMessage(content=answer),
+                                finish_reason=job.generation.usage.finish_reason)],
+            usage=_usage(job),
+            timings=job.timings(),  # type: ignore[arg-type]
+        )
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": service.model_id,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        }
+
+    async def events() -> AsyncIterator[str]:
+        yield sse(chunk({"role": "assistant", "content": ""}))
+        async for kind, payload in sse_events(job):
+            if kind == "heartbeat":
+                yield ": keep-alive\n\n"
+            elif kind == "piece":
+                yield sse(chunk({"content": payload}))
+            elif kind == "done":
+                yield sse(chunk({}, job.generation.usage.finish_reason))
+                if include_usage:
+                    final = {**chunk({}), "choices": [], "usage": _usage(job).model_dump()}
+                    yield sse(final)
+                yield sse("[DONE]")
+            else:
+                yield sse(payload)  # OpenAI clients raise an APIError with this message
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

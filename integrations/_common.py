@@ -1,0 +1,308 @@
+"""What both framework adapters share: lazily loaded engines, resolved documents, async stepping.
+
+Nothing here knows LangChain or LlamaIndex, and nothing here does model work: it only decides which
+`InfoKVEngine` and which `CompressedDocument` a call uses, so that each adapter stays a thin mapping
+between its framework's types and `CompressedDocument.generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.documents import Document
+from infokv_rag.engine import Generation, Usage
+from infokv_rag.generation import GenerationOptions
+from infokv_rag.prompt import Turn
+
+DEFAULT_MODEL = "default"
+
+DocumentSource = Union[str, "os.PathLike[str]", CompressedDocument, Document]
+"""A file (.pdf .txt .md), a saved cache directory, an ingested document or a loaded `Document`."""
+
+# Engines -------------------------------------------------------------------------------------------
+
+_ENGINES: dict[tuple[str, str | None], InfoKVEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def get_engine(model: str = DEFAULT_MODEL, device: str | None = None) -> InfoKVEngine:
+    """The engine for `model`, loaded on first use and shared by every adapter in the process."""
+    key = (model, device)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        with _ENGINES_LOCK:  # one load per model, even when several threads ask at once
+            engine = _ENGINES.get(key)
+            if engine is None:
+                engine = InfoKVEngine.from_pretrained(model, device=device)
+                _ENGINES[key] = engine
+    return engine
+
+
+def loaded_models() -> list[str]:
+    """Names of the models loaded so far (for tests and diagnostics)."""
+    return sorted({name for name, _ in _ENGINES})
+
+
+# Documents -----------------------------------------------------------------------------------------
+
+_DOCUMENT_CACHE_SIZE = 8
+_DOCUMENTS: OrderedDict[tuple[Any, ...], CompressedDocument] = OrderedDict()
+_DOCUMENT_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
+_DOCUMENTS_LOCK = threading.Lock()
+
+
+def coerce_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig:
+    if config is None:
+        return CompressionConfig()
+    if isinstance(config, CompressionConfig):
+        return config
+    return CompressionConfig(**config)
+
+
+def _is_saved_cache(path: Path) -> bool:
+    from infokv_rag.store import MANIFEST
+
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, ...]:
+    if text is not None:
+        return ("text", hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest())
+    if isinstance(source, Document):
+        return ("document", source.sha256, hashlib.sha256(source.text.encode("utf-8", "surrogatepass")).hexdigest())
+    path = Path(os.fspath(source)).expanduser().resolve()  # type: ignore[arg-type]
+    if _is_saved_cache(path):
+        from infokv_rag.store import MANIFEST
+
+        stat = (path / MANIFEST).stat()
+        return ("cache", str(path), stat.st_mtime_ns, stat.st_size)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"document {os.fspath(source)!r} not found: pass a .pdf/.txt/.md file, a saved cache directory "  # type: ignore[arg-type]
+            "(from doc.save()), or the text itself"
+        )
+    stat = path.stat()
+    return ("file", str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def open_document(
+    source: DocumentSource | None = None,
+    *,
+    text: str | None = None,
+    model: str | None = None,
+    config: CompressionConfig | dict[str, Any] | None = None,
+    device: str | None = None,
+) -> CompressedDocument:
+    """The compressed document for a source, ingested (or loaded) once per model and config.
+
+    `model` None means the source's own model for a `CompressedDocument`, else `DEFAULT_MODEL`.
+    Asking for another model than the one a `CompressedDocument` was read with is an error: its
+    cache belongs to that model.
+    """
+    if isinstance(source, CompressedDocument) and text is None:
+        if model is not None and model != source.engine.name:
+            raise ValueError(
+                f"the document was read by model {source.engine.name!r}; it cannot be answered by {model!r}. "
+                "Pass the file (or its text) instead, so that it is read by the requested model"
+            )
+        return source
+    if source is None and text is None:
+        raise ValueError(
+            "no document bound: pass document= (a .pdf/.txt/.md path, a saved cache directory or a "
+            "CompressedDocument) or document_text=, at construction or per call with .bind(document=...)"
+        )
+    config = coerce_config(config)
+    model = model or DEFAULT_MODEL
+    kind, *identity = _source_key(source, text)
+    key = (model, device, config, kind, *identity)
+    with _DOCUMENTS_LOCK:
+        cached = _DOCUMENTS.get(key)
+        if cached is not None:
+            _DOCUMENTS.move_to_end(key)
+            return cached
+        lock = _DOCUMENT_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # one ingestion per key; other keys proceed in parallel
+        with _DOCUMENTS_LOCK:
+            cached = _DOCUMENTS.get(key)
+        if cached is not None:
+            return cached
+        engine = get_engine(model, device)
+        if text is not None:
+            document = engine.ingest_text(text, config)
+        elif isinstance(source, Document):
+            document = engine.ingest_document(source, config)
+        elif kind == "cache":
+            from infokv_rag.store import load_document
+
+            document = load_document(engine, identity[0])
+        else:
+            document = engine.ingest(identity[0], config)
+        with _DOCUMENTS_LOCK:
+            _DOCUMENTS[key] = document
+            _DOCUMENT_LOCKS.pop(key, None)
+            while len(_DOCUMENTS) > _DOCUMENT_CACHE_SIZE:
+                _DOCUMENTS.popitem(last=False)
+    return document
+
+
+def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
+    """A `Document` from (page number, text) pairs, e.g. one per page of a framework's PDF reader."""
+    from infokv_rag.documents import PAGE_SEPARATOR, Page
+
+    kept = [Page(number, text.strip()) for number, text in pages if text.strip()]
+    if not kept:
+        from infokv_rag.errors import EmptyDocumentError
+
+        raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
+    text = PAGE_SEPARATOR.join(page.text for page in kept)
+    sha = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+    return Document(text=text, pages=tuple(kept), source=source, sha256=sha)
+
+
+# Generation ----------------------------------------------------------------------------------------
+
+
+def generation_options(
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: Sequence[str] | None,
+    seed: int | None,
+    max_cache_tokens: int | None,
+) -> GenerationOptions:
+    return GenerationOptions.build(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=[s for s in (stop or ()) if s],
+        seed=seed,
+        max_cache_tokens=max_cache_tokens,
+    )
+
+
+_DONE = object()
+
+
+def _step(iterator: Iterator[str]) -> Any:
+    return next(iterator, _DONE)
+
+
+async def aiter_pieces(generation: Generation) -> AsyncIterator[str]:
+    """Yields a generation's pieces, running each blocking decoding step in a worker thread."""
+    iterator = iter(generation)
+    try:
+        while True:
+            piece = await asyncio.to_thread(_step, iterator)
+            if piece is _DONE:
+                return
+            yield piece
+    finally:
+        try:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        except ValueError:  # cancelled while a step still runs in its thread: it ends with that step
+            pass
+
+
+@dataclass(frozen=True)
+class AnswerInfo:
+    """What an adapter reports beside the text of an answer."""
+
+    model_name: str
+    usage: Usage
+    stats: dict[str, Any]
+    source: str | None
+    pages: int
+
+    @property
+    def input_tokens(self) -> int:
+        """Question tokens plus the document tokens served from the cache."""
+        return self.usage.prompt_tokens + self.usage.cached_tokens
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "finish_reason": self.usage.finish_reason,
+            "time_to_first_token": self.usage.time_to_first_token,
+            "document": {"source": self.source, "pages": self.pages, "tokens": self.usage.cached_tokens},
+            "compression": self.stats,
+        }
+
+
+def answer_info(document: CompressedDocument, usage: Usage) -> AnswerInfo:
+    return AnswerInfo(
+        model_name=document.engine.name,
+        usage=usage,
+        stats=document.stats.to_dict(),
+        source=document.document.source,
+        pages=len(document.document.pages),
+    )
+
+
+def check_turns(turns: Sequence[Turn]) -> list[Turn]:
+    turns = [(role, content) for role, content in turns]
+    if not turns:
+        raise ValueError("no messages: ask a question about the document")
+    return turns
+
+
+# Citations -----------------------------------------------------------------------------------------
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_STOPWORDS = frozenset(
+    "the a an and or of to in on at by for with from is are was were be been this that these those it its "
+    "as any all not no shall may will which who whom what when where how per such than then there their".split()
+)
+
+
+def _terms(text: str) -> set[str]:
+    return {
+        w
+        for w in (m.group().lower() for m in _WORD.finditer(text))
+        if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())
+    }
+
+
+def supporting_pages(document: Document, answer: str, question: str = "", limit: int = 3) -> list[tuple[int, float]]:
+    """(page number, score) of the pages that best support an answer, best first.
+
+    A page holding the whole answer verbatim scores highest; otherwise pages are ranked by the
+    rarity-weighted share of the answer's words they contain (the question's words count half).
+    """
+    pages = document.pages
+    if not pages:
+        return []
+    page_terms = [_terms(page.text) for page in pages]
+    frequency: dict[str, int] = {}
+    for terms in page_terms:
+        for term in terms:
+            frequency[term] = frequency.get(term, 0) + 1
+    weight = {term: math.log(1 + len(pages) / count) for term, count in frequency.items()}
+    answer_terms, question_terms = _terms(answer), _terms(question) - _terms(answer)
+    total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
+    needle = " ".join(answer.split()).lower().rstrip(".")
+    scored = []
+    for page, terms in zip(pages, page_terms):
+        hit = sum(weight[t] for t in answer_terms & terms) + 0.5 * sum(weight[t] for t in question_terms & terms)
+        score = hit / total if total else 0.0
+        if len(needle) >= 3 and needle in " ".join(page.text.split()).lower():
+            score += 1.0
+        scored.append((page.number, score))
+    scored.sort(key=lambda item: -item[1])
+    best = scored[0][1]
+    if best <= 0:
+        return [(pages[0].number, 0.0)] if len(pages) == 1 else []
+    return [(number, round(score, 4)) for number, score in scored[:limit] if score >= 0.5 * best]

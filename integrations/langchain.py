@@ -1,0 +1,426 @@
+"""LangChain adapters: a compressed document as a chat model (`ChatInfoKV`) or a completion LLM (`InfoKVLLM`).
+
+```python
+from infokv_rag.integrations.langchain import ChatInfoKV
+chat = ChatInfoKV(model="default", document="contract.pdf")   # weights load on first use
+chain = ChatPromptTemplate.from_messages([("human", "{question}")]) | chat | StrOutputParser()
+chain.invoke({"question": "What is the notice period?"})
+chat.bind(document="caches/other").invoke("...")             # another document for these calls
+```
+
+The document is read once (per model and compression config) and shared by every instance in the
+process; each call sends only its own messages, which follow the document in the model's chat template
+(system messages are folded into the next user message, consecutive same-role messages merged).
+Needs the `langchain` extra (`langchain-core`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.llms import LLM
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+)
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.outputs import (
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag.documents import Document
+from infokv_rag.engine import Generation as InfoKVGeneration
+from infokv_rag.prompt import Turn
+
+from ._common import (
+    DEFAULT_MODEL,
+    AnswerInfo,
+    aiter_pieces,
+    answer_info,
+    check_turns,
+    coerce_config,
+    generation_options,
+    open_document,
+)
+
+__all__ = ["ChatInfoKV", "InfoKVLLM", "messages_to_turns"]
+
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "ai": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+}
+
+_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
+
+
+def _text_of(content: str | list[Any], role: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking"):
+            continue  # earlier reasoning is not part of the conversation the model sees
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatInfoKV reads text only; a {role} message holds a {kind!r} block")
+    return "".join(parts)
+
+
+def messages_to_turns(messages: Sequence[BaseMessage]) -> list[Turn]:
+    """LangChain messages -> (role, content) turns after the document."""
+    turns: list[Turn] = []
+    for message in messages:
+        if isinstance(message, ChatMessage):
+            role = _ROLES.get(message.role)
+        elif isinstance(message, (HumanMessage, AIMessage, SystemMessage)):
+            role = _ROLES.get(message.type)
+        else:
+            role = None
+        if role is None:
+            raise ValueError(
+                f"ChatInfoKV has no tool calling and takes system, human and ai messages, not {message.type!r}"
+            )
+        turns.append((role, _text_of(message.content, role)))
+    return check_turns(turns)
+
+
+def _usage_metadata(info: AnswerInfo) -> UsageMetadata:
+    usage = info.usage
+    return UsageMetadata(
+        input_tokens=info.input_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=info.input_tokens + usage.completion_tokens,
+        input_token_details=InputTokenDetails(cache_read=usage.cached_tokens),
+    )
+
+
+class _InfoKVFields(BaseModel):
+    """Settings shared by the chat model and the completion LLM."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model: str | None = None
+    """`default`, `tiny`, a local HF directory or a .gguf file; None: the document's model, else default."""
+    document: Any = None
+    """A .pdf/.txt/.md path, a saved cache directory, a `CompressedDocument` or a `Document`."""
+    document_text: str | None = None
+    """The document's text, when there is no file (used instead of `document`)."""
+    compression: CompressionConfig | None = None
+    """How a document given as a file or text is compressed (default: InfoKV, keep 0.25)."""
+    device: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] | None = None
+    seed: int | None = None
+    max_cache_tokens: int | None = None
+    """Cap on the cached tokens per layer while answering (evicts past it); None: no cap."""
+    streaming: bool = False
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _config(cls, value: Any) -> CompressionConfig | None:
+        return None if value is None else coerce_config(value)
+
+    def _model_name(self, override: Any = None) -> str:
+        if isinstance(override, str) and override:
+            return override
+        if self.model:
+            return self.model
+        if isinstance(self.document, CompressedDocument):
+            return self.document.engine.name
+        return DEFAULT_MODEL
+
+    def compressed_document(self, **kwargs: Any) -> CompressedDocument:
+        """The document calls answer from, read on first use (loading the weights): `stats`, `save()`, pages.
+
+        kwargs as per call: `document`, `document_text`, `model`, `compression`.
+        """
+        text = kwargs.get("document_text", self.document_text if "document" not in kwargs else None)
+        return open_document(
+            kwargs.get("document", self.document),
+            text=text,
+            model=kwargs.get("model") or self.model,
+            config=kwargs.get("compression", self.compression),
+            device=self.device,
+        )
+
+    def _start(
+        self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[InfoKVGeneration, CompressedDocument]:
+        """Resolves the document (loading weights / ingesting on first use) and starts an answer."""
+        document = self.compressed_document(**kwargs)
+        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
+        stops = stop if stop is not None else kwargs.get("stop", self.stop)
+        return document.generate(turns, generation_options(stop=stops, **options)), document
+
+    def _infokv_identity(self) -> dict[str, Any]:
+        document = self.document
+        if isinstance(document, CompressedDocument):
+            document = document.document
+        if isinstance(document, Document):
+            document = document.source or f"<document sha256={document.sha256[:16]}>"
+        elif document is not None:
+            document = os.fspath(document)
+        if self.document_text is not None:
+            digest = hashlib.sha256(self.document_text.encode("utf-8", "surrogatepass")).hexdigest()
+            document = f"<text sha256={digest[:16]}>"
+        return {
+            "model": self._model_name(),
+            "document": document,
+            "compression": (self.compression or CompressionConfig()).to_dict(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_cache_tokens": self.max_cache_tokens,
+        }
+
+
+class ChatInfoKV(BaseChatModel, _InfoKVFields):
+    """A chat model that answers from one InfoKV-compressed document (read once, asked many times).
+
+    Usage metadata counts the document tokens served from the cache as `input_token_details.cache_read`
+    (and within `input_tokens`); `response_metadata` carries the model name, finish reason and the
+    document's compression stats. Per-call options: `document`, `document_text`, `model`, `max_tokens`,
+    `temperature`, `top_p`, `seed`, `max_cache_tokens` (via `.bind(...)` or invoke kwargs) and `stop`.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "infokv-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._infokv_identity()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="infokv",
+            ls_model_name=self._model_name(kwargs.get("model")),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    @staticmethod
+    def _final_chunk(info: AnswerInfo) -> ChatGenerationChunk:
+        message = AIMessageChunk(
+            content="",
+            usage_metadata=_usage_metadata(info),
+            response_metadata=info.metadata(),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": info.usage.finish_reason})
+
+    def _result(self, text: str, info: AnswerInfo) -> ChatResult:
+        message = AIMessage(content=text, usage_metadata=_usage_metadata(info), response_metadata=info.metadata())
+        generation = ChatGeneration(message=message, generation_info={"finish_reason": info.usage.finish_reason})
+        return ChatResult(generations=[generation], llm_output={"model_name": info.model_name})
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        generation, document = self._start(messages_to_turns(messages), stop, kwargs)
+        text = generation.text()
+        return self._result(text, answer_info(document, generation.usage))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        generation, document = self._start(messages_to_turns(messages), stop, kwargs)
+        for piece in generation:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._final_chunk(answer_info(document, generation.usage))
+
+    async def _astart(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[InfoKVGeneration, CompressedDocument]:
+        turns = messages_to_turns(messages)
+        return await asyncio.to_thread(self._start, turns, stop, kwargs)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        generation, document = await self._astart(messages, stop, kwargs)
+        text = "".join([piece async for piece in aiter_pieces(generation)])
+        return self._result(text, answer_info(document, generation.usage))
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        generation, document = await self._astart(messages, stop, kwargs)
+        async for piece in aiter_pieces(generation):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._final_chunk(answer_info(document, generation.usage))
+
+
+class InfoKVLLM(LLM, _InfoKVFields):
+    """A completion LLM over one compressed document: the prompt is the user turn after the document.
+
+    Streaming fires `on_llm_new_token` per piece; each generation's `generation_info` holds the finish
+    reason and token usage (`cached_tokens` = document tokens served from the cache).
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "infokv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._infokv_identity()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "infokv"
+        params["ls_model_name"] = self._model_name(kwargs.get("model"))
+        return params
+
+    @staticmethod
+    def _info(info: AnswerInfo) -> dict[str, Any]:
+        usage = info.usage
+        return {
+            **info.metadata(),
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
+            },
+        }
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        generation, _ = self._start([("user", prompt)], stop, kwargs)
+        return generation.text()
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            if self.streaming:  # pieces reach on_llm_new_token as they are generated
+                chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
+                text, info = "".join(c.text for c in chunks), chunks[-1].generation_info
+            else:
+                generation, document = self._start([("user", prompt)], stop, kwargs)
+                text, info = generation.text(), self._info(answer_info(document, generation.usage))
+            generations.append([Generation(text=text, generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs.get("model"))})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        generation, document = self._start([("user", prompt)], stop, kwargs)
+        for piece in generation:
+            chunk = GenerationChunk(text=piece)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=self._info(answer_info(document, generation.usage)))
+
+    async def _acall(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        generation, _ = await asyncio.to_thread(self._start, [("user", prompt)], stop, kwargs)
+        return "".join([piece async for piece in aiter_pieces(generation)])
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            if self.streaming:
+                chunks = [chunk async for chunk in self._astream(prompt, stop, run_manager, **kwargs)]
+                text, info = "".join(c.text for c in chunks), chunks[-1].generation_info
+            else:
+                generation, document = await asyncio.to_thread(self._start, [("user", prompt)], stop, kwargs)
+                text = "".join([piece async for piece in aiter_pieces(generation)])
+                info = self._info(answer_info(document, generation.usage))
+            generations.append([Generation(text=text, generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs.get("model"))})
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        generation, document = await asyncio.to_thread(self._start, [("user", prompt)], stop, kwargs)
+        async for piece in aiter_pieces(generation):
+            chunk = GenerationChunk(text=piece)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=self._info(answer_info(document, generation.usage)))

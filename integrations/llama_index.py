@@ -1,0 +1,361 @@
+"""LlamaIndex adapters: a compressed document as an LLM (`InfoKV`) and as a query engine (`DocumentQueryEngine`).
+
+```python
+from infokv_rag.integrations.llama_index import DocumentQueryEngine
+engine = DocumentQueryEngine.from_file("contract.pdf", model="default")     # or .from_documents(docs)
+response = engine.query("What is the notice period?")
+response.response, [n.node.metadata["page_label"] for n in response.source_nodes]
+```
+
+The document is read once (per model and compression config) and shared in the process; prompts and
+chat messages follow it in the model's chat template. Needs the `llamaindex` extra (`llama-index-core`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+)
+from llama_index.core.base.response.schema import Response
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.schema import Document as LlamaDocument
+from llama_index.core.schema import NodeWithScore, TextNode
+
+from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag.engine import Generation
+from infokv_rag.prompt import Turn, question_turns
+
+from ._common import (
+    DEFAULT_MODEL,
+    AnswerInfo,
+    aiter_pieces,
+    answer_info,
+    check_turns,
+    coerce_config,
+    document_from_pages,
+    generation_options,
+    open_document,
+    supporting_pages,
+)
+
+__all__ = ["DocumentQueryEngine", "InfoKV", "messages_to_turns"]
+
+_ROLES = {
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "system",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+}
+
+_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
+
+
+def messages_to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """LlamaIndex chat messages -> (role, content) turns after the document."""
+    turns: list[Turn] = []
+    for message in messages:
+        role = _ROLES.get(message.role)
+        if role is None:
+            raise ValueError(
+                f"InfoKV has no tool calling and takes system, user and assistant messages, not {message.role.value!r}"
+            )
+        parts = []
+        for block in message.blocks:
+            if isinstance(block, TextBlock):
+                parts.append(block.text)
+            elif not isinstance(block, ThinkingBlock):
+                raise ValueError(f"InfoKV reads text only; a {role} message holds a {type(block).__name__}")
+        turns.append((role, "".join(parts)))
+    return check_turns(turns)
+
+
+class InfoKV(CustomLLM):
+    """A chat LLM answering from one InfoKV-compressed document (weights and document load on first use).
+
+    `metadata.context_window` is what is left for messages and the answer: the model's window minus the
+    document tokens held (at their original positions) by the cache. Per-call kwargs: `document`,
+    `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`, `stop`.
+    """
+
+    model: str | None = Field(default=None, description="default, tiny, a local HF directory or a .gguf file")
+    document: Any = Field(default=None, description="a .pdf/.txt/.md path, saved cache dir or CompressedDocument")
+    document_text: str | None = Field(default=None, description="the document's text, when there is no file")
+    compression: CompressionConfig | None = Field(default=None, description="how a file or text is compressed")
+    device: str | None = None
+    max_tokens: int = Field(default=256, gt=0, description="most tokens generated per answer")
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] | None = None
+    seed: int | None = None
+    max_cache_tokens: int | None = None
+
+    _opened: CompressedDocument | None = PrivateAttr(default=None)
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _config(cls, value: Any) -> CompressionConfig | None:
+        return None if value is None else coerce_config(value)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "InfoKV"
+
+    # The document ----------------------------------------------------------------------------------
+
+    def _model_name(self) -> str:
+        if self.model:
+            return self.model
+        if isinstance(self.document, CompressedDocument):
+            return self.document.engine.name
+        return DEFAULT_MODEL
+
+    def compressed_document(self, **kwargs: Any) -> CompressedDocument:
+        """The compressed document this LLM answers from (read on first use, then shared)."""
+        per_call = any(key in kwargs for key in ("document", "document_text", "model", "compression"))
+        if not per_call and self._opened is not None:
+            return self._opened
+        text = kwargs.get("document_text", self.document_text if "document" not in kwargs else None)
+        document = open_document(
+            kwargs.get("document", self.document),
+            text=text,
+            model=kwargs.get("model") or self.model,
+            config=kwargs.get("compression", self.compression),
+            device=self.device,
+        )
+        if not per_call:
+            self._opened = document
+        return document
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        document = self.compressed_document()
+        return LLMMetadata(
+            context_window=document.engine.context_window - document.cache.document_tokens,
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=False,
+            model_name=document.engine.name,
+        )
+
+    def to_payload(self) -> dict[str, Any]:
+        """For instrumentation events: never loads weights or reads the document just to describe them."""
+        if self._opened is None:
+            return {"class_name": self.class_name(), "model_name": self._model_name(), "num_output": self.max_tokens}
+        return {"class_name": self.class_name(), **self.metadata.model_dump()}
+
+    # Generation ------------------------------------------------------------------------------------
+
+    def _start(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
+        document = self.compressed_document(**kwargs)
+        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
+        return document.generate(turns, generation_options(stop=kwargs.get("stop", self.stop), **options)), document
+
+    async def _astart(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
+        return await asyncio.to_thread(self._start, turns, kwargs)
+
+    def _prompt_turns(self, prompt: str, formatted: bool) -> list[Turn]:
+        if not formatted:
+            prompt = self.completion_to_prompt(prompt)
+        turns: list[Turn] = []
+        if self.system_prompt and not formatted:
+            turns.append(("system", self.system_prompt))
+        return [*turns, ("user", prompt)]
+
+    def _chat_turns(self, messages: Sequence[ChatMessage]) -> list[Turn]:
+        return messages_to_turns(self._extend_messages(list(messages)))
+
+    @staticmethod
+    def _extra(info: AnswerInfo) -> dict[str, Any]:
+        usage = info.usage
+        return {
+            **info.metadata(),
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": info.input_tokens + usage.completion_tokens,
+        }
+
+    def _completions(self, generation: Generation, document: CompressedDocument) -> CompletionResponseGen:
+        text = ""
+        for piece in generation:
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)
+        yield CompletionResponse(
+            text=text, delta="", additional_kwargs=self._extra(answer_info(document, generation.usage))
+        )
+
+    async def _acompletions(self, generation: Generation, document: CompressedDocument) -> CompletionResponseAsyncGen:
+        text = ""
+        async for piece in aiter_pieces(generation):
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)
+        yield CompletionResponse(
+            text=text, delta="", additional_kwargs=self._extra(answer_info(document, generation.usage))
+        )
+
+    @staticmethod
+    def _as_chat(response: CompletionResponse) -> ChatResponse:
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+            delta=response.delta,
+            additional_kwargs=response.additional_kwargs,
+        )
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        generation, document = self._start(self._prompt_turns(prompt, formatted), kwargs)
+        text = generation.text()
+        return CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        generation, document = self._start(self._prompt_turns(prompt, formatted), kwargs)
+        return self._completions(generation, document)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        generation, document = self._start(self._chat_turns(messages), kwargs)
+        text = generation.text()
+        return self._as_chat(
+            CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        generation, document = self._start(self._chat_turns(messages), kwargs)
+        return (self._as_chat(response) for response in self._completions(generation, document))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        generation, document = await self._astart(self._prompt_turns(prompt, formatted), kwargs)
+        text = "".join([piece async for piece in aiter_pieces(generation)])
+        return CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        generation, document = await self._astart(self._prompt_turns(prompt, formatted), kwargs)
+        return self._acompletions(generation, document)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        generation, document = await self._astart(self._chat_turns(messages), kwargs)
+        text = "".join([piece async for piece in aiter_pieces(generation)])
+        return self._as_chat(
+            CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+        )
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        generation, document = await self._astart(self._chat_turns(messages), kwargs)
+
+        async def responses() -> ChatResponseAsyncGen:
+            async for response in self._acompletions(generation, document):
+                yield self._as_chat(response)
+
+        return responses()
+
+
+def _page_number(metadata: dict[str, Any], default: int) -> int:
+    for key in ("page_label", "page", "page_number"):
+        value = metadata.get(key)
+        try:
+            return int(str(value).strip())
+        except (TypeError, ValueError):
+            continue
+    return default
+
+
+class DocumentQueryEngine(CustomQueryEngine):
+    """Answers queries from one compressed document; source nodes are the pages that support the answer.
+
+    Every source node is a page of the document, its metadata holding `page_label` (str) and `page` (int)
+    as LlamaIndex's PDF readers do, plus `file_name` when known. Pages are chosen after answering: those
+    holding the answer verbatim, else those sharing most of its (rare) words.
+    """
+
+    llm: InfoKV
+    max_sources: int = Field(default=3, ge=0, description="most pages returned as source nodes")
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        model: str | None = None,
+        compression: CompressionConfig | dict[str, Any] | None = None,
+        **llm_kwargs: Any,
+    ) -> DocumentQueryEngine:
+        """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache directory."""
+        return cls(llm=InfoKV(model=model, document=os.fspath(path), compression=compression, **llm_kwargs))
+
+    @classmethod
+    def from_documents(
+        cls,
+        documents: Sequence[LlamaDocument],
+        *,
+        model: str | None = None,
+        compression: CompressionConfig | dict[str, Any] | None = None,
+        **llm_kwargs: Any,
+    ) -> DocumentQueryEngine:
+        """LlamaIndex `Document`s (e.g. from `SimpleDirectoryReader`), in order, as the pages of one document.
+
+        A document's page number comes from its `page_label` / `page` metadata (as set by PDF readers),
+        else from its position (1, 2, ...).
+        """
+        if not documents:
+            raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
+        pages = [(_page_number(doc.metadata, index + 1), doc.get_content()) for index, doc in enumerate(documents)]
+        names = [str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "") for doc in documents]
+        source = names[0] if names[0] and all(name == names[0] for name in names) else None
+        document = document_from_pages(pages, source=source)
+        return cls(llm=InfoKV(model=model, document=document, compression=compression, **llm_kwargs))
+
+    @property
+    def document(self) -> CompressedDocument:
+        return self.llm.compressed_document()
+
+    def _start(self, query_str: str) -> tuple[Generation, CompressedDocument]:
+        return self.llm._start(question_turns(query_str), {})
+
+    def _response(self, query_str: str, text: str, generation: Generation, document: CompressedDocument) -> Response:
+        answer = text.strip()
+        source = document.document.source
+        nodes = []
+        for number, score in supporting_pages(document.document, answer, query_str, limit=self.max_sources):
+            page = next(p for p in document.document.pages if p.number == number)
+            metadata: dict[str, Any] = {"page_label": str(number), "page": number}
+            if source:
+                metadata["file_name"] = os.path.basename(source)
+            node = TextNode(id_=f"{document.document.sha256[:16]}-page-{number}", text=page.text, metadata=metadata)
+            nodes.append(NodeWithScore(node=node, score=score))
+        info = answer_info(document, generation.usage)
+        return Response(response=answer, source_nodes=nodes, metadata=InfoKV._extra(info))
+
+    def custom_query(self, query_str: str) -> Response:
+        generation, document = self._start(query_str)
+        return self._response(query_str, generation.text(), generation, document)
+
+    async def acustom_query(self, query_str: str) -> Response:
+        generation, document = await asyncio.to_thread(self._start, query_str)
+        text = "".join([piece async for piece in aiter_pieces(generation)])
+        return self._response(query_str, text, generation, document)

@@ -1,0 +1,218 @@
+"""The `infokv-rag` command line, run as a user runs it: a subprocess, its exit code, stdout and stderr.
+
+Bad documents are rejected before any model loads (the CLI reads the document first), so those cases
+are fast. The cases that answer use the random 3-layer model from conftest, never a real one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from .conftest import CORPUS
+
+
+def _load_factory() -> ModuleType:
+    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
+    name = "infokv_tests_pdf_factory"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("pdf_factory.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pdfs = _load_factory()
+
+PAGES = ["Alpha page one.\nThe notice period is thirty days.", "Beta page two."]
+TEXT = " ".join(CORPUS * 2)
+
+
+def run_cli(*args: str, cache_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "INFOKV_CACHE_DIR": str(cache_dir), "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    return subprocess.run(
+        [sys.executable, "-m", "infokv_rag.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    """Exit code 2, one actionable `infokv-rag: error:` message naming `phrases`, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith("infokv-rag: error: "), result.stderr
+    message = result.stderr.lower()
+    for phrase in phrases:
+        assert phrase.lower() in message, (phrase, result.stderr)
+
+
+# Each case: a builder writing the bad file, extra CLI arguments, phrases the message must contain
+# (what is wrong and what to do about it).
+BAD_INPUTS: dict[str, tuple[Callable[[Path], Path], tuple[str, ...], tuple[str, ...]]] = {
+    "encrypted-without-password": (
+        lambda d: pdfs.encrypted_pdf(d / "locked.pdf", PAGES, "s3cret"),
+        (),
+        ("locked.pdf", "encrypted", "needs a password", "--password"),
+    ),
+    "wrong-password": (
+        lambda d: pdfs.encrypted_pdf(d / "locked.pdf", PAGES, "s3cret"),
+        ("--password", "guess"),
+        ("locked.pdf", "wrong password", "--password"),
+    ),
+    "image-only": (
+        lambda d: pdfs.image_only_pdf(d / "scan.pdf"),
+        (),
+        ("scan.pdf", "no extractable text", "ocr"),
+    ),
+    "corrupt": (
+        lambda d: pdfs.corrupt_pdf(d / "broken.pdf"),
+        (),
+        ("broken.pdf", "damaged", "repair"),
+    ),
+    "truncated": (
+        lambda d: pdfs.truncated_pdf(d / "cut.pdf", PAGES),
+        (),
+        ("cut.pdf", "truncated", "download or export it again"),
+    ),
+    "not-a-pdf": (
+        lambda d: _write(d / "photo.pdf", b"\x89PNG\r\n\x1a\n" + bytes(200)),
+        (),
+        ("photo.pdf", "not a pdf", "png image"),
+    ),
+    "binary-not-a-document": (
+        lambda d: _write(d / "archive.txt", b"PK\x03\x04" + bytes(range(256)) * 4),
+        (),
+        ("archive.txt", "not a supported document", "zip"),
+    ),
+    "empty-file": (
+        lambda d: _write(d / "empty.txt", b""),
+        (),
+        ("empty.txt", "empty", "0 bytes"),
+    ),
+    "nonexistent-file": (
+        lambda d: d / "missing.pdf",
+        (),
+        ("missing.pdf", "no such file"),
+    ),
+}
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_document_exits_2_with_actionable_message(case: str, tmp_path: Path, random_model_dir: Path) -> None:
+    build, extra, phrases = BAD_INPUTS[case]
+    path = build(tmp_path)
+    result = run_cli(
+        "ask", str(path), "-q", "What is the notice period?", "--model", str(random_model_dir),
+        "--store", str(tmp_path / "store"), *extra, cache_dir=tmp_path / "cache",
+    )
+    assert_clean_failure(result, *phrases)
+    assert not (tmp_path / "store").exists(), "nothing is stored for a document that cannot be read"
+
+
+def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--keep", "0", cache_dir=tmp_path), "keep")
+    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--max-new-tokens", "0", cache_dir=tmp_path), "max-new-tokens")
+    assert_clean_failure(run_cli("info", str(tmp_path), cache_dir=tmp_path), "not a saved document cache")
+    # The model resolves after the document loads: an unknown model is refused, with the choices.
+    assert_clean_failure(
+        run_cli("ask", str(doc), "-q", "Q?", "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path),
+        "cannot resolve model", "default, tiny",
+    )
+
+
+def test_ask_json_then_again_reuses_the_stored_cache(tmp_path: Path, random_model_dir: Path) -> None:
+    doc = _write(tmp_path / "contract.txt", TEXT.encode())
+    store = tmp_path / "store"
+    args = ("ask", str(doc), "-q", "What is the notice period?", "-q", "Who delivers the goods?",
+            "--model", str(random_model_dir), "--store", str(store), "--max-new-tokens", "6", "--json")
+    first = run_cli(*args, "--verbose", cache_dir=tmp_path / "cache")
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["reused_cache"] is False
+    assert [a["question"] for a in out["answers"]] == ["What is the notice period?", "Who delivers the goods?"]
+    for answer in out["answers"]:
+        assert answer["answer"] and answer["completion_tokens"] == 6 and answer["time_to_first_token"] > 0
+    stats = out["stats"]
+    assert stats["method"] == "infokv" and stats["keep"] == 0.25
+    assert stats["document_tokens"] > 100 and 0 < stats["cache_bytes"] < stats["full_cache_bytes"]
+    assert Path(out["cache"]).parent == store and (Path(out["cache"]) / "manifest.json").is_file()
+    # --verbose shows the prefill progress bar (tokens/s, ETA) on stderr, never on stdout.
+    assert "tok/s" in first.stderr and "ETA" in first.stderr and "tok/s" not in first.stdout
+
+    second = run_cli(*args, cache_dir=tmp_path / "cache")
+    assert second.returncode == 0, second.stderr
+    again = json.loads(second.stdout)
+    assert again["reused_cache"] is True
+    assert again["cache"] == out["cache"]
+    assert [a["answer"] for a in again["answers"]] == [a["answer"] for a in out["answers"]]
+    assert again["stats"]["prefill_seconds"] == stats["prefill_seconds"], "stats come from the stored ingestion"
+    assert "tok/s" not in second.stderr, "no prefill the second time"
+    assert sorted(p.name for p in store.iterdir()) == [Path(out["cache"]).name], "no leftovers in the store"
+
+
+def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
+    pdf = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, "s3cret")
+    out_dir = tmp_path / "caches" / "locked"
+    ingest = run_cli(
+        "ingest", str(pdf), "--out", str(out_dir), "--password", "s3cret", "--model", str(random_model_dir),
+        "--method", "snapkv", "--keep", "40", cache_dir=tmp_path / "cache",
+    )
+    assert ingest.returncode == 0, ingest.stderr
+    saved = json.loads(ingest.stdout)
+    assert Path(saved["saved"]) == out_dir.resolve()
+    assert saved["method"] == "snapkv" and saved["keep"] == 40 and saved["pages"] == 2
+    kept = saved["kept_tokens_per_layer"]
+    assert len(kept) == 3 and max(kept) < saved["document_tokens"]
+
+    info = run_cli("info", str(out_dir), cache_dir=tmp_path / "cache")
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["config"]["method"] == "snapkv" and described["config"]["keep"] == 40
+    assert described["document"]["pages"] == 2 and described["document"]["source"] == str(pdf)
+    assert described["tokens"]["kept_per_layer"] == kept
+    assert described["model"]["name"] == str(random_model_dir)
+    assert described["format_version"] == 1
+
+    # `info` verifies checksums: a damaged cache is reported, not described.
+    tensors = out_dir / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    assert_clean_failure(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache"), "sha256", "ingest again")
+
+
+def test_progress_bar_formats(tmp_path: Path) -> None:
+    import io
+
+    from infokv_rag.cli import ProgressBar
+
+    stream = io.StringIO()
+    bar = ProgressBar("reading doc.pdf", enabled=True, stream=stream)
+    bar(2048, 4096)
+    bar(4096, 4096)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and "2048/4096 tokens" in lines[0] and "ETA" in lines[0] and "tok/s" in lines[1]
+    silent = io.StringIO()
+    ProgressBar("x", enabled=False, stream=silent)(1, 2)
+    assert silent.getvalue() == ""

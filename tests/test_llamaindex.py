@@ -1,0 +1,224 @@
+"""LlamaIndex adapters: the InfoKV LLM (metadata, complete/chat, streaming, async) and the query engine."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import SimpleDirectoryReader
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.core.schema import Document as LlamaDocument
+
+from infokv_rag import CompressionConfig
+from infokv_rag.documents import document_from_text
+from infokv_rag.generation import GenerationOptions
+from infokv_rag.integrations._common import document_from_pages, get_engine, supporting_pages
+from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
+from infokv_rag.prompt import question_turns
+
+from .pdf_factory import text_pdf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FACT_PAGES = [
+    (
+        "Service Agreement between Orion Logistics Ltd and Blue Harbor Foods.\n"
+        "1. Term. This agreement starts on 1 March 2024 and runs for two years."
+    ),
+    (
+        "2. Contact. The account manager is Maria Lindqvist, phone 555-0142.\n"
+        "3. Notice. Either party may terminate this agreement with ninety days written notice."
+    ),
+    "4. Payment. The customer pays 12,500 EUR per month.\n5. Law. This agreement is governed by the laws of Sweden.",
+]
+# The fact checks test the adapters, not the compression: the tiny model reads these facts from a full
+# cache, while whether a compressed one keeps them moves with every scorer change. The compressed path is
+# covered by the standard suites (default config), by the engine-equality tests and the default-model test.
+COMPRESSION = CompressionConfig(method="full")
+COMPRESSED = CompressionConfig(method="infokv", keep=0.5)
+QUESTION = "Question: {question}\nAnswer concisely, using only the document above."
+
+
+# Without weights -----------------------------------------------------------------------------------
+
+
+def test_messages_to_turns() -> None:
+    turns = messages_to_turns(
+        [
+            ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+            ChatMessage(role=MessageRole.USER, content="Hi"),
+            ChatMessage(role=MessageRole.ASSISTANT, content="Hello"),
+            ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="Q"), TextBlock(text="?")]),
+        ]
+    )
+    assert turns == [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Q?")]
+    with pytest.raises(ValueError, match="text only"):
+        messages_to_turns([ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(image=b"\x89PNG")])])
+    with pytest.raises(ValueError, match="no tool calling"):
+        messages_to_turns([ChatMessage(role=MessageRole.TOOL, content="3")])
+
+
+def test_supporting_pages_prefer_the_page_holding_the_answer() -> None:
+    document = document_from_pages(list(enumerate(FACT_PAGES, start=1)))
+    assert supporting_pages(document, "Maria Lindqvist", "Who is the account manager?")[0][0] == 2
+    assert supporting_pages(document, "It is governed by Swedish law (the laws of Sweden).")[0][0] == 3
+    assert supporting_pages(document, "zzz qqq") == []
+    single = document_from_text("Only one page here.")
+    assert supporting_pages(single, "nothing related") == [(1, 0.0)]
+
+
+def test_llm_loads_nothing_until_used() -> None:
+    llm = InfoKV(model="no-such-model", document_text="some text")
+    payload = llm.to_payload()  # what instrumentation sees before first use: no loading
+    assert payload["model_name"] == "no-such-model"
+
+
+# On the tiny model ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fact_pdf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return text_pdf(tmp_path_factory.mktemp("li") / "agreement.pdf", FACT_PAGES)
+
+
+@pytest.fixture(scope="module")
+def llm(fact_pdf: Path) -> InfoKV:
+    return InfoKV(model="tiny", document=str(fact_pdf), compression=COMPRESSION, max_tokens=12)
+
+
+@pytest.mark.tiny
+def test_metadata_counts_the_cached_document(llm: InfoKV) -> None:
+    document = llm.compressed_document()
+    metadata = llm.metadata
+    assert metadata.context_window == get_engine("tiny").context_window - document.stats.document_tokens
+    assert metadata.is_chat_model and not metadata.is_function_calling_model
+    assert metadata.num_output == 12 and metadata.model_name == "tiny"
+    assert [page.number for page in document.document.pages] == [1, 2, 3]
+
+
+def _check_stream(responses: list[Any], final_text: str) -> None:
+    text = ""
+    for response in responses:
+        assert response.delta is not None
+        text += response.delta
+        current = response.text if hasattr(response, "text") else response.message.content
+        assert current == text  # cumulative text, the delta is what is new
+    assert text == final_text
+    assert responses[-1].additional_kwargs["cached_tokens"] > 0
+
+
+@pytest.mark.tiny
+def test_complete_chat_streaming_and_async(llm: InfoKV) -> None:
+    prompt = QUESTION.format(question="Who is the account manager?")
+    completion = llm.complete(prompt)
+    assert "Lindqvist" in completion.text
+    usage = completion.additional_kwargs
+    assert usage["cached_tokens"] == llm.compressed_document().stats.document_tokens
+    assert usage["completion_tokens"] <= 12 and usage["model_name"] == "tiny"
+    _check_stream(list(llm.stream_complete(prompt)), completion.text)
+
+    messages = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+        ChatMessage(role=MessageRole.USER, content=prompt),
+    ]
+    chat = llm.chat(messages)
+    assert chat.message.role == MessageRole.ASSISTANT and "Lindqvist" in chat.message.content
+    _check_stream(list(llm.stream_chat(messages)), chat.message.content)
+
+    async def run_async() -> None:
+        assert (await llm.acomplete(prompt)).text == completion.text
+        _check_stream([r async for r in await llm.astream_complete(prompt)], completion.text)
+        assert (await llm.achat(messages)).message.content == chat.message.content
+        _check_stream([r async for r in await llm.astream_chat(messages)], chat.message.content)
+
+    asyncio.run(run_async())
+
+
+@pytest.mark.tiny
+def test_query_engine_from_pdf_cites_the_page(fact_pdf: Path) -> None:
+    engine = DocumentQueryEngine.from_file(fact_pdf, model="tiny", compression=COMPRESSION, max_tokens=12)
+    response = engine.query("Who is the account manager?")
+    assert "Lindqvist" in response.response
+    pages = [node.node.metadata["page"] for node in response.source_nodes]
+    assert pages and pages[0] == 2
+    first = response.source_nodes[0].node
+    assert first.metadata["page_label"] == "2" and first.metadata["file_name"] == "agreement.pdf"
+    assert "Lindqvist" in first.get_content()
+    assert response.metadata["cached_tokens"] == engine.document.stats.document_tokens
+
+    again = asyncio.run(engine.aquery("Who is the account manager?"))
+    assert again.response == response.response
+    assert [n.node.metadata["page"] for n in again.source_nodes] == pages
+
+
+@pytest.mark.tiny
+def test_query_engine_from_llamaindex_documents(tmp_path: Path) -> None:
+    # Pages as a PDF reader yields them (page_label metadata), and files as SimpleDirectoryReader reads them.
+    documents = [
+        LlamaDocument(text=text, metadata={"page_label": str(i), "file_name": "a.pdf"})
+        for i, text in enumerate(FACT_PAGES, 1)
+    ]
+    engine = DocumentQueryEngine.from_documents(documents, model="tiny", compression=COMPRESSION, max_tokens=12)
+    assert [p.number for p in engine.document.document.pages] == [1, 2, 3]
+    response = engine.query("Who is the account manager?")
+    assert "Lindqvist" in response.response and response.source_nodes[0].node.metadata["page"] == 2
+
+    (tmp_path / "memo.txt").write_text(FACT_PAGES[1])
+    loaded = SimpleDirectoryReader(input_files=[str(tmp_path / "memo.txt")]).load_data()
+    engine = DocumentQueryEngine.from_documents(loaded, model="tiny", compression=COMPRESSION, max_tokens=12)
+    response = engine.query("What is the notice period?")
+    assert "90" in response.response or "ninety" in response.response.lower()
+    assert response.source_nodes[0].node.metadata == {"page_label": "1", "page": 1, "file_name": "memo.txt"}
+
+
+@pytest.mark.tiny
+def test_query_engine_on_a_compressed_cache_returns_the_engines_answer() -> None:
+    documents = [LlamaDocument(text=text, metadata={"page_label": str(i)}) for i, text in enumerate(FACT_PAGES, 1)]
+    engine = DocumentQueryEngine.from_documents(documents, model="tiny", compression=COMPRESSED, max_tokens=12)
+    response = engine.query("Who is the account manager?")
+    document = engine.document
+    assert document.stats.method == "infokv" and document.stats.compression_ratio < 1
+    expected = document.generate(question_turns("Who is the account manager?"), GenerationOptions(max_new_tokens=12))
+    assert response.response == expected.text().strip()
+    assert response.metadata["cached_tokens"] == document.stats.document_tokens
+    assert response.metadata["compression"] == document.stats.to_dict()
+    for node in response.source_nodes:
+        assert node.node.get_content() == FACT_PAGES[node.node.metadata["page"] - 1]
+
+
+@pytest.mark.tiny
+def test_example_llamaindex_query_engine_runs(fact_pdf: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "llamaindex_query_engine.py"),
+            "--model",
+            "tiny",
+            "--document",
+            str(fact_pdf),
+            "--method",
+            "full",
+            "--max-tokens",
+            "12",
+            "--question",
+            "Who is the account manager?",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("document: ") and "3 pages" in lines[0]
+    assert lines[1] == "Q: Who is the account manager?"
+    assert lines[2].startswith("A: ") and "Lindqvist" in lines[2]
+    assert lines[3].startswith("pages: 2")

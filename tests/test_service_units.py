@@ -1,0 +1,181 @@
+"""Service pieces without the real model: settings, auth, ids, names, the fair lock, and the app in-process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.service.dependencies import key_matches  # noqa: E402
+from infokv_rag.service.registry import Registry, new_document_id, valid_document_id  # noqa: E402
+from infokv_rag.service.scheduling import FairLock  # noqa: E402
+from infokv_rag.service.settings import Settings  # noqa: E402
+from infokv_rag.service.uploads import display_name  # noqa: E402
+
+
+def test_settings_from_env_and_refusal_without_keys(tmp_path: Path) -> None:
+    env = {
+        "INFOKV_API_KEYS": " key-one-12345 ,key-two-67890,, ",
+        "INFOKV_MAX_UPLOAD_BYTES": "1000",
+        "INFOKV_DEFAULT_KEEP": "512",
+        "INFOKV_DATA_DIR": str(tmp_path),
+    }
+    settings = Settings.from_env(env, model="tiny")
+    assert settings.api_keys == ("key-one-12345", "key-two-67890")
+    assert settings.max_upload_bytes == 1000 and settings.default_keep == 512 and settings.data_dir == tmp_path
+    assert settings.model == "tiny" and settings.auth_required
+    settings.check_startable()
+
+    with pytest.raises(ConfigError, match="refusing to start without API keys"):
+        Settings.from_env({}, data_dir=tmp_path).check_startable()
+    Settings.from_env({"INFOKV_ALLOW_ANONYMOUS": "1"}, data_dir=tmp_path).check_startable()
+    with pytest.raises(ConfigError, match="INFOKV_ALLOW_ANONYMOUS"):
+        Settings.from_env({"INFOKV_ALLOW_ANONYMOUS": "maybe"})
+    with pytest.raises(ConfigError, match="at least 8"):
+        Settings(api_keys=("short",))
+    with pytest.raises(ConfigError, match="INFOKV_MAX_PAGES must be an integer"):
+        Settings.from_env({"INFOKV_MAX_PAGES": "many"})
+
+
+def test_create_app_refuses_to_start_unprotected(tmp_path: Path) -> None:
+    from infokv_rag.service.app import create_app
+
+    with pytest.raises(ConfigError, match="refusing to start"):
+        create_app(Settings(data_dir=tmp_path))
+
+
+def test_key_matching_is_exact() -> None:
+    keys = ("alpha-key-123", "beta-key-4567")
+    assert key_matches("alpha-key-123", keys) and key_matches("beta-key-4567", keys)
+    for wrong in ("", "alpha-key-12", "alpha-key-1234", "ALPHA-KEY-123", "beta-key-4567 ", "ключ"):
+        assert not key_matches(wrong, keys)
+    assert not key_matches("anything", ())
+
+
+def test_document_ids_are_random_and_never_paths(tmp_path: Path) -> None:
+    ids = {new_document_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(valid_document_id(i) for i in ids)
+    for bad in ("", "..", "doc_", "doc_../../../etc/passwd", "doc_" + "a" * 21, "doc_" + "a" * 23,
+                "doc_aaaaaaaaaaaaaaaaaaaaa/", "DOC_aaaaaaaaaaaaaaaaaaaaaa", "doc_aaaaaaaaaaaaaaaaaaaa\n"):
+        assert not valid_document_id(bad), bad
+    registry = Registry(tmp_path)
+    with pytest.raises(ValueError):
+        registry.directory("../outside")
+    assert registry.get("../outside") is None
+
+
+def test_display_names_are_one_safe_path_component() -> None:
+    assert display_name("contract.pdf") == "contract.pdf"
+    assert display_name("../../etc/passwd") == "passwd"
+    assert display_name("C:\\Users\\me\\Q3 report (final).pdf") == "Q3 report (final).pdf"
+    assert display_name("..") == "upload" and display_name(None) == "upload" and display_name("") == "upload"
+    assert display_name("a\x00b\nc<script>.txt") == "a_b_c_script_.txt"
+    assert len(display_name("x" * 1000 + ".pdf")) <= 120
+
+
+def test_fair_lock_is_reentrant_and_first_come_first_served() -> None:
+    lock = FairLock()
+    with lock:
+        with lock:  # reentrant
+            pass
+    order: list[int] = []
+    lock.acquire()
+    threads = []
+    for index in range(4):
+        thread = threading.Thread(target=lambda i=index: (lock.acquire(), order.append(i), lock.release()))
+        thread.start()
+        threads.append(thread)
+        while lock.waiting < index + 1:
+            time.sleep(0.001)
+    lock.release()
+    for thread in threads:
+        thread.join(5)
+    assert order == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+def test_fair_lock_does_not_starve_a_waiter() -> None:
+    """A thread re-taking the lock in a tight loop cannot keep a waiting thread out (a plain Lock can)."""
+    lock = FairLock()
+    stop = threading.Event()
+    turns = {"greedy": 0, "other": 0}
+
+    def greedy() -> None:
+        while not stop.is_set():
+            with lock:
+                turns["greedy"] += 1
+                time.sleep(0.002)
+
+    def other() -> None:
+        while not stop.is_set():
+            with lock:
+                turns["other"] += 1
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=greedy), threading.Thread(target=other)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    assert turns["other"] > 0.3 * turns["greedy"], turns
+
+
+def test_anonymous_service_in_process(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The app factory with an injected engine: open when explicitly configured, upload, ask, stream."""
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", max_new_tokens=8,
+                        default_max_tokens=4, warmup=False)
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        assert client.get("/v1/documents").status_code == 200  # no key needed: anonymous was asked for
+        text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
+        created = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}, data={"method": "snapkv"})
+        assert created.status_code == 202, created.text
+        doc_id = created.json()["id"]
+        deadline = time.monotonic() + 60
+        while (info := client.get(f"/v1/documents/{doc_id}").json())["status"] != "ready":
+            assert info["status"] in ("queued", "processing") and time.monotonic() < deadline, info
+            time.sleep(0.05)
+        answer = client.post(f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["usage"]["completion_tokens"] <= 4 and body["usage"]["cached_tokens"] == info["tokens"]
+        with client.stream("POST", f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 4,
+                                                                         "stream": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("event:")]
+        assert lines[-1] == "event: done" and "event: token" in lines
+        models = client.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["random"]
+        assert client.delete(f"/v1/documents/{doc_id}").status_code == 200
+        assert not (tmp_path / "documents" / doc_id).exists()
+
+
+def test_unexpected_errors_are_json_without_details(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    app = create_app(Settings(api_keys=("unit-test-key-1",), data_dir=tmp_path, warmup=False), engine=random_engine)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret detail at /srv/internal/path.py line 42")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/boom")
+        assert response.status_code == 500
+        assert response.json() == {"error": {"message": "internal server error", "type": "server_error",
+                                             "code": "internal_error"}}
+        missing = client.get("/no/such/route")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        assert client.put("/healthz").json()["error"]["code"] == "method_not_allowed"

@@ -1,0 +1,424 @@
+"""Saved caches: round trips across processes, refusal of anything damaged or foreign, crash safety,
+and the cache store that turns a second ingestion of the same file into a load.
+
+Unit tests use the random 3-layer model from conftest; one integration test per real model is marked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.documents import document_from_text, load_document
+from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum
+
+from .conftest import CORPUS
+
+TEXT_A = " ".join(CORPUS * 2)
+TEXT_B = " ".join(reversed(CORPUS * 3))
+QUESTION = "What is the notice period?"
+NEW_TOKENS = 8
+
+
+def assert_same_document(loaded: CompressedDocument, original: CompressedDocument) -> None:
+    assert loaded.document == original.document
+    assert loaded.config == original.config
+    assert loaded.stats == original.stats
+    assert loaded.cache.document_tokens == original.cache.document_tokens
+    assert loaded.cache.lengths == original.cache.lengths
+    for got, want in zip(loaded.cache.layers, original.cache.layers):
+        for name in ("keys", "values", "positions", "scores"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    if original.entropy_reference is None:
+        assert loaded.entropy_reference is None
+    else:
+        assert torch.equal(loaded.entropy_reference, original.entropy_reference)
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+# --- round trip ---------------------------------------------------------------------------------
+
+ASK_IN_NEW_PROCESS = """
+import json, sys
+import torch
+from infokv_rag import InfoKVEngine
+engine = InfoKVEngine.from_pretrained(sys.argv[1], device="cpu")
+doc = engine.load(sys.argv[2])
+print(json.dumps({"answer": doc.ask(sys.argv[3], max_new_tokens=int(sys.argv[4])), "text": doc.document.text,
+                  "kept": doc.stats.kept_tokens_per_layer}))
+"""
+
+
+def ask_in_new_process(model: str, cache: Path, question: str, new_tokens: int) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", ASK_IN_NEW_PROCESS, model, str(cache), question, str(new_tokens)],
+        capture_output=True, text=True, env=child_env(), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def doc_a(random_engine: InfoKVEngine) -> CompressedDocument:
+    return random_engine.ingest_text(TEXT_A, CompressionConfig(keep=0.25))
+
+
+@pytest.fixture(scope="module")
+def saved_a(doc_a: CompressedDocument, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return doc_a.save(tmp_path_factory.mktemp("saved") / "a")
+
+
+def test_save_load_in_new_process_gives_the_same_answer(
+    random_engine: InfoKVEngine, random_model_dir: Path, doc_a: CompressedDocument, saved_a: Path
+) -> None:
+    before = doc_a.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+    assert sorted(p.name for p in saved_a.iterdir()) == sorted([MANIFEST, TENSORS, TEXT])
+    assert sorted(p.name for p in saved_a.parent.iterdir()) == ["a"], "no staging leftovers"
+
+    loaded = random_engine.load(saved_a)
+    assert_same_document(loaded, doc_a)
+    assert loaded.ask(QUESTION, max_new_tokens=NEW_TOKENS) == before
+
+    other = ask_in_new_process(str(random_model_dir), saved_a, QUESTION, NEW_TOKENS)
+    assert other["answer"] == before
+    assert other["text"] == TEXT_A and other["kept"] == doc_a.stats.kept_tokens_per_layer
+
+
+def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    from .test_cli import pdfs
+
+    path = pdfs.text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
+    doc = random_engine.ingest(path, CompressionConfig(method="snapkv", keep=50))
+    assert doc.entropy_reference is None  # snapkv computes no entropy: the None must round-trip too
+    loaded = random_engine.load(doc.save(tmp_path / "c"))
+    assert_same_document(loaded, doc)
+    assert loaded.document.source == str(path) and [page.number for page in loaded.document.pages] == [1, 2]
+    assert loaded.document.page_of(loaded.document.text.index("Page two")) == 2
+
+
+def test_save_replaces_an_existing_cache(random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path) -> None:
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    target = doc_a.save(tmp_path / "c")
+    assert doc_b.save(target) == target
+    assert_same_document(random_engine.load(target), doc_b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the retired cache is removed"
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def _flip_byte(path: Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(directory: Path, edit, recompute_checksum: bool) -> None:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    edit(manifest)
+    if recompute_checksum:
+        manifest["checksum"] = _manifest_checksum(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+DAMAGE = {
+    # one flipped bit deep inside the key/value data
+    "tensors-one-byte": (lambda d: _flip_byte(d / TENSORS, 0.7), r"tensors\.safetensors fails its sha256 check"),
+    "text-one-byte": (lambda d: _flip_byte(d / TEXT, 0.3), r"document\.txt fails its sha256 check"),
+    "tensors-truncated": (lambda d: _truncate(d / TENSORS), r"tensors\.safetensors fails its sha256 check \(truncated"),
+    "tensors-missing": (lambda d: (d / TENSORS).unlink(), r"tensors\.safetensors is missing"),
+    "manifest-edited": (
+        lambda d: _edit_manifest(d, lambda m: m["tokens"].update(document=m["tokens"]["document"] + 1), False),
+        r"manifest\.json fails its checksum \(edited or damaged\)",
+    ),
+    "manifest-model-swapped": (
+        lambda d: _edit_manifest(d, lambda m: m["model"].update(fingerprint="0" * 64), False),
+        r"fails its checksum",
+    ),
+    "manifest-garbage": (lambda d: (d / MANIFEST).write_bytes(b'{"format_version": 1, "chec'), r"manifest\.json is damaged"),
+    "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
+    "unknown-format-version": (
+        lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
+        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads format {FORMAT_VERSION}",
+    ),
+    "future-format-other-checksum": (
+        lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
+        r"uses cache format '2\.0'",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_cache_is_refused(damage: str, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path) -> None:
+    harm, message = DAMAGE[damage]
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    random_engine.load(copy)  # intact copy loads
+    harm(copy)
+    with pytest.raises(CacheStoreError, match=message) as refused:
+        random_engine.load(copy)
+    assert "ingest" in str(refused.value), "the message says what to do"
+
+
+@pytest.fixture(scope="module")
+def other_random_engine(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> InfoKVEngine:
+    """Same architecture and tokenizer as random_engine, different weights."""
+    target = Path(shutil.copytree(random_model_dir, tmp_path_factory.mktemp("other") / "model"))
+    weights = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    weights = {name: t + 0.01 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return InfoKVEngine.from_pretrained(str(target), device="cpu")
+
+
+def test_cache_of_another_model_with_the_same_shapes_is_refused(
+    random_engine: InfoKVEngine, other_random_engine: InfoKVEngine, saved_a: Path
+) -> None:
+    assert other_random_engine.runner.num_layers == random_engine.runner.num_layers
+    assert other_random_engine.fingerprint != random_engine.fingerprint
+    with pytest.raises(CacheStoreError, match="was made by model .* not by the loaded model") as refused:
+        other_random_engine.load(saved_a)
+    assert "ingest again" in str(refused.value)
+
+
+# --- crash safety -------------------------------------------------------------------------------
+
+SAVE_FOREVER = """
+import os, sys, time
+from types import SimpleNamespace
+import safetensors.torch
+from infokv_rag import store
+from infokv_rag.cache import DocumentCache, LayerKV
+from infokv_rag.config import CompressionConfig
+
+def rebuild(path):
+    # A document from a saved cache without loading any model: only store.save_document runs here.
+    manifest = store.read_manifest(path)
+    tensors = safetensors.torch.load_file(os.path.join(path, store.TENSORS))
+    layers = [LayerKV(*(tensors[f"{n}.{i}"] for n in ("keys", "values", "positions", "scores")))
+              for i in range(len(manifest["tokens"]["kept_per_layer"]))]
+    text = open(os.path.join(path, store.TEXT), encoding="utf-8").read()
+    return SimpleNamespace(
+        engine=SimpleNamespace(**manifest["model"]),
+        cache=DocumentCache(layers, manifest["tokens"]["document"]),
+        config=CompressionConfig.from_dict(manifest["config"]),
+        document=store._rebuild_document(text, manifest["document"]),
+        stats=SimpleNamespace(to_dict=lambda: manifest["stats"]),
+        entropy_reference=tensors.get("entropy_reference"),
+    )
+
+# Slow the save down so that kills land inside it: every file is written in pieces with pauses, and
+# every rename waits first (which widens the window between retiring the old cache and installing).
+def slow_write(path, data):
+    with open(path, "wb") as handle:
+        step = max(1, len(data) // 4)
+        for start in range(0, len(data), step):
+            handle.write(data[start:start + step])
+            handle.flush()
+            time.sleep(0.01)
+        os.fsync(handle.fileno())
+
+real_replace = os.replace
+def slow_replace(src, dst):
+    time.sleep(0.01)
+    real_replace(src, dst)
+
+store._write_synced = slow_write
+os.replace = slow_replace
+documents = [rebuild(sys.argv[1]), rebuild(sys.argv[2])]
+print("ready", flush=True)
+for index in range(10_000):
+    store.save_document(documents[index % 2], sys.argv[3])
+    print("saved", index % 2, flush=True)
+"""
+
+
+def test_killing_a_save_never_leaves_a_half_written_cache(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, saved_a: Path, tmp_path: Path
+) -> None:
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    saved_b = doc_b.save(tmp_path / "source-b")
+    script = tmp_path / "save_forever.py"
+    script.write_text(textwrap.dedent(SAVE_FOREVER))
+    target = tmp_path / "store" / "cache"
+    rng = random.Random(1234)
+    outcomes: list[str] = []
+    killed_mid_save = 0
+    seen: set[str] = set()
+    for round_ in range(6):
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(saved_a), str(saved_b), str(target)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )
+        try:
+            assert child.stdout is not None
+            ready = child.stdout.readline()
+            assert ready.strip() == "ready", (ready, child.stderr.read() if child.stderr else "")
+            # One save takes ~0.15 s: moments from before the first save completes to a few saves in.
+            time.sleep(rng.uniform(0.0, 0.6) if round_ else rng.uniform(0.0, 0.1))
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+            child.stdout.close()
+            child.stderr.close()
+        assert child.returncode == -signal.SIGKILL
+        # A kill inside a save leaves its staging (or retired) directory beside the target.
+        leftovers = {p.name for p in target.parent.iterdir() if p.name != target.name} - seen
+        seen |= leftovers
+        killed_mid_save += any(".saving-" in name or ".old-" in name for name in leftovers)
+        if not target.exists():
+            outcomes.append("absent")
+            continue
+        loaded = random_engine.load(target)  # raises CacheStoreError for a half cache: that fails the test
+        if loaded.document.text == TEXT_A:
+            assert_same_document(loaded, doc_a)
+            outcomes.append("a")
+        else:
+            assert_same_document(loaded, doc_b)
+            outcomes.append("b")
+    print(f"outcomes after each kill: {outcomes}; kills inside a save: {killed_mid_save}")
+    assert killed_mid_save >= 1, f"no kill landed inside a save: {outcomes}"
+    assert set(outcomes) & {"a", "b"}, f"no save ever completed before a kill: {outcomes}"
+
+    # The next save sweeps the staging directories that the killed saves left once they are stale.
+    leftovers = [p for p in target.parent.iterdir() if p.name != target.name]
+    old = time.time() - STALE_SECONDS - 60
+    for leftover in leftovers:
+        os.utime(leftover, (old, old))
+    doc_a.save(target)
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+    assert_same_document(random_engine.load(target), doc_a)
+
+
+def test_a_failed_save_keeps_the_old_cache(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from infokv_rag import store
+
+    target = doc_a.save(tmp_path / "c")
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+
+    def disk_full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_write_synced", disk_full)
+    with pytest.raises(CacheStoreError, match="cannot write the cache to .*No space left"):
+        doc_b.save(target)
+    monkeypatch.undo()
+    assert_same_document(random_engine.load(target), doc_a)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"], "the staging directory is cleaned up"
+
+
+# --- cache store --------------------------------------------------------------------------------
+
+
+def test_store_reuses_the_cache_of_the_same_file(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "contract.txt"
+    path.write_text(TEXT_A)
+    store = CacheStore(tmp_path / "store")
+    config = CompressionConfig(keep=0.25)
+    first, reused = store.ingest(random_engine, load_document(path), config)
+    assert reused is False
+    answer = first.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("the document was prefilled again")
+
+    monkeypatch.setattr(random_engine, "ingest_document", no_prefill)
+    # The same bytes under another name are the same document.
+    copy = tmp_path / "copy-of-contract.txt"
+    copy.write_bytes(path.read_bytes())
+    second, reused = store.ingest(random_engine, load_document(copy), config)
+    assert reused is True
+    assert_same_document(second, first)
+    assert second.ask(QUESTION, max_new_tokens=NEW_TOKENS) == answer
+
+    # Another config or another document is a different key: it must prefill.
+    for document, other in ((load_document(path), CompressionConfig(keep=0.5)), (document_from_text(TEXT_B), config)):
+        with pytest.raises(AssertionError, match="prefilled again"):
+            store.ingest(random_engine, document, other)
+    assert len(list(store.root.iterdir())) == 1
+
+
+def test_store_rebuilds_a_damaged_or_foreign_entry(
+    random_engine: InfoKVEngine, other_random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    document = document_from_text(TEXT_A)
+    config = CompressionConfig(keep=0.25)
+    store = CacheStore(tmp_path / "store")
+    made, _ = store.ingest(random_engine, document, config)
+    entry = store.path_for(random_engine, document, config)
+    _flip_byte(entry / TENSORS, 0.6)
+    rebuilt, reused = store.ingest(random_engine, document, config)
+    assert reused is False
+    assert_same_document(random_engine.load(entry), rebuilt)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(rebuilt.cache.layers, made.cache.layers))
+
+    # Another model's cache planted under this model's key is never used to answer.
+    foreign_entry = store.path_for(other_random_engine, document, config)
+    shutil.copytree(entry, foreign_entry)
+    doc, reused = store.ingest(other_random_engine, document, config)
+    assert reused is False
+    assert other_random_engine.load(foreign_entry).cache.document_tokens == doc.cache.document_tokens
+    assert store.ingest(other_random_engine, document, config)[1] is True
+
+
+# --- real models ------------------------------------------------------------------------------------
+
+FACT_TEXT = (
+    "This maintenance agreement covers the pumps of the Harbour Street plant. "
+    "The access code for the archive room is 48213. "
+    "The supplier inspects every pump twice a year and replaces worn seals at its own cost. "
+    "Either party may terminate with 47 days notice."
+)
+
+
+@pytest.mark.tiny
+def test_tiny_model_answer_survives_save_and_new_process(tiny_engine: InfoKVEngine, tmp_path: Path) -> None:
+    doc = tiny_engine.ingest_text(FACT_TEXT, CompressionConfig(keep=0.5))
+    question = "What is the access code for the archive room?"
+    before = doc.ask(question, max_new_tokens=16)
+    path = doc.save(tmp_path / "tiny-cache")
+    other = ask_in_new_process("tiny", path, question, 16)
+    assert other["answer"] == before
+    assert other["text"] == doc.document.text
+
+
+@pytest.mark.tiny
+@pytest.mark.default
+def test_tiny_cache_is_refused_by_the_default_model(
+    tiny_engine: InfoKVEngine, default_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    path = tiny_engine.ingest_text(FACT_TEXT).save(tmp_path / "tiny-cache")
+    with pytest.raises(CacheStoreError, match="was made by model 'tiny'.*not by the loaded model 'default'"):
+        default_engine.load(path)
+    # In a store, the tiny entry is keyed apart and never served to the default model.
+    store = CacheStore(tmp_path / "store")
+    document = document_from_text(FACT_TEXT)
+    planted = store.path_for(default_engine, document, CompressionConfig())
+    shutil.copytree(path, planted)
+    _, reused = store.ingest(default_engine, document, CompressionConfig())
+    assert reused is False
