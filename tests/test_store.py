@@ -100,10 +100,21 @@ def test_save_load_in_new_process_gives_the_same_answer(
     assert other["text"] == TEXT_A and other["kept"] == doc_a.stats.kept_tokens_per_layer
 
 
-def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> None:
-    from .test_cli import pdfs
+def _pdf_factory():
+    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
+    import importlib.util
 
-    path = pdfs.text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
+    name = "infokv_tests_pdf_factory"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("pdf_factory.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    path = _pdf_factory().text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
     doc = random_engine.ingest(path, CompressionConfig(method="snapkv", keep=50))
     assert doc.entropy_reference is None  # snapkv computes no entropy: the None must round-trip too
     loaded = random_engine.load(doc.save(tmp_path / "c"))
@@ -274,6 +285,12 @@ def test_killing_a_save_never_leaves_a_half_written_cache(
             assert child.stdout is not None
             ready = child.stdout.readline()
             assert ready.strip() == "ready", (ready, child.stderr.read() if child.stderr else "")
+            if round_ == 5:
+                # Surely past a completed save: the kill hits a replacement of an existing cache.
+                line = None
+                while line != "saved 1":
+                    line = child.stdout.readline().strip()
+                    assert line, "the saving child died"
             # One save takes ~0.15 s: moments from before the first save completes to a few saves in.
             time.sleep(rng.uniform(0.0, 0.6) if round_ else rng.uniform(0.0, 0.1))
             child.send_signal(signal.SIGKILL)
