@@ -32,6 +32,7 @@ import httpx
 
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.prompt import question_turns
+from infokv_rag.service.launcher import ServerProcess, read_sse
 
 KINDS = ("ask-json", "ask-sse", "chat-sse")
 
@@ -47,22 +48,6 @@ class Result:
     tokens: int
     matched: bool
     error: str | None = None
-
-
-def sse_events(lines: Any) -> Any:
-    event, data = "message", []
-    for line in lines:
-        if line == "":
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif not line.startswith(":"):
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field == "event":
-                event = value
-            elif field == "data":
-                data.append(value)
 
 
 class Client:
@@ -101,7 +86,7 @@ class Client:
             if response.status_code != 200:
                 response.read()
                 _check(response)
-            for name, data in sse_events(response.iter_lines()):
+            for name, data in read_sse(response.iter_lines()):
                 if data == "[DONE]":
                     break
                 payload = json.loads(data)
@@ -214,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     key = args.api_key
     if args.url is None:
-        from infokv_rag.service.launcher import ServerProcess
-
         workdir = Path(tempfile.mkdtemp(prefix="infokv-load-"))
         key = "load-test-key-0001"
         server = ServerProcess(args.model, workdir / "data", api_keys=[key], log_path=workdir / "server.log")

@@ -8,10 +8,8 @@ Needs the `langchain` extra: pip install -e '.[langchain]'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.output_parsers import StrOutputParser
@@ -20,24 +18,11 @@ from langchain_core.prompts import ChatPromptTemplate
 from infokv_rag import CompressionConfig
 from infokv_rag.integrations.langchain import ChatInfoKV
 
-SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
-SAMPLE_QUESTIONS = [
-    "When was Version 2.0 of the Apache License issued (month and year)?",
-    'In the definition of "Legal Entity", what share of the outstanding shares amounts to control?',
-    "On what basis does the Licensor provide the Work, according to the Disclaimer of Warranty?",
-]
+from _common import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
-    parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
-    parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
-    parser.add_argument("--method", default="infokv", help="compression method (infokv, snapkv, full, ...)")
-    parser.add_argument("--keep", type=float, default=0.25, help="share of the document's tokens kept in the cache")
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
-    args = parser.parse_args(argv)
-    questions = args.question or SAMPLE_QUESTIONS
+    args = parse_args(__doc__.splitlines()[0], argv)
 
     chat = ChatInfoKV(
         model=args.model,
@@ -57,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cache {stats.cache_bytes / 2**20:.1f} MiB, {stats.compression_ratio:.0%} of full)"
     )
     with get_usage_metadata_callback() as usage:
-        for question in questions:
+        for question in args.questions:
             print(f"Q: {question}")
             print("A: ", end="", flush=True)
             started = False

@@ -8,30 +8,16 @@ Needs the `llamaindex` extra: pip install -e '.[llamaindex]'.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from infokv_rag import CompressionConfig
 from infokv_rag.integrations.llama_index import DocumentQueryEngine
 
-SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
-SAMPLE_QUESTIONS = [
-    "When was Version 2.0 of the Apache License issued (month and year)?",
-    'In the definition of "Legal Entity", what share of the outstanding shares amounts to control?',
-    "On what basis does the Licensor provide the Work, according to the Disclaimer of Warranty?",
-]
+from _common import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
-    parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
-    parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
-    parser.add_argument("--method", default="infokv", help="compression method (infokv, snapkv, full, ...)")
-    parser.add_argument("--keep", type=float, default=0.25, help="share of the document's tokens kept in the cache")
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], argv)
 
     engine = DocumentQueryEngine.from_file(
         args.document,
@@ -44,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         f"document: {args.document} ({stats.pages} pages, {stats.document_tokens} tokens, "
         f"{stats.method} keep {stats.keep}: {stats.compression_ratio:.0%} of the full cache)"
     )
-    for question in args.question or SAMPLE_QUESTIONS:
+    for question in args.questions:
         response = engine.query(question)
         pages = ", ".join(node.node.metadata["page_label"] for node in response.source_nodes) or "none"
         print(f"Q: {question}")

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Document
@@ -156,6 +156,47 @@ def open_document(
     return document
 
 
+class AdapterFields(Protocol):
+    """The fields both adapters declare: what a call resolves its document and options from."""
+
+    model: str | None
+    document: Any
+    document_text: str | None
+    compression: CompressionConfig | None
+    device: str | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_cache_tokens: int | None
+
+
+def adapter_model_name(model: str | None, document: Any) -> str:
+    """The model an adapter answers with: its own `model`, else a `CompressedDocument`'s, else the default."""
+    if model:
+        return model
+    if isinstance(document, CompressedDocument):
+        return document.engine.name
+    return DEFAULT_MODEL
+
+
+DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
+"""The call kwargs that choose another document than the adapter's own."""
+
+
+def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> CompressedDocument:
+    """The document of one call: the call's `DOCUMENT_OPTIONS` over the adapter's fields (a per-call
+    `document` replaces the adapter's `document_text`)."""
+    text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
+    return open_document(
+        kwargs.get("document", adapter.document),
+        text=text,
+        model=kwargs.get("model") or adapter.model,
+        config=kwargs.get("compression", adapter.compression),
+        device=adapter.device,
+    )
+
+
 def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
     """A `Document` from (page number, text) pairs, e.g. one per page of a framework's PDF reader."""
     from infokv_rag.documents import PAGE_SEPARATOR, Page
@@ -173,22 +214,20 @@ def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = N
 # Generation ----------------------------------------------------------------------------------------
 
 
-def generation_options(
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop: Sequence[str] | None,
-    seed: int | None,
-    max_cache_tokens: int | None,
-) -> GenerationOptions:
+CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
+"""Generation settings an adapter holds as fields, each of which a call's kwargs may override."""
+
+
+def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: Sequence[str] | None) -> GenerationOptions:
+    """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`)."""
+    options = {name: kwargs.get(name, getattr(adapter, name)) for name in CALL_OPTIONS}
     return GenerationOptions.build(
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
+        max_new_tokens=options["max_tokens"],
+        temperature=options["temperature"],
+        top_p=options["top_p"],
         stop=[s for s in (stop or ()) if s],
-        seed=seed,
-        max_cache_tokens=max_cache_tokens,
+        seed=options["seed"],
+        max_cache_tokens=options["max_cache_tokens"],
     )
 
 

@@ -50,14 +50,14 @@ from infokv_rag.engine import Generation as InfoKVGeneration
 from infokv_rag.prompt import Turn
 
 from ._common import (
-    DEFAULT_MODEL,
     AnswerInfo,
+    adapter_model_name,
     aiter_pieces,
     answer_info,
+    call_options,
     check_turns,
     coerce_config,
-    generation_options,
-    open_document,
+    open_call_document,
 )
 
 __all__ = ["ChatInfoKV", "InfoKVLLM", "messages_to_turns"]
@@ -70,8 +70,6 @@ _ROLES = {
     "system": "system",
     "developer": "system",
 }
-
-_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
 
 
 def _text_of(content: str | list[Any], role: str) -> str:
@@ -150,34 +148,22 @@ class _InfoKVFields(BaseModel):
     def _model_name(self, override: Any = None) -> str:
         if isinstance(override, str) and override:
             return override
-        if self.model:
-            return self.model
-        if isinstance(self.document, CompressedDocument):
-            return self.document.engine.name
-        return DEFAULT_MODEL
+        return adapter_model_name(self.model, self.document)
 
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The document calls answer from, read on first use (loading the weights): `stats`, `save()`, pages.
 
         kwargs as per call: `document`, `document_text`, `model`, `compression`.
         """
-        text = kwargs.get("document_text", self.document_text if "document" not in kwargs else None)
-        return open_document(
-            kwargs.get("document", self.document),
-            text=text,
-            model=kwargs.get("model") or self.model,
-            config=kwargs.get("compression", self.compression),
-            device=self.device,
-        )
+        return open_call_document(self, kwargs)
 
     def _start(
         self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[InfoKVGeneration, CompressedDocument]:
         """Resolves the document (loading weights / ingesting on first use) and starts an answer."""
         document = self.compressed_document(**kwargs)
-        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
-        return document.generate(turns, generation_options(stop=stops, **options)), document
+        return document.generate(turns, call_options(self, kwargs, stops)), document
 
     def _infokv_identity(self) -> dict[str, Any]:
         document = self.document

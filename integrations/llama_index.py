@@ -44,15 +44,16 @@ from infokv_rag.engine import Generation
 from infokv_rag.prompt import Turn, question_turns
 
 from ._common import (
-    DEFAULT_MODEL,
+    DOCUMENT_OPTIONS,
     AnswerInfo,
+    adapter_model_name,
     aiter_pieces,
     answer_info,
+    call_options,
     check_turns,
     coerce_config,
     document_from_pages,
-    generation_options,
-    open_document,
+    open_call_document,
     supporting_pages,
 )
 
@@ -66,8 +67,6 @@ _ROLES = {
     MessageRole.CHATBOT: "assistant",
     MessageRole.MODEL: "assistant",
 }
-
-_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
 
 
 def messages_to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
@@ -123,25 +122,14 @@ class InfoKV(CustomLLM):
     # The document ----------------------------------------------------------------------------------
 
     def _model_name(self) -> str:
-        if self.model:
-            return self.model
-        if isinstance(self.document, CompressedDocument):
-            return self.document.engine.name
-        return DEFAULT_MODEL
+        return adapter_model_name(self.model, self.document)
 
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The compressed document this LLM answers from (read on first use, then shared)."""
-        per_call = any(key in kwargs for key in ("document", "document_text", "model", "compression"))
+        per_call = any(key in kwargs for key in DOCUMENT_OPTIONS)
         if not per_call and self._opened is not None:
             return self._opened
-        text = kwargs.get("document_text", self.document_text if "document" not in kwargs else None)
-        document = open_document(
-            kwargs.get("document", self.document),
-            text=text,
-            model=kwargs.get("model") or self.model,
-            config=kwargs.get("compression", self.compression),
-            device=self.device,
-        )
+        document = open_call_document(self, kwargs)
         if not per_call:
             self._opened = document
         return document
@@ -167,8 +155,7 @@ class InfoKV(CustomLLM):
 
     def _start(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
         document = self.compressed_document(**kwargs)
-        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
-        return document.generate(turns, generation_options(stop=kwargs.get("stop", self.stop), **options)), document
+        return document.generate(turns, call_options(self, kwargs, kwargs.get("stop", self.stop))), document
 
     async def _astart(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
         return await asyncio.to_thread(self._start, turns, kwargs)

@@ -6,34 +6,18 @@ are fast. The cases that answer use the random 3-layer model from conftest, neve
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from . import pdf_factory as pdfs
 from .conftest import CORPUS
 
-
-def _load_factory() -> ModuleType:
-    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
-    name = "infokv_tests_pdf_factory"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("pdf_factory.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pdfs = _load_factory()
 
 PAGES = ["Alpha page one.\nThe notice period is thirty days.", "Beta page two."]
 TEXT = " ".join(CORPUS * 2)

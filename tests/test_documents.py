@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import subprocess
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
 
 import pypdf
 import pytest
@@ -32,23 +30,19 @@ from infokv_rag.errors import (
     UnsupportedFormatError,
 )
 
+from . import pdf_factory as pdfs
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "examples" / "sample"
 
-
-def _load_factory() -> ModuleType:
-    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
-    spec = importlib.util.spec_from_file_location("infokv_tests_pdf_factory", Path(__file__).with_name("pdf_factory.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pdfs = _load_factory()
-
 PAGES = ["Alpha page one.\nThe notice period is   thirty   days.", "Beta page two.", "Gamma page three."]
+
+
+def _refusal(error: type[DocumentError], path: Path, **kwargs: object) -> str:
+    """The message of the `error` that loading `path` must raise."""
+    with pytest.raises(error) as info:
+        load_document(path, **kwargs)  # type: ignore[arg-type]
+    return str(info.value)
 
 
 def _load_quietly(path: Path, **kwargs: object) -> Document:
@@ -127,17 +121,13 @@ def test_sample_pdf_holds_the_whole_license() -> None:
 
 def test_encrypted_pdf_without_password(tmp_path: Path) -> None:
     path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret")
-    with pytest.raises(EncryptedPDFError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(EncryptedPDFError, path)
     assert "locked.pdf" in message and "password=" in message and "--password" in message
 
 
 def test_encrypted_pdf_wrong_password(tmp_path: Path) -> None:
     path = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, user_password="s3cret")
-    with pytest.raises(EncryptedPDFError) as info:
-        load_document(path, password="guess")
-    message = str(info.value)
+    message = _refusal(EncryptedPDFError, path, password="guess")
     assert "Wrong password" in message and "locked.pdf" in message and "--password" in message
 
 
@@ -167,9 +157,8 @@ def test_missing_crypto_dependency_says_what_to_install(tmp_path: Path, monkeypa
         raise DependencyError("cryptography>=3.1 is required for AES algorithm")
 
     monkeypatch.setattr(pypdf._encryption.Encryption, "verify", no_crypto)
-    with pytest.raises(EncryptedPDFError) as info:
-        load_document(path, password="s3cret")
-    assert "pypdf[crypto]" in str(info.value) and "locked.pdf" in str(info.value)
+    message = _refusal(EncryptedPDFError, path, password="s3cret")
+    assert "pypdf[crypto]" in message and "locked.pdf" in message
 
 
 # --- scanned, damaged and partly broken PDFs ----------------------------------------------------
@@ -177,17 +166,13 @@ def test_missing_crypto_dependency_says_what_to_install(tmp_path: Path, monkeypa
 
 def test_image_only_pdf_needs_ocr(tmp_path: Path) -> None:
     path = pdfs.image_only_pdf(tmp_path / "scan.pdf", n_pages=2)
-    with pytest.raises(NoExtractableTextError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(NoExtractableTextError, path)
     assert "scan.pdf" in message and "OCR" in message and "ocrmypdf" in message and "2 page" in message
 
 
 def test_truncated_pdf(tmp_path: Path) -> None:
     path = pdfs.truncated_pdf(tmp_path / "cut.pdf", PAGES, keep=0.6)
-    with pytest.raises(CorruptPDFError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(CorruptPDFError, path)
     assert "cut.pdf" in message and "truncated" in message and "again" in message
 
 
@@ -202,16 +187,13 @@ def test_truncated_pdf_with_eof_marker_appended_still_fails_in_pypdf(tmp_path: P
     data = pdfs.text_pdf_bytes(PAGES)
     path = tmp_path / "patched.pdf"
     path.write_bytes(data[: len(data) // 2] + b"\n%%EOF\n")
-    with pytest.raises(CorruptPDFError) as info:
-        load_document(path)
-    assert "patched.pdf" in str(info.value) and "repair" in str(info.value)
+    message = _refusal(CorruptPDFError, path)
+    assert "patched.pdf" in message and "repair" in message
 
 
 def test_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.corrupt_pdf(tmp_path / "garbage.pdf")
-    with pytest.raises(CorruptPDFError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(CorruptPDFError, path)
     assert "garbage.pdf" in message and "damaged" in message and "qpdf" in message
 
 
@@ -241,9 +223,8 @@ def test_page_that_fails_alone_is_skipped_with_warning(tmp_path: Path, kind: str
 
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.broken_page_pdf(tmp_path / "allbad.pdf", ["one", "two"], broken=[1, 2])
-    with pytest.raises(CorruptPDFError) as info:
-        load_document(path)
-    assert "allbad.pdf" in str(info.value) and "pages 1, 2" in str(info.value)
+    message = _refusal(CorruptPDFError, path)
+    assert "allbad.pdf" in message and "pages 1, 2" in message
 
 
 def test_pypdf_log_noise_is_not_printed(tmp_path: Path) -> None:
@@ -325,25 +306,21 @@ def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
 def test_empty_file(tmp_path: Path) -> None:
     for name in ("empty.txt", "empty.pdf"):
         (tmp_path / name).write_bytes(b"")
-        with pytest.raises(EmptyDocumentError) as info:
-            load_document(tmp_path / name)
-        assert name in str(info.value) and "0 bytes" in str(info.value)
+        message = _refusal(EmptyDocumentError, tmp_path / name)
+        assert name in message and "0 bytes" in message
 
 
 def test_whitespace_only_text(tmp_path: Path) -> None:
     path = tmp_path / "blank.md"
     path.write_text(" \n\r\n\t  \n", encoding="utf-8")
-    with pytest.raises(EmptyDocumentError) as info:
-        load_document(path)
-    assert "blank.md" in str(info.value) and "whitespace" in str(info.value)
+    message = _refusal(EmptyDocumentError, path)
+    assert "blank.md" in message and "whitespace" in message
 
 
 def test_binary_with_unknown_suffix(tmp_path: Path) -> None:
     path = tmp_path / "blob.dat"
     path.write_bytes(bytes(range(256)) * 8)
-    with pytest.raises(UnsupportedFormatError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(UnsupportedFormatError, path)
     assert "blob.dat" in message and "PDF" in message and "plain text" in message
 
 
@@ -357,17 +334,14 @@ def test_zero_bytes_file_is_binary_not_text(tmp_path: Path) -> None:
 def test_office_file_says_export_first(tmp_path: Path) -> None:
     path = tmp_path / "contract.docx"
     path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
-    with pytest.raises(UnsupportedFormatError) as info:
-        load_document(path)
-    assert "contract.docx" in str(info.value) and "ZIP" in str(info.value) and "export" in str(info.value)
+    message = _refusal(UnsupportedFormatError, path)
+    assert "contract.docx" in message and "ZIP" in message and "export" in message
 
 
 def test_html_saved_as_pdf(tmp_path: Path) -> None:
     path = tmp_path / "report.pdf"
     path.write_text("<!DOCTYPE html><html><body>Access denied</body></html>", encoding="utf-8")
-    with pytest.raises(UnsupportedFormatError) as info:
-        load_document(path)
-    message = str(info.value)
+    message = _refusal(UnsupportedFormatError, path)
     assert "report.pdf" in message and "not a PDF" in message and "HTML" in message
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,35 +28,17 @@ from infokv_rag.integrations._common import get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
 from infokv_rag.store import save_document
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
 
 SUITE_TEXT = (
     "Welcome note. The Harbor Cafe opens at 8 am and closes at 6 pm. "
     "Guests can order coffee, tea and fresh pastries. The staff greet every guest warmly."
 )
-
-FACT_PAGES = [
-    (
-        "Service Agreement between Orion Logistics Ltd and Blue Harbor Foods.\n"
-        "1. Term. This agreement starts on 1 March 2024 and runs for two years."
-    ),
-    (
-        "2. Contact. The account manager is Maria Lindqvist, phone 555-0142.\n"
-        "3. Notice. Either party may terminate this agreement with ninety days written notice."
-    ),
-    "4. Payment. The customer pays 12,500 EUR per month.\n5. Law. This agreement is governed by the laws of Sweden.",
-]
 FACT_TEXT = "\n\n".join(FACT_PAGES)
 OTHER_TEXT = (
     "Lab safety memo. The safety officer of the Nordvik laboratory is Tomas Okafor. "
     "Goggles must be worn at all times. Spills are reported to the front desk."
 )
-# The fact checks test the adapters, not the compression: the tiny model reads these facts from a full
-# cache, while whether a compressed one keeps them moves with every scorer change. The compressed path is
-# covered by the standard suites (default config), by the engine-equality tests and the default-model test.
-COMPRESSION = CompressionConfig(method="full")
-COMPRESSED = CompressionConfig(method="infokv", keep=0.5)
-QUESTION = "Question: {question}\nAnswer concisely, using only the document above."
 
 
 # The official standard suites ----------------------------------------------------------------------
@@ -287,29 +267,7 @@ def test_completion_llm_chain_streams_tokens_to_callbacks(fact_file: Path) -> No
 
 @pytest.mark.tiny
 def test_example_langchain_chain_runs(fact_file: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "langchain_chain.py"),
-            "--model",
-            "tiny",
-            "--document",
-            str(fact_file),
-            "--method",
-            "full",
-            "--max-tokens",
-            "12",
-            "--question",
-            "Who is the account manager?",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    lines = run_example("langchain_chain.py", fact_file, "Who is the account manager?")
     assert lines[0].startswith("document: ") and "tokens" in lines[0]
     assert any(line.startswith("Q: Who is the account manager?") for line in lines)
     answer = next(line for line in lines if line.startswith("A: "))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +14,14 @@ from llama_index.core import SimpleDirectoryReader
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.core.schema import Document as LlamaDocument
 
-from infokv_rag import CompressionConfig
 from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations._common import document_from_pages, get_engine, supporting_pages
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
 
+from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
 from .pdf_factory import text_pdf
-
-ROOT = Path(__file__).resolve().parents[1]
-
-FACT_PAGES = [
-    (
-        "Service Agreement between Orion Logistics Ltd and Blue Harbor Foods.\n"
-        "1. Term. This agreement starts on 1 March 2024 and runs for two years."
-    ),
-    (
-        "2. Contact. The account manager is Maria Lindqvist, phone 555-0142.\n"
-        "3. Notice. Either party may terminate this agreement with ninety days written notice."
-    ),
-    "4. Payment. The customer pays 12,500 EUR per month.\n5. Law. This agreement is governed by the laws of Sweden.",
-]
-# The fact checks test the adapters, not the compression: the tiny model reads these facts from a full
-# cache, while whether a compressed one keeps them moves with every scorer change. The compressed path is
-# covered by the standard suites (default config), by the engine-equality tests and the default-model test.
-COMPRESSION = CompressionConfig(method="full")
-COMPRESSED = CompressionConfig(method="infokv", keep=0.5)
-QUESTION = "Question: {question}\nAnswer concisely, using only the document above."
 
 
 # Without weights -----------------------------------------------------------------------------------
@@ -195,29 +173,7 @@ def test_query_engine_on_a_compressed_cache_returns_the_engines_answer() -> None
 
 @pytest.mark.tiny
 def test_example_llamaindex_query_engine_runs(fact_pdf: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "llamaindex_query_engine.py"),
-            "--model",
-            "tiny",
-            "--document",
-            str(fact_pdf),
-            "--method",
-            "full",
-            "--max-tokens",
-            "12",
-            "--question",
-            "Who is the account manager?",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    lines = run_example("llamaindex_query_engine.py", fact_pdf, "Who is the account manager?")
     assert lines[0].startswith("document: ") and "3 pages" in lines[0]
     assert lines[1] == "Q: Who is the account manager?"
     assert lines[2].startswith("A: ") and "Lindqvist" in lines[2]

@@ -6,20 +6,19 @@ on the same data directory and proves that a ready document is answered without 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
 from infokv_rag.evaluation import make_fact_document
-from infokv_rag.service.launcher import ServerProcess
+from infokv_rag.service.launcher import ServerProcess, read_sse
+
+from . import pdf_factory as pdfs
 
 pytestmark = pytest.mark.tiny
 
@@ -45,23 +44,6 @@ CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 )
-
-
-def _load_factory() -> ModuleType:
-    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
-    name = "infokv_tests_pdf_factory"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("pdf_factory.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pdfs = _load_factory()
-
 
 # Fixtures and helpers ------------------------------------------------------------------------------
 
@@ -102,23 +84,6 @@ def wait_ready(client: httpx.Client, doc_id: str, timeout: float = 120) -> tuple
 
 def ask(client: httpx.Client, doc_id: str, question: str = QUESTION, **options: Any) -> httpx.Response:
     return client.post(f"/v1/documents/{doc_id}/ask", json={"question": question, **options}, headers=AUTH)
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
-    """(event, data) of a text/event-stream, as a browser's EventSource parses it."""
-    event, data = "message", []
-    for line in lines:
-        if line == "":
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif not line.startswith(":"):
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field == "event":
-                event = value
-            elif field == "data":
-                data.append(value)
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -271,7 +236,7 @@ def test_ask_json_and_sse_stream_agree(client: httpx.Client, contract: dict[str,
     with client.stream("POST", f"/v1/documents/{doc_id}/ask", json=request, headers=AUTH) as stream:
         assert stream.status_code == 200
         assert stream.headers["content-type"].startswith("text/event-stream")
-        events = list(sse_events(stream.iter_lines()))
+        events = list(read_sse(stream.iter_lines()))
     names = [name for name, _ in events]
     assert names.count("done") == 1 and names[-1] == "done" and set(names) == {"token", "done"}
     assert names.count("token") >= 2  # token by token
@@ -352,7 +317,7 @@ def test_client_disconnect_cancels_generation(client: httpx.Client, contract: di
     request = {"question": "Write a very long story about this contract.", "max_tokens": 64, "stream": True}
     with client.stream("POST", f"/v1/documents/{contract['info']['id']}/ask", json=request,
                        headers=AUTH) as stream:
-        for name, _ in sse_events(stream.iter_lines()):
+        for name, _ in read_sse(stream.iter_lines()):
             if name == "token":
                 break  # hang up after the first token
     deadline = time.monotonic() + 30

@@ -11,7 +11,9 @@ import pytest
 pytest.importorskip("fastapi")
 
 from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.service.answers import sse  # noqa: E402
 from infokv_rag.service.dependencies import key_matches  # noqa: E402
+from infokv_rag.service.launcher import read_sse  # noqa: E402
 from infokv_rag.service.registry import Registry, new_document_id, valid_document_id  # noqa: E402
 from infokv_rag.service.scheduling import FairLock  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
@@ -76,6 +78,15 @@ def test_display_names_are_one_safe_path_component() -> None:
     assert display_name("..") == "upload" and display_name(None) == "upload" and display_name("") == "upload"
     assert display_name("a\x00b\nc<script>.txt") == "a_b_c_script_.txt"
     assert len(display_name("x" * 1000 + ".pdf")) <= 120
+
+
+def test_event_stream_reader_reads_what_the_server_writes() -> None:
+    stream = sse({"text": "hi"}, "token") + ": keep-alive\n\n" + sse("line one\nline two") + sse("[DONE]")
+    assert list(read_sse(stream.split("\n"))) == [
+        ("token", '{"text": "hi"}'),
+        ("message", "line one\nline two"),
+        ("message", "[DONE]"),
+    ]
 
 
 def test_fair_lock_is_reentrant_and_first_come_first_served() -> None:

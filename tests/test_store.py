@@ -100,21 +100,10 @@ def test_save_load_in_new_process_gives_the_same_answer(
     assert other["text"] == TEXT_A and other["kept"] == doc_a.stats.kept_tokens_per_layer
 
 
-def _pdf_factory():
-    # --import-mode=importlib keeps tests/ off sys.path, so load the helper by file path.
-    import importlib.util
-
-    name = "infokv_tests_pdf_factory"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("pdf_factory.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> None:
-    path = _pdf_factory().text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
+    from .pdf_factory import text_pdf
+
+    path = text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
     doc = random_engine.ingest(path, CompressionConfig(method="snapkv", keep=50))
     assert doc.entropy_reference is None  # snapkv computes no entropy: the None must round-trip too
     loaded = random_engine.load(doc.save(tmp_path / "c"))

@@ -1,4 +1,5 @@
-"""Run `infokv-rag serve` in a subprocess on a free loopback port (tests, benchmarks, scripts).
+"""Run `infokv-rag serve` in a subprocess on a free loopback port, and read its event streams (tests,
+benchmarks, scripts).
 
     with ServerProcess(model="tiny", data_dir=tmp, api_keys=["..."]) as server:
         httpx.get(server.url + "/healthz")
@@ -14,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,20 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def read_sse(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) of a text/event-stream's lines, as a browser's EventSource parses them."""
+    event, data = "message", []
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, "\n".join(data)
+            event, data = "message", []
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                event = value
+            elif field == "data":
+                data.append(value)

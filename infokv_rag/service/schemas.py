@@ -33,6 +33,15 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": descriptions[code]} for code in codes}
 
 
+def answer_responses(description: str) -> dict[int | str, dict[str, Any]]:
+    """Responses of an endpoint that answers as JSON, or as Server-Sent Events (`description`) with
+    `stream: true`; answering fails the same ways on every such endpoint."""
+    return {
+        **error_responses(400, 401, 404, 409, 413, 422, 503),
+        200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    }
+
+
 # Documents ---------------------------------------------------------------------------------------
 
 DocumentStatus = Literal["queued", "processing", "ready", "failed"]

@@ -33,6 +33,7 @@ from ..schemas import (
     DocumentList,
     Progress,
     UploadForm,
+    answer_responses,
     error_responses,
 )
 from ..uploads import compression_config, parse_upload, receive_upload
@@ -163,14 +164,10 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
     "/documents/{document_id}/ask",
     response_model=AskResponse,
     summary="Ask a question about a ready document (JSON, or Server-Sent Events with stream=true)",
-    responses={
-        **error_responses(400, 401, 404, 409, 413, 422, 503),
-        200: {
-            "description": "The answer as JSON, or with `stream: true` a `text/event-stream` of `token` "
-            "events ({\"text\": ...}) then one `done` event (the JSON answer) or an `error` event.",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        },
-    },
+    responses=answer_responses(
+        "The answer as JSON, or with `stream: true` a `text/event-stream` of `token` "
+        "events ({\"text\": ...}) then one `done` event (the JSON answer) or an `error` event."
+    ),
 )
 async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
     record = find_document(service, document_id)

@@ -37,6 +37,7 @@ from ..schemas import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    answer_responses,
     error_responses,
 )
 from ..worker import GenerationJob
@@ -96,14 +97,10 @@ def _check_model(service: Service, model: str) -> None:
     "/chat/completions",
     response_model=ChatCompletion,
     summary="OpenAI-compatible chat completion about a document (`document_id`; streaming and not)",
-    responses={
-        **error_responses(400, 401, 404, 409, 413, 422, 503),
-        200: {
-            "description": "A chat completion, or with `stream: true` OpenAI's `text/event-stream` of "
-            "`chat.completion.chunk` objects ending in `data: [DONE]`.",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        },
-    },
+    responses=answer_responses(
+        "A chat completion, or with `stream: true` OpenAI's `text/event-stream` of "
+        "`chat.completion.chunk` objects ending in `data: [DONE]`."
+    ),
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
     _check_model(service, body.model)

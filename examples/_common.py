@@ -1,0 +1,30 @@
+"""What the framework examples share: the sample document, its questions and the command line.
+
+Imported as `_common`: `python examples/<name>.py` puts the examples folder on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
+SAMPLE_QUESTIONS = [
+    "When was Version 2.0 of the Apache License issued (month and year)?",
+    'In the definition of "Legal Entity", what share of the outstanding shares amounts to control?',
+    "On what basis does the Licensor provide the Work, according to the Disclaimer of Warranty?",
+]
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The examples' options; `questions` holds the -q questions, else the sample questions."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
+    parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
+    parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
+    parser.add_argument("--method", default="infokv", help="compression method (infokv, snapkv, full, ...)")
+    parser.add_argument("--keep", type=float, default=0.25, help="share of the document's tokens kept in the cache")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
+    args = parser.parse_args(argv)
+    args.questions = args.question or SAMPLE_QUESTIONS
+    return args
