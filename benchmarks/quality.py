@@ -127,12 +127,21 @@ def evaluate(
 
 
 def table(results: dict[str, dict[str, float]], labels: dict[str, tuple[str, str]]) -> str:
-    lines = ["| method | keep | questions | accuracy | agreement with full | KL(full‖method) |", "|---|---|---|---|---|---|"]
+    full_correct = int(results["full"]["correct"])
+    lines = [
+        f"| method | keep | questions | accuracy | of the {full_correct} the full cache answers | "
+        "agreement with full | KL(full‖method) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, row in results.items():
         method, keep = labels.get(name, (name, "1.0"))
         n = row["questions"]
         kl = "0" if name == "full" else f"{row['kl'] / n:.3f}"
-        lines.append(f"| {method} | {keep} | {int(n)} | {row['correct'] / n:.3f} | {row['agree'] / n:.3f} | {kl} |")
+        kept = full_correct if name == "full" else int(row["full_correct_kept"])
+        lines.append(
+            f"| {method} | {keep} | {int(n)} | {row['correct'] / n:.3f} | {kept} ({kept / max(full_correct, 1):.0%}) | "
+            f"{row['agree'] / n:.3f} | {kl} |"
+        )
     return "\n".join(lines)
 
 
