@@ -88,11 +88,6 @@ class CompressionConfig:
         if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
             raise ConfigError(f"pooling_kernel must be a positive odd number, got {self.pooling_kernel}")
 
-    @property
-    def protected_tokens(self) -> int:
-        """Tokens never evicted from a full-length document: attention sinks plus observation window."""
-        return self.sink_tokens + self.window
-
     def budget_for(self, document_tokens: int, sink_tokens: int | None = None) -> int:
         """Tokens kept per (layer, KV head) for a document of `document_tokens` tokens.
 
