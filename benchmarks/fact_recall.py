@@ -49,7 +49,7 @@ def main() -> int:
     engine = InfoKVEngine.from_pretrained(args.model)
     base = CompressionConfig(keep=args.keep, chunk_size=8192)
     configs = {m: dataclasses.replace(base, method=m) for m in
-               ("streaming_llm", "snapkv", "h2o", "tova", "knorm", "random", "infokv_entropy", "infokv_evolution", "infokv")}
+               ("streaming_llm", "snapkv", "h2o", "tova", "knorm", "random", "infokv_information", "infokv_evolution", "infokv")}
     configs |= {f"infokv[{k}]": dataclasses.replace(base, **v) for k, v in ABLATIONS.items()}
     totals = {name: [0.0, 0.0] for name in configs}
     seeds = list(SPLIT_SEEDS[args.split])[: args.docs]

@@ -9,10 +9,11 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 METHODS = ("infokv", "full", "streaming_llm", "snapkv", "h2o", "tova", "knorm", "random")
-"""Every compression method; `infokv_entropy` and `infokv_evolution` are InfoKV ablations."""
+"""Every compression method; `infokv_information` and `infokv_evolution` are InfoKV ablations."""
 
-ABLATION_METHODS = ("infokv_entropy", "infokv_evolution")
+ABLATION_METHODS = ("infokv_information", "infokv_evolution")
 
+Information = Literal["entropy", "surprisal"]
 Attribution = Literal["incoming", "outgoing"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
@@ -36,15 +37,19 @@ class CompressionConfig:
     window: int = 32
     chunk_size: int = 2048
     # InfoKV signals
+    information: Information = "surprisal"
+    """The per-token information signal E: "entropy", the predictive entropy H(p(. | x_<t)) over the
+    top-k probabilities (INFOKV.md), or "surprisal", -log p(x_t | x_<t), the information the token
+    itself carried. Both come from the same LM-head pass; `attribution` applies to either."""
     entropy_top_k: int = 20
     entropy_vocabulary: int = 16384
-    """0: entropy over the whole vocabulary; N: over the N lowest token ids (BPE's most frequent
-    merges) plus every token of the document, a cheaper estimate of the top-k entropy (on CPU the
-    full-vocabulary entropy adds 23-36% to the default model's prefill, this about 6%)."""
+    """0: the information signal over the whole vocabulary; N: over the N lowest token ids (BPE's most
+    frequent merges) plus every token of the document, a cheaper estimate (on CPU the full-vocabulary
+    entropy adds 23-36% to the default model's prefill, this about 6%)."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
     # Defaults chosen on the dev split (benchmarks/fact_recall.py, benchmarks/quality.py --ablate).
-    tau: float = 0.75
+    tau: float = 1.0
     lam: float = 0.25
     normalization: Normalization = "minmax"
     head_reduction: HeadReduction = "mean"
@@ -76,6 +81,7 @@ class CompressionConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         choices: dict[str, tuple[str, ...]] = {
+            "information": ("entropy", "surprisal"),
             "attribution": ("incoming", "outgoing"),
             "evolution": ("per_layer", "mean"),
             "normalization": ("minmax", "rank"),

@@ -19,7 +19,7 @@ from .config import CompressionConfig
 from .documents import Document, document_from_text, load_document
 from .errors import ConfigError, ContextLengthError
 from .generation import GenerationOptions, TextAssembler, TokenSampler, logits_entropy
-from .kernels import predictive_entropy
+from .kernels import predictive_entropy, predictive_surprisal
 from .model_runner import ModelRunner
 from .models import model_fingerprint, resolve_model_dir
 from .prompt import PromptFormat, Turn, question_turns
@@ -102,7 +102,8 @@ class InfoKVEngine:
         self.fingerprint = model_fingerprint(model_dir)
         # One forward pass at a time; separate answers interleave step by step.
         self.lock = threading.RLock()
-        self._stop_ids = self._collect_stop_ids()
+        self.stop_ids = self._collect_stop_ids()
+        """Token ids that end an answer (the model's end-of-turn and end-of-text ids)."""
 
     @classmethod
     def from_pretrained(
@@ -176,9 +177,9 @@ class InfoKVEngine:
                 f"the document is {len(ids)} tokens but the model's context window is {self.context_window} "
                 f"tokens (and questions need room too); split the document or use a model with a longer context"
             )
-        cache, stats, entropy = _Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
+        cache, stats, information = _Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         stats.pages = len(document.pages)
-        return CompressedDocument(self, cache, config, document, stats, entropy_reference=entropy)
+        return CompressedDocument(self, cache, config, document, stats, information_reference=information)
 
     def load(self, directory: str | os.PathLike[str]) -> CompressedDocument:
         """Loads a cache saved with `CompressedDocument.save`; refuses another model's or a damaged one."""
@@ -218,7 +219,7 @@ class InfoKVEngine:
         usage: Usage,
         assembler: TextAssembler,
     ) -> Iterator[str]:
-        runner, config = self.runner, document.config
+        runner = self.runner
         n = document.cache.document_tokens
         started = time.perf_counter()
         with self.lock:
@@ -241,7 +242,7 @@ class InfoKVEngine:
             token = sampler(logits)
             if usage.time_to_first_token is None:
                 usage.time_to_first_token = time.perf_counter() - started
-            if token in self._stop_ids:
+            if token in self.stop_ids:
                 usage.finish_reason = "stop"
                 break
             usage.completion_tokens += 1
@@ -252,7 +253,7 @@ class InfoKVEngine:
                 usage.finish_reason = "stop"
                 break
             pending = torch.tensor([token], device=runner.device)
-            pending_scores = document.entropy_rank(logits, config.entropy_top_k).reshape(1)
+            pending_scores = document.information_rank(logits, token).reshape(1)
         tail = assembler.flush()
         if tail:
             yield tail
@@ -296,8 +297,9 @@ class _Ingestion:
         self.scorer: Scorer = scorer_for(config)
         self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
         self.budget = config.budget_for(self.n, self.sinks)
-        self.entropy = torch.zeros(self.n, device=ids.device) if self.scorer.needs_entropy else None
-        self.entropy_head = self._entropy_head() if self.entropy is not None else None
+        self.information = torch.zeros(self.n, device=ids.device) if self.scorer.needs_information else None
+        if self.information is not None:
+            self.head_rows, self.information_head = self._information_head()
         boundaries = engine.sentence_boundaries[ids]
         self.sentences = torch.cumsum(boundaries.long(), 0) - boundaries.long()
         self.evolution = torch.zeros(self.runner.num_layers, self.n, device=ids.device)
@@ -332,8 +334,8 @@ class _Ingestion:
             keep=self.config.keep,
             peak_resident_tokens=self.peak_resident,
         )
-        entropy = self.entropy.sort().values if self.entropy is not None else None
-        return frozen, stats, entropy
+        information = self.information.sort().values if self.information is not None else None
+        return frozen, stats, information
 
     def _read_chunk(self, cache: KVCache, start: int, end: int) -> None:
         scorer = self.scorer
@@ -350,17 +352,15 @@ class _Ingestion:
         return hidden
 
     def score_and_compress(
-        self, cache: KVCache, capture: SignalCapture, hidden: Tensor, start: int, end: int, entropy: Tensor | None = None
+        self, cache: KVCache, capture: SignalCapture, hidden: Tensor, start: int, end: int, information: Tensor | None = None
     ) -> None:
         """Records the chunk's signals and compresses when over budget (always after the last chunk).
 
-        `entropy` (end - start,) may be given when it was already computed with this config's top-k.
+        `information` (end - start,) may be given when it was already computed with this config's settings.
         """
         clock, compression_before = time.perf_counter(), self.timings["compression"]
-        if self.entropy is not None:
-            if entropy is None:
-                entropy = predictive_entropy(hidden, self.entropy_head, self.config.entropy_top_k)
-            self.entropy[start:end] = entropy
+        if self.information is not None:
+            self.information[start:end] = self.chunk_information(hidden, start, end) if information is None else information
         for layer, change in capture.layer_change.items():
             self.evolution[layer, start:end] = change
         self._accumulate(capture, cache)
@@ -370,14 +370,29 @@ class _Ingestion:
         compression = self.timings["compression"] - compression_before
         self.timings["scoring"] += time.perf_counter() - clock - compression
 
-    def _entropy_head(self) -> Tensor:
-        """The LM-head rows entropy is computed over: (vocab or subset, hidden)."""
+    def chunk_information(self, hidden: Tensor, start: int, end: int) -> Tensor:
+        """(end - start,) outgoing information of positions [start, end) from their final hidden states.
+
+        Entropy of each position's next-token distribution, or the surprisal of the token that follows
+        it (0 for the document's last position, which predicts nothing of the document).
+        """
+        if self.config.information == "entropy":
+            return predictive_entropy(hidden, self.information_head, self.config.entropy_top_k)
+        following = self.ids[start + 1 : end + 1]
+        values = torch.zeros(end - start, device=hidden.device)
+        targets = torch.searchsorted(self.head_rows, following)
+        values[: len(following)] = predictive_surprisal(hidden[: len(following)], self.information_head, targets)
+        return values
+
+    def _information_head(self) -> tuple[Tensor, Tensor]:
+        """The vocabulary the information signal is computed over: sorted token ids (rows,) and their
+        LM-head rows (rows, hidden). Every document token is among them, so its surprisal is defined."""
         weight = self.runner.lm_head.weight
         size = self.config.entropy_vocabulary
         if not size or size >= weight.shape[0]:
-            return weight
+            return torch.arange(weight.shape[0], device=weight.device), weight
         rows = torch.cat([torch.arange(size, device=weight.device), self.ids]).unique()
-        return weight[rows]
+        return rows, weight[rows]
 
     def _accumulate(self, capture: SignalCapture, cache: KVCache) -> None:
         for layer, chunk_sums in capture.accumulated_attention.items():
@@ -400,7 +415,7 @@ class _Ingestion:
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],
-                entropy=self.entropy[:tokens_read] if self.entropy is not None else None,
+                information=self.information[:tokens_read] if self.information is not None else None,
                 evolution=self.evolution[index, :tokens_read],
                 mean_evolution=mean_evolution,
                 sentences=self.sentences[:tokens_read],
@@ -451,22 +466,22 @@ def compress_variants(
     with engine.lock:
         hidden = reference.forward_chunk(full, capture, 0, len(ids))
     full_cache = full.freeze(len(ids), reference.sinks)
-    entropies: dict[tuple[int, int], Tensor] = {}
+    informations: dict[tuple[str, int, int], Tensor] = {}
     results = []
     for config in configs:
         ingestion = _Ingestion(engine, config, ids)
         ingestion.timings["prefill"] = reference.timings["prefill"]
-        entropy = None
-        if ingestion.entropy is not None:
-            key = (config.entropy_top_k, config.entropy_vocabulary)
-            if key not in entropies:
-                entropies[key] = predictive_entropy(hidden, ingestion.entropy_head, config.entropy_top_k)
-            entropy = entropies[key]
+        information = None
+        if ingestion.information is not None:
+            key = (config.information, config.entropy_top_k, config.entropy_vocabulary)
+            if key not in informations:
+                informations[key] = ingestion.chunk_information(hidden, 0, len(ids))
+            information = informations[key]
         cache = full_cache.working_copy(0)
-        ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), entropy)
-        frozen, stats, entropy_reference = ingestion.finish(cache)
+        ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), information)
+        frozen, stats, information_reference = ingestion.finish(cache)
         stats.pages = len(document.pages)
-        results.append(CompressedDocument(engine, frozen, config, document, stats, entropy_reference))
+        results.append(CompressedDocument(engine, frozen, config, document, stats, information_reference))
     return results
 
 
@@ -479,16 +494,22 @@ class CompressedDocument:
     config: CompressionConfig
     document: Document
     stats: DocumentStats
-    entropy_reference: Tensor | None = None
-    """Sorted predictive entropies of the document tokens (when the method computed them)."""
+    information_reference: Tensor | None = None
+    """Sorted information values (entropy or surprisal, as configured) of the document tokens, when the
+    method computed them."""
 
-    def entropy_rank(self, logits: Tensor, top_k: int) -> Tensor:
-        """Eviction priority of a generated token: where its entropy falls among the document's, in [0, 1]."""
-        if self.entropy_reference is None or len(self.entropy_reference) == 0:
+    def information_rank(self, logits: Tensor, token: int) -> Tensor:
+        """Eviction priority of a generated `token` sampled from `logits` (vocab,): where its information
+        falls among the document's, in [0, 1] (0.5 when the method computed none)."""
+        reference = self.information_reference
+        if reference is None or len(reference) == 0:
             return torch.full((), 0.5, device=logits.device)
-        value = logits_entropy(logits.reshape(1, -1), top_k)
-        rank = torch.searchsorted(self.entropy_reference, value.to(self.entropy_reference.device))
-        return (rank.float() / len(self.entropy_reference)).reshape(()).to(logits.device)
+        if self.config.information == "surprisal":
+            value = -torch.log_softmax(logits.float(), dim=-1)[token].reshape(1)
+        else:
+            value = logits_entropy(logits.reshape(1, -1), self.config.entropy_top_k)
+        rank = torch.searchsorted(reference, value.to(reference.device))
+        return (rank.float() / len(reference)).reshape(()).to(logits.device)
 
     @torch.inference_mode()
     def teacher_forced_logits(self, turns: Sequence[Turn], continuation: Sequence[int]) -> Tensor:

@@ -49,7 +49,8 @@ class LayerSignals:
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
     head_dim); window_attention, last_query_attention: (heads, length) mean attention of the observation
     window and of the last document query (None when the scorer needs no attention); accumulated_attention: (kv_heads, length) or None;
-    entropy: (tokens_read,) outgoing predictive entropy per position (entropy of the distribution at t);
+    information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
+    or the surprisal of token t + 1 (CompressionConfig.information);
     evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers;
     sentences: (tokens_read,) int64 index of the sentence each position belongs to.
     """
@@ -61,7 +62,7 @@ class LayerSignals:
     window_attention: Tensor | None
     last_query_attention: Tensor | None
     accumulated_attention: Tensor | None
-    entropy: Tensor | None
+    information: Tensor | None
     evolution: Tensor
     mean_evolution: Tensor
     sentences: Tensor
@@ -82,15 +83,16 @@ class LayerSignals:
         sizes = torch.bincount(self.sentences, minlength=count).clamp_min(1)
         return (sums / sizes)[self.sentences]
 
-    def incoming_entropy(self) -> Tensor:
-        """(tokens_read,): H(p(. | x_<t)) credited to token t; 0 for the first token."""
-        return torch.cat([self._entropy().new_zeros(1), self._entropy()[:-1]])
+    def incoming_information(self) -> Tensor:
+        """(tokens_read,): the information of p(. | x_<t) credited to token t (for surprisal, -log p(x_t |
+        x_<t)); 0 for the first token."""
+        return torch.cat([self._information().new_zeros(1), self._information()[:-1]])
 
-    def outgoing_entropy(self) -> Tensor:
-        """(tokens_read,): H(p(. | x_<=t)) credited to token t."""
-        return self._entropy()
+    def outgoing_information(self) -> Tensor:
+        """(tokens_read,): the information of p(. | x_<=t) credited to token t."""
+        return self._information()
 
-    def _entropy(self) -> Tensor:
-        if self.entropy is None:
-            raise RuntimeError("entropy was not computed for this compression")
-        return self.entropy
+    def _information(self) -> Tensor:
+        if self.information is None:
+            raise RuntimeError("the information signal was not computed for this compression")
+        return self.information

@@ -4,7 +4,7 @@ A saved cache is a directory:
   manifest.json        format version, model fingerprint, config, document hash and page map, token
                        counts, stats, and the sha256 of every other file; itself checksummed
   tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
-                       (kv_heads, kept_L); entropy_reference (n,) when the method computed it
+                       (kv_heads, kept_L); information_reference (n,) when the method computed it
   document.txt         the document text (page spans in the manifest index into it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
@@ -34,7 +34,7 @@ from .errors import CacheStoreError, ConfigError, InfoKVError
 if TYPE_CHECKING:
     from .engine import CompressedDocument, InfoKVEngine, ProgressCallback
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -75,8 +75,8 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     for index, layer in enumerate(document.cache.layers):
         for name in ("keys", "values", "positions", "scores"):
             tensors[f"{name}.{index}"] = getattr(layer, name).detach().cpu().contiguous()
-    if document.entropy_reference is not None:
-        tensors["entropy_reference"] = document.entropy_reference.detach().cpu().contiguous()
+    if document.information_reference is not None:
+        tensors["information_reference"] = document.information_reference.detach().cpu().contiguous()
     tensor_bytes = save(tensors)
     text_bytes = document.document.text.encode("utf-8")
     manifest: dict[str, Any] = {
@@ -268,14 +268,14 @@ def _load_verified(engine: InfoKVEngine, path: Path) -> CompressedDocument:
         raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
     document = _rebuild_document(text, manifest["document"])
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
-    entropy = tensors.get("entropy_reference")
+    information = tensors.get("information_reference")
     return CompressedDocument(
         engine,
         DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"])),
         config,
         document,
         DocumentStats(**stats_fields),
-        entropy_reference=entropy.to(runner.device) if entropy is not None else None,
+        information_reference=information.to(runner.device) if information is not None else None,
     )
 
 

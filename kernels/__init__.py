@@ -9,7 +9,7 @@ Every kernel returns float32 and computes in float32 from float32, bfloat16 or f
 
 from .accumulated_attention import accumulated_attention, accumulated_attention_reference
 from .dispatch import get_kernel_backend, kernel_backend, set_kernel_backend
-from .entropy import TRITON_MAX_TOP_K, predictive_entropy, predictive_entropy_reference
+from .entropy import TRITON_MAX_TOP_K, predictive_entropy, predictive_entropy_reference, predictive_surprisal
 from .window_attention import group_reduce, window_attention, window_attention_reference
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "kernel_backend",
     "predictive_entropy",
     "predictive_entropy_reference",
+    "predictive_surprisal",
     "set_kernel_backend",
     "window_attention",
     "window_attention_reference",

@@ -119,6 +119,12 @@ def _tile_stats(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _full_entropy(h: Tensor, weight: Tensor, vocab_block: int) -> Tensor:
     """(tokens,) full-vocabulary entropy via an online log-sum-exp over vocabulary tiles."""
+    _, s, t = _online_stats(h, weight, vocab_block)
+    return s.log() - t / s
+
+
+def _online_stats(h: Tensor, weight: Tensor, vocab_block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, s, t) of each token's logits over the whole vocabulary, merged tile by tile (see module doc)."""
     m, s, t = _tile_stats(_tile_logits(h, weight, 0, vocab_block))
     for start in range(vocab_block, weight.shape[0], vocab_block):
         m2, s2, t2 = _tile_stats(_tile_logits(h, weight, start, vocab_block))
@@ -130,7 +136,7 @@ def _full_entropy(h: Tensor, weight: Tensor, vocab_block: int) -> Tensor:
         t = a1 * (t + d1 * s) + a2 * (t2 + d2 * s2)
         s = a1 * s + a2 * s2
         m = m_new
-    return s.log() - t / s
+    return m, s, t
 
 
 def _top_k_entropy(h: Tensor, weight: Tensor, k: int, vocab_block: int) -> Tensor:
@@ -143,3 +149,36 @@ def _top_k_entropy(h: Tensor, weight: Tensor, k: int, vocab_block: int) -> Tenso
         best = merged.topk(min(k, merged.shape[1]), dim=1, sorted=False).values
     _, s, t = _tile_stats(best)
     return s.log() - t / s
+
+
+def predictive_surprisal(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    token_block: int = _TOKEN_BLOCK,
+    vocab_block: int = _VOCAB_BLOCK,
+) -> Tensor:
+    """Surprisal -log softmax(hidden @ weight.T)[target] of each token's next token, in nats.
+
+    Args:
+        hidden: (n, d) final hidden states (after the final norm).
+        weight: (V, d) LM-head weight (or a subset of its rows), on the same device.
+        targets: (n,) int64 row indices into `weight` of the tokens that followed.
+
+    Returns:
+        (n,) float32. The log-normaliser comes from the same online log-sum-exp as the
+        full-vocabulary entropy, tiled the same way, so the extra memory does not grow with n or V.
+        One PyTorch path on every device: the cost is the tiled matmul, which BLAS and cuBLAS
+        already run at full speed.
+    """
+    _check_inputs(hidden, weight, 0)
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}")
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], token_block):
+        h = hidden[start : start + token_block].float()
+        m, s, _ = _online_stats(h, weight, vocab_block)
+        target_logits = (h * weight[targets[start : start + token_block]].float()).sum(dim=1)
+        out[start : start + token_block] = m + s.log() - target_logits
+    return out

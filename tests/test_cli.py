@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from infokv_rag.store import FORMAT_VERSION
+
 from . import pdf_factory as pdfs
 from .conftest import CORPUS
 
@@ -176,7 +178,7 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     assert described["document"]["pages"] == 2 and described["document"]["source"] == str(pdf)
     assert described["tokens"]["kept_per_layer"] == kept
     assert described["model"]["name"] == str(random_model_dir)
-    assert described["format_version"] == 1
+    assert described["format_version"] == FORMAT_VERSION
 
     # `info` verifies checksums: a damaged cache is reported, not described.
     tensors = out_dir / "tensors.safetensors"

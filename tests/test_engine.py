@@ -14,7 +14,7 @@ TEXT = " ".join(CORPUS * 12)
 
 
 def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> None:
-    for method in METHODS + ("infokv_entropy", "infokv_evolution"):
+    for method in METHODS + ("infokv_information", "infokv_evolution"):
         doc = random_engine.ingest_text(TEXT, CompressionConfig(method=method, keep=0.25))
         n = doc.stats.document_tokens
         expected = n if method == "full" else round(0.25 * n)
@@ -121,6 +121,24 @@ def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) ->
     assert "".join(doc.stream("Pay?", max_new_tokens=16)) == greedy
 
 
+def test_surprisal_signal_is_exact_across_chunks(random_engine: InfoKVEngine) -> None:
+    """Surprisal -log p(x_t+1 | x_<=t) per position, including across chunk boundaries (0 for the last).
+
+    keep=1.0 so that no compression between chunks changes later hidden states."""
+    config = CompressionConfig(information="surprisal", keep=1.0, chunk_size=64, entropy_vocabulary=0)
+    doc = random_engine.ingest_text(TEXT, config)
+    ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
+    runner = random_engine.runner
+    with torch.inference_mode():
+        log_p = runner.logits(runner.forward(ids, torch.arange(len(ids)), runner.new_cache())).float().log_softmax(-1)
+    expected = torch.cat([-log_p[:-1].gather(1, ids[1:, None]).squeeze(1), torch.zeros(1)])
+    assert doc.information_reference is not None
+    torch.testing.assert_close(doc.information_reference, expected.sort().values, rtol=1e-4, atol=1e-4)
+    generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=40, max_cache_tokens=len(ids) // 2 + 60))
+    generation.text()
+    assert generation.usage.max_resident_tokens <= len(ids) // 2 + 60
+
+
 def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="unknown method"):
         CompressionConfig(method="magic")
@@ -128,6 +146,8 @@ def test_config_validation() -> None:
         CompressionConfig(keep=1.5)
     with pytest.raises(ConfigError, match="tau"):
         CompressionConfig(tau=2.0)
+    with pytest.raises(ConfigError, match="information"):
+        CompressionConfig(information="perplexity")
 
 
 def _options(**kwargs):

@@ -44,6 +44,7 @@ from infokv_rag.kernels import (  # noqa: E402
     kernel_backend,
     predictive_entropy,
     predictive_entropy_reference,
+    predictive_surprisal,
     set_kernel_backend,
     window_attention,
     window_attention_reference,
@@ -265,6 +266,20 @@ def test_entropy_triton_with_tied_and_large_logits(top_k):
     hidden, weight = tied_large_logits()
     with kernel_backend("triton"):
         assert_close(predictive_entropy(hidden, weight, top_k), dense_entropy(hidden, weight, top_k), "triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("logit_std", [3.0, 100.0])
+def test_surprisal_matches_dense(dtype, logit_std):
+    hidden, weight = make_lm_head(53, 300, 32, dtype, logit_std=logit_std, seed=2)
+    targets = torch.randint(0, 300, (53,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    log_p = (hidden.float() @ weight.float().T).log_softmax(dim=1)
+    expected = -log_p.gather(1, targets[:, None]).squeeze(1)
+    assert_close(predictive_surprisal(hidden, weight, targets), expected, "surprisal")
+    tiled = predictive_surprisal(hidden, weight, targets, token_block=16, vocab_block=64)
+    assert_close(tiled, expected, "surprisal, tiny tiles")
+    with pytest.raises(ValueError, match="targets"):
+        predictive_surprisal(hidden, weight, targets[:-1])
 
 
 def test_entropy_edge_cases():

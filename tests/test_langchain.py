@@ -281,9 +281,13 @@ def test_example_langchain_chain_runs(fact_file: Path) -> None:
 @pytest.mark.default
 def test_lcel_chain_on_default_model_reads_compressed_fact() -> None:
     # End to end through a compressed cache (InfoKV keeping 3/4 of a ~185-token document); the default model
-    # reads the phone number from it, where the tiny one cannot be relied on.
+    # reads the phone number from it, where the tiny one cannot be relied on. Entropy, not the default
+    # surprisal: on this short document surprisal's sentence means rank the long phone sentence below
+    # the short headings and it is dropped (a known weakness, see the README's quality notes); this
+    # test is about the adapter's path through a compressed cache.
     text = OTHER_TEXT + " " + FACT_TEXT.replace("\n", " ")
-    chat = ChatInfoKV(model="default", document_text=text, compression=CompressionConfig(keep=0.75), max_tokens=16)
+    compression = CompressionConfig(keep=0.75, information="entropy")
+    chat = ChatInfoKV(model="default", document_text=text, compression=compression, max_tokens=16)
     chain = _chain(chat)
     answer = "".join(chain.stream({"question": "What is the phone number of the account manager?"}))
     assert "555-0142" in answer

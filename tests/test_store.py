@@ -42,10 +42,10 @@ def assert_same_document(loaded: CompressedDocument, original: CompressedDocumen
     for got, want in zip(loaded.cache.layers, original.cache.layers):
         for name in ("keys", "values", "positions", "scores"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
-    if original.entropy_reference is None:
-        assert loaded.entropy_reference is None
+    if original.information_reference is None:
+        assert loaded.information_reference is None
     else:
-        assert torch.equal(loaded.entropy_reference, original.entropy_reference)
+        assert torch.equal(loaded.information_reference, original.information_reference)
 
 
 def child_env() -> dict[str, str]:
@@ -105,7 +105,7 @@ def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> N
 
     path = text_pdf(tmp_path / "contract.pdf", ["Page one: the notice period is thirty days.", "Page two."])
     doc = random_engine.ingest(path, CompressionConfig(method="snapkv", keep=50))
-    assert doc.entropy_reference is None  # snapkv computes no entropy: the None must round-trip too
+    assert doc.information_reference is None  # snapkv computes no entropy: the None must round-trip too
     loaded = random_engine.load(doc.save(tmp_path / "c"))
     assert_same_document(loaded, doc)
     assert loaded.document.source == str(path) and [page.number for page in loaded.document.pages] == [1, 2]
@@ -224,7 +224,7 @@ def rebuild(path):
         config=CompressionConfig.from_dict(manifest["config"]),
         document=store._rebuild_document(text, manifest["document"]),
         stats=SimpleNamespace(to_dict=lambda: manifest["stats"]),
-        entropy_reference=tensors.get("entropy_reference"),
+        information_reference=tensors.get("information_reference"),
     )
 
 # Slow the save down so that kills land inside it: every file is written in pieces with pauses, and

@@ -38,7 +38,7 @@ def test_full_cache_answers_equal_model_generate(tiny_engine: InfoKVEngine, fact
             reference = tiny_engine.model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=24, do_sample=False
             )[0, input_ids.shape[1] :].tolist()
-        reference = [t for t in reference if t not in tiny_engine._stop_ids]
+        reference = [t for t in reference if t not in tiny_engine.stop_ids]
         assert generation.token_ids == reference, question
         assert text == tiny_engine.tokenizer.decode(reference, skip_special_tokens=True)
 

@@ -57,7 +57,7 @@ def scorer_for(config: CompressionConfig) -> Scorer:
     }
     if config.method in simple:
         return simple[config.method]
-    if config.method == "infokv_entropy":
+    if config.method == "infokv_information":
         return _infokv(config, tau=1.0, lam=0.0)
     if config.method == "infokv_evolution":
         return _infokv(config, tau=0.0, lam=0.0)

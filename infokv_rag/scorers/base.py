@@ -19,7 +19,7 @@ class Scorer:
     """
 
     needs_window_attention: ClassVar[bool] = True
-    needs_entropy: ClassVar[bool] = False
+    needs_information: ClassVar[bool] = False
     needs_accumulated_attention: ClassVar[bool] = False
 
     def score(self, signals: LayerSignals) -> Tensor:

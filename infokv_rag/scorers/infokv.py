@@ -14,15 +14,15 @@ from .base import Scorer, normalize, pool, reduce_groups
 class InfoKVScorer(Scorer):
     """InfoKV: s = lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R)) within each (layer, KV head).
 
-    E is predictive entropy (credited to the token it predicted, "incoming", or to the token whose
-    distribution it is, "outgoing"); R is the relative change the layer makes to the token's residual
-    stream (this layer's, or the mean over layers); A is the pooled observation-window attention reduced
+    E is the information signal, predictive entropy or surprisal (credited to the token it predicted,
+    "incoming", or to the token whose distribution it is, "outgoing"); R is the relative change the
+    layer makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled observation-window attention reduced
     over each KV group, optionally averaged with attention accumulated over all queries.
     """
 
-    needs_entropy = True
+    needs_information = True
 
-    tau: float = 0.75
+    tau: float = 1.0
     lam: float = 0.25
     attribution: Literal["incoming", "outgoing"] = "incoming"
     evolution: Literal["per_layer", "mean"] = "per_layer"
@@ -33,7 +33,7 @@ class InfoKVScorer(Scorer):
     aggregation: Literal["token", "sentence"] = "sentence"
 
     def __post_init__(self) -> None:
-        self.needs_entropy = self.tau > 0 and self.lam < 1
+        self.needs_information = self.tau > 0 and self.lam < 1
         self.needs_window_attention = self.lam > 0
         self.needs_accumulated_attention = self.accumulated
 
@@ -46,12 +46,12 @@ class InfoKVScorer(Scorer):
             attention = 0.5 * (attention + normalize(signals.accumulated_attention, self.normalization))
         return attention
 
-    def entropy_term(self, signals: LayerSignals) -> Tensor:
+    def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R); a signal with weight 0 is not evaluated."""
         term = torch.zeros(signals.positions.shape, device=signals.positions.device)
         if self.tau > 0:
-            entropy = signals.incoming_entropy() if self.attribution == "incoming" else signals.outgoing_entropy()
-            term += self.tau * normalize(self._resident(signals, entropy), self.normalization)
+            information = signals.incoming_information() if self.attribution == "incoming" else signals.outgoing_information()
+            term += self.tau * normalize(self._resident(signals, information), self.normalization)
         if self.tau < 1:
             evolution = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
             term += (1 - self.tau) * normalize(self._resident(signals, evolution), self.normalization)
@@ -67,5 +67,5 @@ class InfoKVScorer(Scorer):
         if self.lam == 1.0:
             return self.attention_term(signals)
         if self.lam == 0.0:
-            return self.entropy_term(signals)
-        return self.lam * self.attention_term(signals) + (1 - self.lam) * self.entropy_term(signals)
+            return self.information_term(signals)
+        return self.lam * self.attention_term(signals) + (1 - self.lam) * self.information_term(signals)
