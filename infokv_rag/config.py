@@ -44,8 +44,9 @@ class CompressionConfig:
     entropy_top_k: int = 20
     entropy_vocabulary: int = 16384
     """0: the information signal over the whole vocabulary; N: over the N lowest token ids (BPE's most
-    frequent merges) plus every token of the document, a cheaper estimate (on CPU the full-vocabulary
-    entropy adds 23-36% to the default model's prefill, this about 6%)."""
+    frequent merges) plus every token of the document, a cheaper estimate (on CPU, surprisal over the
+    full vocabulary added 16-19% to the default model's prefill at 1K-4K tokens, this subset nothing
+    measurable; benchmarks/overhead.py)."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
     # Defaults chosen on the dev split (benchmarks/fact_recall.py, benchmarks/quality.py --ablate).

@@ -16,8 +16,9 @@ class InfoKVScorer(Scorer):
 
     E is the information signal, predictive entropy or surprisal (credited to the token it predicted,
     "incoming", or to the token whose distribution it is, "outgoing"); R is the relative change the
-    layer makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled observation-window attention reduced
-    over each KV group, optionally averaged with attention accumulated over all queries.
+    layer makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled
+    observation-window attention reduced over each KV group, optionally averaged with attention
+    accumulated over all queries.
     """
 
     needs_information = True
@@ -50,7 +51,8 @@ class InfoKVScorer(Scorer):
         """S = tau * N(E) + (1 - tau) * N(R); a signal with weight 0 is not evaluated."""
         term = torch.zeros(signals.positions.shape, device=signals.positions.device)
         if self.tau > 0:
-            information = signals.incoming_information() if self.attribution == "incoming" else signals.outgoing_information()
+            incoming = self.attribution == "incoming"
+            information = signals.incoming_information() if incoming else signals.outgoing_information()
             term += self.tau * normalize(self._resident(signals, information), self.normalization)
         if self.tau < 1:
             evolution = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
