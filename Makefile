@@ -14,7 +14,7 @@ KVPRESS_PIP := $(KVPRESS_VENV)/bin/python -m pip
 KVPRESS_LOCK := benchmarks/kvpress-requirements.txt
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
 
-.PHONY: install models demo test test-fast bench bench-quality bench-latency bench-overhead kvpress-env clean
+.PHONY: install models demo lint test test-fast bench bench-quality bench-latency bench-overhead kvpress-env clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,21 @@ models: $(STAMP)
 demo: models
 	$(PY) examples/demo.py
 
-test: models
+# mypy cannot map kernels/ and integrations/ to infokv_rag.kernels and infokv_rag.integrations (setuptools'
+# package-dir), so it checks a tree of symlinks laid out like the installed package.
+LINT_PATHS := infokv_rag kernels integrations
+TYPECHECK_TREE := build/typecheck
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/infokv_rag
+	ln -s $(foreach f,$(wildcard infokv_rag/*),$(CURDIR)/$(f)) $(TYPECHECK_TREE)/infokv_rag/
+	ln -s $(CURDIR)/kernels $(TYPECHECK_TREE)/infokv_rag/kernels
+	ln -s $(CURDIR)/integrations $(TYPECHECK_TREE)/infokv_rag/integrations
+	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache -p infokv_rag
+
+test: lint models
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

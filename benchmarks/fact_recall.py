@@ -10,19 +10,18 @@ Use it to explore; confirm with benchmarks/quality.py, which asks the questions.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
 
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
-from infokv_rag.engine import compress_variants
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.prompt import DOCUMENT_INTRO
+from infokv_rag.scorers import method_names
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from quality import ABLATIONS, SPLIT_SEEDS  # noqa: E402
+from quality import ABLATIONS, SPLIT_SEEDS
+from variants import compress_variants
 
 
 def token_spans(engine: InfoKVEngine, text: str, needles: list[str]) -> list[torch.Tensor]:
@@ -47,10 +46,8 @@ def main() -> int:
     parser.add_argument("--split", default="dev", choices=["dev", "test"])
     args = parser.parse_args()
     engine = InfoKVEngine.from_pretrained(args.model)
-    base = CompressionConfig(keep=args.keep, chunk_size=8192)
-    configs = {m: dataclasses.replace(base, method=m) for m in
-               ("streaming_llm", "snapkv", "h2o", "tova", "knorm", "random", "infokv_information", "infokv_evolution", "infokv")}
-    configs |= {f"infokv[{k}]": dataclasses.replace(base, **v) for k, v in ABLATIONS.items()}
+    configs = {m: CompressionConfig(method=m, keep=args.keep, chunk_size=8192) for m in method_names() if m != "full"}
+    configs |= {f"infokv[{k}]": CompressionConfig(keep=args.keep, chunk_size=8192, **v) for k, v in ABLATIONS.items()}
     totals = {name: [0.0, 0.0] for name in configs}
     seeds = list(SPLIT_SEEDS[args.split])[: args.docs]
     for seed in seeds:

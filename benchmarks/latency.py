@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.config import DEFAULT_METHOD
 from infokv_rag.documents import document_from_text
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
+from infokv_rag.scorers import method_names
 
 TTFT_SPEEDUP_TARGET = 20.0
 LOAD_TARGET_SECONDS = 0.5
@@ -65,7 +67,7 @@ def main() -> int:
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--words", type=int, default=3300, help="document length in words (3300: ~4K tokens)")
     parser.add_argument("--seed", type=int, default=0, help="which planted-fact document")
-    parser.add_argument("--method", default="infokv")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of follow-up questions and of loads")
     parser.add_argument("--reprefills", type=int, default=1, help="re-prefill measurements (each costs a full prefill)")

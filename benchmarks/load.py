@@ -30,8 +30,10 @@ from typing import Any
 
 import httpx
 
+from infokv_rag.config import DEFAULT_METHOD
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.prompt import question_turns
+from infokv_rag.scorers import method_names
 from infokv_rag.service.launcher import ServerProcess, read_sse
 
 KINDS = ("ask-json", "ask-sse", "chat-sse")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--words", type=int, default=220, help="words per document (default 220)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--method", default="infokv")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", default="0.5")
     parser.add_argument("--url", default=None, help="use a running server instead of starting one")
     parser.add_argument("--api-key", default=None)

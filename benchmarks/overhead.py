@@ -53,8 +53,8 @@ def main() -> int:
         "full": {"method": "full"},
         "snapkv": {"method": "snapkv"},
         "infokv": {"method": "infokv"},
-        "infokv_entropy": {"method": "infokv", "information": "entropy"},
-        "infokv_full_vocab": {"method": "infokv", "entropy_vocabulary": 0},
+        "infokv_entropy": {"method": "infokv", "settings": {"information": "entropy"}},
+        "infokv_full_vocab": {"method": "infokv", "settings": {"entropy_vocabulary": 0}},
     }
     rows = []
     for tokens in args.tokens:

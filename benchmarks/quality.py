@@ -16,7 +16,6 @@ kvpress pins an older transformers); `kvpress:none` is that side's uncompressed 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import subprocess
@@ -28,34 +27,36 @@ from pathlib import Path
 
 import torch
 
-from infokv_rag import CompressionConfig, InfoKVEngine
-from infokv_rag.config import ABLATION_METHODS, METHODS
+from variants import compress_variants, teacher_forced_logits
+
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Document, document_from_text, load_document
-from infokv_rag.engine import CompressedDocument, compress_variants
 from infokv_rag.evaluation import answer_matches, make_fact_document
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
+from infokv_rag.scorers import method_names
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention")
 KVPRESS_SANITY = "kvpress:none"
 SPLIT_SEEDS = {"dev": range(0, 1000), "test": range(1000, 2000)}
 ABLATIONS: dict[str, dict[str, object]] = {
-    "information=entropy": {"information": "entropy"},
-    "information=entropy,top_k=0": {"information": "entropy", "entropy_top_k": 0},
-    "information=entropy,top_k=5": {"information": "entropy", "entropy_top_k": 5},
-    "attribution=outgoing": {"attribution": "outgoing"},
-    "vocabulary=all": {"entropy_vocabulary": 0},
-    "tau=0.75": {"tau": 0.75},
-    "tau=0.75,evolution=mean": {"tau": 0.75, "evolution": "mean"},
-    "tau=0.5": {"tau": 0.5},
-    "lam=0": {"lam": 0.0},
-    "lam=0.5": {"lam": 0.5},
-    "normalization=rank": {"normalization": "rank"},
-    "head_reduction=max": {"head_reduction": "max"},
-    "aggregation=token": {"aggregation": "token"},
+    # CompressionConfig keyword arguments that change one InfoKV default
+    "information=entropy": {"settings": {"information": "entropy"}},
+    "information=entropy,top_k=0": {"settings": {"information": "entropy", "entropy_top_k": 0}},
+    "information=entropy,top_k=5": {"settings": {"information": "entropy", "entropy_top_k": 5}},
+    "attribution=outgoing": {"settings": {"attribution": "outgoing"}},
+    "vocabulary=all": {"settings": {"entropy_vocabulary": 0}},
+    "tau=0.75": {"settings": {"tau": 0.75}},
+    "tau=0.75,evolution=mean": {"settings": {"tau": 0.75, "evolution": "mean"}},
+    "tau=0.5": {"settings": {"tau": 0.5}},
+    "lam=0": {"settings": {"lam": 0.0}},
+    "lam=0.5": {"settings": {"lam": 0.5}},
+    "normalization=rank": {"settings": {"normalization": "rank"}},
+    "head_reduction=max": {"settings": {"head_reduction": "max"}},
+    "aggregation=token": {"settings": {"aggregation": "token"}},
     "adaptive_budget": {"adaptive_budget": True},
-    "accumulated_attention": {"accumulated_attention": True},
+    "accumulated_attention": {"settings": {"accumulated_attention": True}},
 }
 
 
@@ -141,13 +142,13 @@ def evaluate(
             generation = full.generate(turns, options)
             full_answer = FullAnswer(generation.text(), tuple(generation.token_ids))
             full_answers[-1].append(full_answer)
-            full_logits = full.teacher_forced_logits(turns, full_answer.ids)
+            full_logits = teacher_forced_logits(full, turns, full_answer.ids)
             totals["full"]["questions"] += 1
             totals["full"]["correct"] += correct(full_answer.text, expected)
             totals["full"]["agree"] += 1
             for name, doc in variants.items():
                 answer = doc.generate(turns, options).text()
-                kl = mean_kl(full_logits, doc.teacher_forced_logits(turns, full_answer.ids))
+                kl = mean_kl(full_logits, teacher_forced_logits(doc, turns, full_answer.ids))
                 tally(totals[name], answer, full_answer, expected, kl)
         log(f"[{task_index + 1}/{len(tasks)}] {task.name}: {len(task.questions)} questions, "
             f"{full.stats.document_tokens} tokens, {time.perf_counter() - started:.0f}s")
@@ -281,7 +282,7 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=8, help="planted-fact documents (4 questions each)")
     parser.add_argument("--words", type=int, default=900)
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS + ABLATION_METHODS if m != "full"])
+    parser.add_argument("--methods", nargs="+", choices=method_names(), default=[m for m in method_names() if m != "full"])
     parser.add_argument("--ablate", action="store_true", help="also sweep each InfoKV knob (dev split)")
     parser.add_argument("--no-sample", action="store_true", help="skip the Apache-2.0 PDF questions")
     parser.add_argument("--max-new-tokens", type=int, default=20)
@@ -310,7 +311,7 @@ def main() -> int:
         if args.ablate:
             for knob, change in ABLATIONS.items():
                 name = f"infokv[{knob}]@{keep}"
-                configs[name] = dataclasses.replace(CompressionConfig(keep=keep, chunk_size=8192), **change)
+                configs[name] = CompressionConfig(keep=keep, chunk_size=8192, **change)
                 labels[name] = (f"infokv[{knob}]", str(keep))
     print(f"model={args.model} split={args.split} tasks={len(tasks)} "
           f"questions={sum(len(t.questions) for t in tasks)} variants={len(configs)}", file=sys.stderr)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from infokv_rag.config import DEFAULT_METHOD
+from infokv_rag.scorers import method_names
+
 SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
 SAMPLE_QUESTIONS = [
     "When was Version 2.0 of the Apache License issued (month and year)?",
@@ -22,7 +25,7 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
     parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
-    parser.add_argument("--method", default="infokv", help="compression method (infokv, snapkv, full, ...)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names(), help="compression method")
     parser.add_argument("--keep", type=float, default=0.25, help="share of the document's tokens kept in the cache")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
     args = parser.parse_args(argv)

@@ -20,7 +20,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .engine import CompressedDocument, DocumentStats, InfoKVEngine
+    from .document import CompressedDocument
+    from .engine import InfoKVEngine
+    from .ingestion import DocumentStats
     from .store import CacheStore
 
 __version__ = "0.1.0"
@@ -28,8 +30,8 @@ __version__ = "0.1.0"
 # The engine pulls in torch and transformers (seconds to import); it is imported on first use, so
 # that the command line can reject a bad document, and tools can read a cache manifest, at once.
 _LAZY = {
-    "CompressedDocument": "engine",
-    "DocumentStats": "engine",
+    "CompressedDocument": "document",
+    "DocumentStats": "ingestion",
     "InfoKVEngine": "engine",
     "CacheStore": "store",
 }

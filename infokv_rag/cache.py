@@ -58,9 +58,7 @@ class DocumentCache:
     def working_copy(self, extra_tokens: int) -> KVCache:
         """A growable copy for answering a question; the document tensors stay untouched."""
         first = self.layers[0]
-        cache = KVCache(
-            len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device
-        )
+        cache = KVCache(len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device)
         for index, layer in enumerate(self.layers):
             cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
         return cache
@@ -136,7 +134,9 @@ class KVCache:
         self.pending_positions = torch.empty(0, dtype=torch.long, device=device)
         self.pending_scores = torch.empty(0, dtype=torch.float32, device=device)
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         layer = self.layers[layer_idx]
         layer.append(key_states[0], value_states[0], self.pending_positions, self.pending_scores)
         return layer.live("keys").unsqueeze(0), layer.live("values").unsqueeze(0)

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ABLATION_METHODS, METHODS, CompressionConfig
+from .config import DEFAULT_METHOD, CompressionConfig
 from .errors import ConfigError, InfoKVError
+from .scorers import method_names
 
 
 def _keep(value: str) -> float | int:
@@ -24,7 +25,9 @@ def _keep(value: str) -> float | int:
         try:
             return float(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--keep takes a ratio like 0.25 or a token count like 512, not {value!r}")
+            raise argparse.ArgumentTypeError(
+                f"--keep takes a ratio like 0.25 or a token count like 512, not {value!r}"
+            ) from None
 
 
 class ProgressBar:
@@ -59,7 +62,7 @@ class ProgressBar:
 
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", default="infokv", choices=METHODS + ABLATION_METHODS)
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", type=_keep, default=0.25, help="ratio (0.25) or token count (512)")
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")

@@ -1,24 +1,40 @@
-"""Compression settings, validated on construction."""
+"""Compression settings, validated on construction: the shared ones here, each method's own in its module."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Literal
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
+from . import scorers
 from .errors import ConfigError
 
-METHODS = ("infokv", "full", "streaming_llm", "snapkv", "h2o", "tova", "knorm", "random")
-"""Every compression method; `infokv_information` and `infokv_evolution` are InfoKV ablations."""
+if TYPE_CHECKING:
+    from .scorers.base import Method
 
-ABLATION_METHODS = ("infokv_information", "infokv_evolution")
+DEFAULT_METHOD = "infokv"
 
-Information = Literal["entropy", "surprisal"]
-Attribution = Literal["incoming", "outgoing"]
-Normalization = Literal["minmax", "rank"]
-HeadReduction = Literal["mean", "max"]
-EvolutionMode = Literal["per_layer", "mean"]
-Aggregation = Literal["token", "sentence"]
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """Base of a method's own settings: a frozen dataclass whose fields all have defaults.
+
+    Fields typed `Literal[...]` are checked against their choices on construction; a subclass checks
+    anything else in `validate`.
+    """
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for item in dataclasses.fields(self):
+            hint, value = hints[item.name], getattr(self, item.name)
+            if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+                raise ConfigError(f"{item.name} must be one of {typing.get_args(hint)}, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises `ConfigError` for values that the field types do not rule out."""
 
 
 @dataclass(frozen=True)
@@ -26,91 +42,60 @@ class CompressionConfig:
     """How a document's KV cache is compressed.
 
     `keep` is a ratio in (0, 1] of the document's tokens or an int token count per (layer, KV head).
-    The InfoKV fields follow `INFOKV.md`; each is an ablation knob of the quality benchmark.
+    `settings` are the method's own (`infokv_rag.scorers.<method>`): a mapping of the fields to change,
+    e.g. `CompressionConfig(method="infokv", settings={"tau": 0.5})`; once constructed, always an
+    instance of the method's settings class, defaults filled in.
     """
 
-    method: str = "infokv"
+    method: str = DEFAULT_METHOD
     keep: float | int = 0.25
     sink_tokens: int = 4
     protect_prompt: bool = True
     """Also keep the chat template's head and the instruction before the document, like sinks."""
     window: int = 32
+    """The observation window: the last `window` document tokens, always kept; their attention is a signal."""
     chunk_size: int = 2048
-    # InfoKV signals
-    information: Information = "surprisal"
-    """The per-token information signal E: "entropy", the predictive entropy H(p(. | x_<t)) over the
-    top-k probabilities (INFOKV.md), or "surprisal", -log p(x_t | x_<t), the information the token
-    itself carried. Both come from the same LM-head pass; `attribution` applies to either."""
-    entropy_top_k: int = 20
-    entropy_vocabulary: int = 16384
-    """0: the information signal over the whole vocabulary; N: over the N lowest token ids (BPE's most
-    frequent merges) plus every token of the document, a cheaper estimate (on CPU, surprisal over the
-    full vocabulary added 16-19% to the default model's prefill at 1K-4K tokens, this subset nothing
-    measurable; benchmarks/overhead.py)."""
-    attribution: Attribution = "incoming"
-    evolution: EvolutionMode = "per_layer"
-    # Defaults chosen on the dev split (benchmarks/fact_recall.py, benchmarks/quality.py --ablate).
-    tau: float = 1.0
-    lam: float = 0.25
-    normalization: Normalization = "minmax"
-    head_reduction: HeadReduction = "mean"
-    pooling_kernel: int = 5
-    accumulated_attention: bool = False
-    aggregation: Aggregation = "sentence"
-    """"sentence": InfoKV's entropy and evolution terms score each token by its sentence's mean,
-    so the facts a question needs are kept with their sentence."""
     adaptive_budget: bool = False
+    """Redistribute the total budget across layers: more where scores are flat (per-layer lengths differ)."""
     seed: int = 0
+    settings: MethodSettings | Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS + ABLATION_METHODS:
-            raise ConfigError(
-                f"unknown method {self.method!r}; choose one of {', '.join(METHODS + ABLATION_METHODS)}"
-            )
+        method = scorers.method(self.method)
         if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)):
             raise ConfigError(f"keep must be a ratio in (0, 1] or a positive token count, not {self.keep!r}")
         if isinstance(self.keep, float) and not 0.0 < self.keep <= 1.0:
             raise ConfigError(f"keep ratio must be in (0, 1], got {self.keep}")
         if isinstance(self.keep, int) and self.keep < 1:
             raise ConfigError(f"keep token count must be positive, got {self.keep}")
-        for name in ("sink_tokens", "window", "entropy_top_k", "entropy_vocabulary"):
+        for name in ("sink_tokens", "window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
-        for name in ("tau", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        choices: dict[str, tuple[str, ...]] = {
-            "information": ("entropy", "surprisal"),
-            "attribution": ("incoming", "outgoing"),
-            "evolution": ("per_layer", "mean"),
-            "normalization": ("minmax", "rank"),
-            "head_reduction": ("mean", "max"),
-            "aggregation": ("token", "sentence"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
-            raise ConfigError(f"pooling_kernel must be a positive odd number, got {self.pooling_kernel}")
+        object.__setattr__(self, "settings", method.settings_from(self.settings))
+
+    @property
+    def method_spec(self) -> Method[Any]:
+        return scorers.method(self.method)
 
     def budget_for(self, document_tokens: int, sink_tokens: int | None = None) -> int:
         """Tokens kept per (layer, KV head) for a document of `document_tokens` tokens.
 
         `sink_tokens` is the effective number of protected leading tokens (at least `self.sink_tokens`).
         """
-        if self.method == "full":
+        if not self.method_spec.compresses:
             return document_tokens
         wanted = round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
         return min(document_tokens, max(wanted, protected))
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the shared fields and `settings`, a dict of every setting of the method."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CompressionConfig:
+    def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

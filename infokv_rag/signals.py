@@ -1,27 +1,72 @@
-"""What one prefill chunk yields for scoring, kept as small per-token scalars.
+"""The signals scorers read, by name, and how one prefill chunk captures them.
 
-Per chunk: the attention of the observation window (the last `window` positions read so far) over every
-resident key, the last query's attention, optionally attention accumulated over all queries, and each
-layer's relative change of the residual stream. Entropy comes from the final hidden states (engine).
+A scorer declares the names it needs (`Scorer.signals`); ingestion produces only those:
+  window_attention       (heads, length) mean attention of the observation window (the last `window`
+                         positions read so far) over every resident key
+  last_query_attention   (heads, length) the attention of the last position read
+  accumulated_attention  (kv_heads, length) attention summed over every document query (H2O)
+  information            (tokens_read,) entropy or surprisal per position, from the final hidden states
+                         and the LM head (`InformationSettings` says which)
+  evolution              (tokens_read,) each layer's relative change of the residual stream R^l
+Positions, keys, sentences and the seed are always there.
+
+A new signal is a name here, a field of `LayerSignals` and its producer in `ingestion.py` (captured
+during the prefill's forward pass like attention, or computed by an extra pass over each chunk);
+scorers that do not name it are untouched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from .config import MethodSettings
+from .errors import ConfigError
 from .kernels import accumulated_attention, window_attention
+
+WINDOW_ATTENTION = "window_attention"
+LAST_QUERY_ATTENTION = "last_query_attention"
+ACCUMULATED_ATTENTION = "accumulated_attention"
+INFORMATION = "information"
+EVOLUTION = "evolution"
+SIGNALS = frozenset({WINDOW_ATTENTION, LAST_QUERY_ATTENTION, ACCUMULATED_ATTENTION, INFORMATION, EVOLUTION})
+
+Information = Literal["entropy", "surprisal"]
+
+
+@dataclass(frozen=True)
+class InformationSettings(MethodSettings):
+    """How the information signal is computed: the settings of every method that reads it derive from these.
+
+    Decoding ranks generated tokens for eviction by the same measure.
+    """
+
+    information: Information = "surprisal"
+    """"entropy", the predictive entropy H(p(. | x_<t)) over the top-k probabilities (INFOKV.md), or
+    "surprisal", -log p(x_t | x_<t), the information the token itself carried. Both come from the same
+    LM-head pass."""
+    entropy_top_k: int = 20
+    entropy_vocabulary: int = 16384
+    """0: the information signal over the whole vocabulary; N: over the N lowest token ids (BPE's most
+    frequent merges) plus every token of the document, a cheaper estimate (on CPU, surprisal over the
+    full vocabulary added 16-19% to the default model's prefill at 1K-4K tokens, this subset nothing
+    measurable; benchmarks/overhead.py)."""
+
+    def validate(self) -> None:
+        for name in ("entropy_top_k", "entropy_vocabulary"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class SignalCapture:
     """Collects per-layer signals during one chunk's forward pass (fed by the model runner)."""
 
-    def __init__(self, window: int, attention: bool, accumulated: bool) -> None:
+    def __init__(self, window: int, signals: frozenset[str]) -> None:
         self.window = window
-        self.attention = attention
-        self.accumulated = accumulated
+        self.signals = signals
         self.window_attention: dict[int, Tensor] = {}
         self.last_query_attention: dict[int, Tensor] = {}
         self.accumulated_attention: dict[int, Tensor] = {}
@@ -29,43 +74,45 @@ class SignalCapture:
 
     def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
         """queries: (heads, q, head_dim) for this chunk; keys: (kv_heads, resident + q, head_dim)."""
-        if self.attention:
+        if WINDOW_ATTENTION in self.signals:
             window = min(self.window, queries.shape[1])
             self.window_attention[layer] = window_attention(queries[:, -window:], keys, scaling)
+        if LAST_QUERY_ATTENTION in self.signals:
             self.last_query_attention[layer] = window_attention(queries[:, -1:], keys, scaling)
-        if self.accumulated:
+        if ACCUMULATED_ATTENTION in self.signals:
             self.accumulated_attention[layer] = accumulated_attention(queries, keys, scaling)
 
     def record_layer_change(self, layer: int, before: Tensor, after: Tensor) -> None:
         """before, after: (q, hidden) residual stream around one decoder layer -> R^l (q,)."""
+        if EVOLUTION not in self.signals:
+            return
         delta = (after.float() - before.float()).norm(dim=-1)
         self.layer_change[layer] = delta / (before.float().norm(dim=-1) + 1e-6)
 
 
 @dataclass
 class LayerSignals:
-    """Everything a scorer may use for one layer's resident tokens.
+    """Everything a scorer may use for one layer's resident tokens; a signal it did not ask for is None.
 
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
-    head_dim); window_attention, last_query_attention: (heads, length) mean attention of the observation
-    window and of the last document query (None when the scorer needs no attention); accumulated_attention: (kv_heads, length) or None;
+    head_dim); sentences: (tokens_read,) int64 index of the sentence each position belongs to;
+    window_attention, last_query_attention: (heads, length); accumulated_attention: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
-    or the surprisal of token t + 1 (CompressionConfig.information);
-    evolution: (tokens_read,) this layer's R^l; mean_evolution: (tokens_read,) R averaged over layers;
-    sentences: (tokens_read,) int64 index of the sentence each position belongs to.
+    or the surprisal of token t + 1; evolution: (tokens_read,) this layer's R^l; mean_evolution:
+    (tokens_read,) R averaged over layers.
     """
 
     layer: int
     tokens_read: int
     positions: Tensor
     keys: Tensor
-    window_attention: Tensor | None
-    last_query_attention: Tensor | None
-    accumulated_attention: Tensor | None
-    information: Tensor | None
-    evolution: Tensor
-    mean_evolution: Tensor
     sentences: Tensor
+    window_attention: Tensor | None = None
+    last_query_attention: Tensor | None = None
+    accumulated_attention: Tensor | None = None
+    information: Tensor | None = None
+    evolution: Tensor | None = None
+    mean_evolution: Tensor | None = None
     seed: int = 0
     kv_heads: int = field(init=False)
 

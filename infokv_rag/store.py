@@ -8,10 +8,14 @@ A saved cache is a directory:
   document.txt         the document text (page spans in the manifest index into it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
+
+Format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one flat
+dict of every field) is read too, each field that the method does not take dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import hashlib
@@ -20,21 +24,27 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load, save
 
+from . import scorers
 from .cache import DocumentCache, LayerKV
 from .config import CompressionConfig
-from .documents import Document, Page
+from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
+from .files import fsync_dir, write_synced
+from .ingestion import DocumentStats, ProgressCallback
 
 if TYPE_CHECKING:
-    from .engine import CompressedDocument, InfoKVEngine, ProgressCallback
+    from .document import CompressedDocument
+    from .engine import InfoKVEngine
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -49,21 +59,6 @@ def _sha256(data: bytes) -> str:
 def _manifest_checksum(manifest: dict[str, Any]) -> str:
     body = {key: value for key, value in manifest.items() if key != "checksum"}
     return _sha256(json.dumps(body, sort_keys=True).encode())
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
@@ -84,12 +79,7 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
         "library_version": __version__,
         "model": {"name": document.engine.name, "fingerprint": document.engine.fingerprint},
         "config": document.config.to_dict(),
-        "document": {
-            "sha256": document.document.sha256,
-            "source": document.document.source,
-            "pages": [{"number": p.number, "chars": len(p.text)} for p in document.document.pages],
-            "skipped_pages": list(document.document.skipped_pages),
-        },
+        "document": document.document.layout(),
         "tokens": {
             "document": document.cache.document_tokens,
             "sink_tokens": document.cache.sink_tokens,
@@ -109,13 +99,13 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     except OSError as exc:
         raise CacheStoreError(f"cannot write a cache into {target.parent}: {exc}") from exc
     try:
-        _write_synced(staging / TENSORS, tensor_bytes)
-        _write_synced(staging / TEXT, text_bytes)
+        write_synced(staging / TENSORS, tensor_bytes)
+        write_synced(staging / TEXT, text_bytes)
         # The manifest goes last: a directory without one is never loadable.
-        _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(staging)
+        write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(staging)
         _install(staging, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError):
@@ -186,9 +176,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CacheStoreError(f"{manifest_path} is damaged (not a JSON object); delete the cache and ingest again")
     # The version first: another format may checksum its manifest differently.
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise CacheStoreError(
-            f"{path} uses cache format {version!r}, but this version of infokv-rag reads format {FORMAT_VERSION}; "
+            f"{path} uses cache format {version!r}, but this version of infokv-rag reads formats {readable}; "
             "ingest the document again (or load it with the infokv-rag version that saved it)"
         )
     if manifest.get("checksum") != _manifest_checksum(manifest):
@@ -204,7 +195,9 @@ def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
     except FileNotFoundError as exc:
         raise CacheStoreError(f"{path / name} is missing; delete {path} and ingest the document again") from exc
     except OSError as exc:
-        raise CacheStoreError(f"cannot read {path / name} ({exc}); delete {path} and ingest the document again") from exc
+        raise CacheStoreError(
+            f"cannot read {path / name} ({exc}); delete {path} and ingest the document again"
+        ) from exc
     if len(data) != record["bytes"] or _sha256(data) != record["sha256"]:
         raise CacheStoreError(
             f"{path / name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
@@ -212,7 +205,18 @@ def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
     return data
 
 
-def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> CompressedDocument:
+@dataclass(frozen=True)
+class SavedDocument:
+    """A verified saved cache, ready to become a `CompressedDocument` of the engine that loaded it."""
+
+    cache: DocumentCache
+    config: CompressionConfig
+    document: Document
+    stats: DocumentStats
+    information_reference: torch.Tensor | None
+
+
+def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> SavedDocument:
     """Loads and verifies a saved cache; refuses one made by another model or damaged in any way."""
     path = Path(directory).expanduser()
     try:
@@ -224,9 +228,7 @@ def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> Co
         raise CacheStoreError(f"{path} holds an incomplete manifest ({exc!r}); ingest the document again") from exc
 
 
-def _load_verified(engine: InfoKVEngine, path: Path) -> CompressedDocument:
-    from .engine import CompressedDocument, DocumentStats
-
+def _load_verified(engine: InfoKVEngine, path: Path) -> SavedDocument:
     manifest = read_manifest(path)
     model = manifest["model"]
     if model["fingerprint"] != engine.fingerprint:
@@ -263,34 +265,30 @@ def _load_verified(engine: InfoKVEngine, path: Path) -> CompressedDocument:
             )
         )
     try:
-        config = CompressionConfig.from_dict(manifest["config"])
+        config = _config(manifest["config"], manifest["format_version"])
     except (ConfigError, TypeError) as exc:
         raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
-    document = _rebuild_document(text, manifest["document"])
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
-    return CompressedDocument(
-        engine,
+    return SavedDocument(
         DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"])),
         config,
-        document,
+        Document.from_layout(text, manifest["document"]),
         DocumentStats(**stats_fields),
-        information_reference=information.to(runner.device) if information is not None else None,
+        information.to(runner.device) if information is not None else None,
     )
 
 
-def _rebuild_document(text: str, record: dict[str, Any]) -> Document:
-    pages, offset = [], 0
-    for page in record["pages"]:
-        pages.append(Page(number=page["number"], text=text[offset : offset + page["chars"]]))
-        offset += page["chars"] + 2
-    return Document(
-        text=text,
-        pages=tuple(pages),
-        source=record["source"],
-        sha256=record["sha256"],
-        skipped_pages=tuple(record["skipped_pages"]),
-    )
+def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
+    """The config of a manifest; format 2's flat fields are split into shared ones and the method's own."""
+    if format_version == 2:
+        shared = {f.name for f in dataclasses.fields(CompressionConfig)} - {"settings"}
+        own = {f.name for f in dataclasses.fields(scorers.method(data["method"]).settings)}
+        data = {
+            **{k: v for k, v in data.items() if k in shared},
+            "settings": {k: v for k, v in data.items() if k in own},
+        }
+    return CompressionConfig.from_dict(data)
 
 
 class CacheStore:
@@ -322,7 +320,7 @@ class CacheStore:
         path = self.path_for(engine, document, config)
         if (path / MANIFEST).is_file():
             try:
-                return load_document(engine, path), True
+                return engine.load(path), True
             except InfoKVError:
                 pass  # damaged or stale entry: fall through and rebuild it
         compressed = engine.ingest_document(document, config, progress=progress)
@@ -352,5 +350,3 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "library_version": manifest["library_version"],
         "format_version": manifest["format_version"],
     }
-
-

@@ -13,17 +13,18 @@ import math
 import os
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Union
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import Document
-from infokv_rag.engine import Generation, Usage
-from infokv_rag.generation import GenerationOptions
+from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
+from infokv_rag.errors import EmptyDocumentError
+from infokv_rag.generation import Generation, GenerationOptions, Usage
+from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.prompt import Turn
+from infokv_rag.store import MANIFEST
 
 DEFAULT_MODEL = "default"
 
@@ -56,10 +57,7 @@ def loaded_models() -> list[str]:
 
 # Documents -----------------------------------------------------------------------------------------
 
-_DOCUMENT_CACHE_SIZE = 8
-_DOCUMENTS: OrderedDict[tuple[Any, ...], CompressedDocument] = OrderedDict()
-_DOCUMENT_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
-_DOCUMENTS_LOCK = threading.Lock()
+_DOCUMENTS: LoadOnceCache[tuple[Any, ...], CompressedDocument] = LoadOnceCache(capacity=8)
 
 
 def coerce_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig:
@@ -70,9 +68,12 @@ def coerce_config(config: CompressionConfig | dict[str, Any] | None) -> Compress
     return CompressionConfig(**config)
 
 
-def _is_saved_cache(path: Path) -> bool:
-    from infokv_rag.store import MANIFEST
+def optional_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig | None:
+    """An adapter's `compression` field: None (the defaults, applied per call) or a config."""
+    return None if config is None else coerce_config(config)
 
+
+def _is_saved_cache(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
@@ -83,8 +84,6 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
         return ("document", source.sha256, hashlib.sha256(source.text.encode("utf-8", "surrogatepass")).hexdigest())
     path = Path(os.fspath(source)).expanduser().resolve()  # type: ignore[arg-type]
     if _is_saved_cache(path):
-        from infokv_rag.store import MANIFEST
-
         stat = (path / MANIFEST).stat()
         return ("cache", str(path), stat.st_mtime_ns, stat.st_size)
     if not path.is_file():
@@ -126,34 +125,18 @@ def open_document(
     model = model or DEFAULT_MODEL
     kind, *identity = _source_key(source, text)
     key = (model, device, config, kind, *identity)
-    with _DOCUMENTS_LOCK:
-        cached = _DOCUMENTS.get(key)
-        if cached is not None:
-            _DOCUMENTS.move_to_end(key)
-            return cached
-        lock = _DOCUMENT_LOCKS.setdefault(key, threading.Lock())
-    with lock:  # one ingestion per key; other keys proceed in parallel
-        with _DOCUMENTS_LOCK:
-            cached = _DOCUMENTS.get(key)
-        if cached is not None:
-            return cached
+
+    def ingest() -> CompressedDocument:
         engine = get_engine(model, device)
         if text is not None:
-            document = engine.ingest_text(text, config)
-        elif isinstance(source, Document):
-            document = engine.ingest_document(source, config)
-        elif kind == "cache":
-            from infokv_rag.store import load_document
+            return engine.ingest_text(text, config)
+        if isinstance(source, Document):
+            return engine.ingest_document(source, config)
+        if kind == "cache":
+            return engine.load(identity[0])
+        return engine.ingest(identity[0], config)
 
-            document = load_document(engine, identity[0])
-        else:
-            document = engine.ingest(identity[0], config)
-        with _DOCUMENTS_LOCK:
-            _DOCUMENTS[key] = document
-            _DOCUMENT_LOCKS.pop(key, None)
-            while len(_DOCUMENTS) > _DOCUMENT_CACHE_SIZE:
-                _DOCUMENTS.popitem(last=False)
-    return document
+    return _DOCUMENTS.get_or_load(key, ingest)
 
 
 class AdapterFields(Protocol):
@@ -199,12 +182,8 @@ def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> Compre
 
 def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
     """A `Document` from (page number, text) pairs, e.g. one per page of a framework's PDF reader."""
-    from infokv_rag.documents import PAGE_SEPARATOR, Page
-
     kept = [Page(number, text.strip()) for number, text in pages if text.strip()]
     if not kept:
-        from infokv_rag.errors import EmptyDocumentError
-
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
     text = PAGE_SEPARATOR.join(page.text for page in kept)
     sha = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
@@ -334,7 +313,7 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
     needle = " ".join(answer.split()).lower().rstrip(".")
     scored = []
-    for page, terms in zip(pages, page_terms):
+    for page, terms in zip(pages, page_terms, strict=True):
         hit = sum(weight[t] for t in answer_terms & terms) + 0.5 * sum(weight[t] for t in question_terms & terms)
         score = hit / total if total else 0.0
         if len(needle) >= 3 and needle in " ".join(page.text.split()).lower():

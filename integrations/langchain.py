@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.documents import Document
-from infokv_rag.engine import Generation as InfoKVGeneration
+from infokv_rag.generation import Generation as InfoKVGeneration
 from infokv_rag.prompt import Turn
 
 from ._common import (
@@ -56,8 +56,8 @@ from ._common import (
     answer_info,
     call_options,
     check_turns,
-    coerce_config,
     open_call_document,
+    optional_config,
 )
 
 __all__ = ["ChatInfoKV", "InfoKVLLM", "messages_to_turns"]
@@ -143,7 +143,7 @@ class _InfoKVFields(BaseModel):
     @field_validator("compression", mode="before")
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
-        return None if value is None else coerce_config(value)
+        return optional_config(value)
 
     def _model_name(self, override: Any = None) -> str:
         if isinstance(override, str) and override:

@@ -40,7 +40,7 @@ from llama_index.core.schema import Document as LlamaDocument
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from infokv_rag import CompressedDocument, CompressionConfig
-from infokv_rag.engine import Generation
+from infokv_rag.generation import Generation
 from infokv_rag.prompt import Turn, question_turns
 
 from ._common import (
@@ -51,9 +51,9 @@ from ._common import (
     answer_info,
     call_options,
     check_turns,
-    coerce_config,
     document_from_pages,
     open_call_document,
+    optional_config,
     supporting_pages,
 )
 
@@ -113,7 +113,7 @@ class InfoKV(CustomLLM):
     @field_validator("compression", mode="before")
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
-        return None if value is None else coerce_config(value)
+        return optional_config(value)
 
     @classmethod
     def class_name(cls) -> str:
@@ -161,7 +161,7 @@ class InfoKV(CustomLLM):
         return await asyncio.to_thread(self._start, turns, kwargs)
 
     def _prompt_turns(self, prompt: str, formatted: bool) -> list[Turn]:
-        if not formatted:
+        if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         turns: list[Turn] = []
         if self.system_prompt and not formatted:
@@ -292,8 +292,11 @@ class DocumentQueryEngine(CustomQueryEngine):
         compression: CompressionConfig | dict[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> DocumentQueryEngine:
-        """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache directory."""
-        return cls(llm=InfoKV(model=model, document=os.fspath(path), compression=compression, **llm_kwargs))
+        """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache
+        directory."""
+        return cls(
+            llm=InfoKV(model=model, document=os.fspath(path), compression=optional_config(compression), **llm_kwargs)
+        )
 
     @classmethod
     def from_documents(
@@ -315,7 +318,7 @@ class DocumentQueryEngine(CustomQueryEngine):
         names = [str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "") for doc in documents]
         source = names[0] if names[0] and all(name == names[0] for name in names) else None
         document = document_from_pages(pages, source=source)
-        return cls(llm=InfoKV(model=model, document=document, compression=compression, **llm_kwargs))
+        return cls(llm=InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs))
 
     @property
     def document(self) -> CompressedDocument:

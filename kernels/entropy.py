@@ -33,7 +33,9 @@ _VOCAB_BLOCK = 2048
 
 def _check_inputs(hidden: Tensor, weight: Tensor, top_k: int) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be (n, d) and weight (V, d); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be (n, d) and weight (V, d); got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden size mismatch: hidden has d={hidden.shape[1]}, weight has d={weight.shape[1]}")
     if weight.shape[0] == 0:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine
-from infokv_rag.config import METHODS
+from infokv_rag.scorers import method_names
 
 from .conftest import CORPUS, build_random_model_dir
 
@@ -14,7 +14,7 @@ TEXT = " ".join(CORPUS * 12)
 
 
 def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> None:
-    for method in METHODS + ("infokv_information", "infokv_evolution"):
+    for method in method_names():
         doc = random_engine.ingest_text(TEXT, CompressionConfig(method=method, keep=0.25))
         n = doc.stats.document_tokens
         expected = n if method == "full" else round(0.25 * n)
@@ -125,7 +125,7 @@ def test_surprisal_signal_is_exact_across_chunks(random_engine: InfoKVEngine) ->
     """Surprisal -log p(x_t+1 | x_<=t) per position, including across chunk boundaries (0 for the last).
 
     keep=1.0 so that no compression between chunks changes later hidden states."""
-    config = CompressionConfig(information="surprisal", keep=1.0, chunk_size=64, entropy_vocabulary=0)
+    config = CompressionConfig(keep=1.0, chunk_size=64, settings={"information": "surprisal", "entropy_vocabulary": 0})
     doc = random_engine.ingest_text(TEXT, config)
     ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
     runner = random_engine.runner
@@ -145,9 +145,13 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="keep ratio"):
         CompressionConfig(keep=1.5)
     with pytest.raises(ConfigError, match="tau"):
-        CompressionConfig(tau=2.0)
+        CompressionConfig(settings={"tau": 2.0})
     with pytest.raises(ConfigError, match="information"):
-        CompressionConfig(information="perplexity")
+        CompressionConfig(settings={"information": "perplexity"})
+    with pytest.raises(ConfigError, match="method 'snapkv' has no setting tau; it takes pooling_kernel"):
+        CompressionConfig(method="snapkv", settings={"tau": 0.5})
+    with pytest.raises(ConfigError, match="'random' has no setting lam; it takes no settings"):
+        CompressionConfig(method="random", settings={"lam": 0.5})
 
 
 def _options(**kwargs):

@@ -286,7 +286,7 @@ def test_lcel_chain_on_default_model_reads_compressed_fact() -> None:
     # the short headings and it is dropped (a known weakness, see the README's quality notes); this
     # test is about the adapter's path through a compressed cache.
     text = OTHER_TEXT + " " + FACT_TEXT.replace("\n", " ")
-    compression = CompressionConfig(keep=0.75, information="entropy")
+    compression = CompressionConfig(keep=0.75, settings={"information": "entropy"})
     chat = ChatInfoKV(model="default", document_text=text, compression=compression, max_tokens=16)
     chain = _chain(chat)
     answer = "".join(chain.stream({"question": "What is the phone number of the account manager?"}))

@@ -160,7 +160,7 @@ DAMAGE = {
     "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
-        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads format {FORMAT_VERSION}",
+        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2 and {FORMAT_VERSION}",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
@@ -201,6 +201,39 @@ def test_cache_of_another_model_with_the_same_shapes_is_refused(
     assert "ingest again" in str(refused.value)
 
 
+# --- older formats -------------------------------------------------------------------------------
+
+FORMAT_2 = Path(__file__).parent / "data" / "format2"
+"""Caches saved by commit ca48d80 (format 2: the config one flat dict of every method's fields) from
+conftest's random model; tests/data/format2/*/manifest.json holds each config."""
+
+FORMAT_2_CONFIGS = {
+    "infokv": CompressionConfig(
+        method="infokv",
+        keep=0.5,
+        settings={"tau": 0.75, "lam": 0.5, "information": "entropy", "aggregation": "token"},
+    ),
+    "snapkv": CompressionConfig(method="snapkv", keep=40, window=8, settings={"pooling_kernel": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMAT_2_CONFIGS))
+def test_a_cache_saved_in_format_2_loads_and_saves_as_the_current_format(
+    name: str, random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    old = Path(shutil.copytree(FORMAT_2 / name, tmp_path / "old"))
+    # The random model's weight bytes may differ between library versions; its shapes do not.
+    _edit_manifest(old, lambda m: m["model"].update(fingerprint=random_engine.fingerprint), True)
+    doc = random_engine.load(old)
+    assert doc.config == FORMAT_2_CONFIGS[name]
+    assert doc.stats.method == name and doc.stats.document_tokens == doc.cache.document_tokens
+    assert (doc.information_reference is not None) == (name == "infokv")
+    assert doc.ask("What is the notice period?", max_new_tokens=4)
+    new = doc.save(tmp_path / "new")
+    assert json.loads((new / MANIFEST).read_text())["format_version"] == FORMAT_VERSION
+    assert_same_document(random_engine.load(new), doc)
+
+
 # --- crash safety -------------------------------------------------------------------------------
 
 SAVE_FOREVER = """
@@ -210,6 +243,7 @@ import safetensors.torch
 from infokv_rag import store
 from infokv_rag.cache import DocumentCache, LayerKV
 from infokv_rag.config import CompressionConfig
+from infokv_rag.documents import Document
 
 def rebuild(path):
     # A document from a saved cache without loading any model: only store.save_document runs here.
@@ -222,7 +256,7 @@ def rebuild(path):
         engine=SimpleNamespace(**manifest["model"]),
         cache=DocumentCache(layers, manifest["tokens"]["document"]),
         config=CompressionConfig.from_dict(manifest["config"]),
-        document=store._rebuild_document(text, manifest["document"]),
+        document=Document.from_layout(text, manifest["document"]),
         stats=SimpleNamespace(to_dict=lambda: manifest["stats"]),
         information_reference=tensors.get("information_reference"),
     )
@@ -243,7 +277,7 @@ def slow_replace(src, dst):
     time.sleep(0.01)
     real_replace(src, dst)
 
-store._write_synced = slow_write
+store.write_synced = slow_write
 os.replace = slow_replace
 documents = [rebuild(sys.argv[1]), rebuild(sys.argv[2])]
 print("ready", flush=True)
@@ -328,7 +362,7 @@ def test_a_failed_save_keeps_the_old_cache(
     def disk_full(path: Path, data: bytes) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "_write_synced", disk_full)
+    monkeypatch.setattr(store, "write_synced", disk_full)
     with pytest.raises(CacheStoreError, match="cannot write the cache to .*No space left"):
         doc_b.save(target)
     monkeypatch.undo()

@@ -1,64 +1,40 @@
-"""One scorer per compression method; `scorer_for(config)` picks and parameterises it."""
+"""The compression methods, one module each, named after the method it declares as `METHOD`.
+
+Adding a method is adding a module here (and its entry in tests/test_scorers.py): the command line,
+the service, the benchmarks and the README's table all list `method_names()`. Method modules import
+torch, so they are imported on first use: listing the names imports none of them.
+"""
 
 from __future__ import annotations
 
-from ..config import CompressionConfig
-from .base import Scorer, normalize, pool, reduce_groups
-from .full import FullScorer
-from .h2o import H2OScorer
-from .infokv import InfoKVScorer
-from .knorm import KnormScorer
-from .random import RandomScorer
-from .snapkv import SnapKVScorer
-from .streaming_llm import StreamingLLMScorer
-from .tova import TOVAScorer
+import functools
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "FullScorer",
-    "H2OScorer",
-    "InfoKVScorer",
-    "KnormScorer",
-    "RandomScorer",
-    "Scorer",
-    "SnapKVScorer",
-    "StreamingLLMScorer",
-    "TOVAScorer",
-    "normalize",
-    "pool",
-    "reduce_groups",
-    "scorer_for",
-]
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .base import Method
+
+_HELPERS = frozenset({"base"})
 
 
-def _infokv(config: CompressionConfig, tau: float, lam: float) -> InfoKVScorer:
-    return InfoKVScorer(
-        tau=tau,
-        lam=lam,
-        attribution=config.attribution,
-        evolution=config.evolution,
-        normalization=config.normalization,
-        head_reduction=config.head_reduction,
-        pooling_kernel=config.pooling_kernel,
-        accumulated=config.accumulated_attention,
-        aggregation=config.aggregation,
-    )
+@functools.cache
+def method_names() -> tuple[str, ...]:
+    """Every registered method, sorted by name."""
+    found = (module.name for module in pkgutil.iter_modules(__path__))
+    return tuple(sorted(name for name in found if name not in _HELPERS and not name.startswith("_")))
 
 
-def scorer_for(config: CompressionConfig) -> Scorer:
-    """The scorer of `config.method` with its knobs from the config."""
-    simple: dict[str, Scorer] = {
-        "full": FullScorer(),
-        "streaming_llm": StreamingLLMScorer(),
-        "snapkv": SnapKVScorer(pooling_kernel=config.pooling_kernel),
-        "h2o": H2OScorer(),
-        "tova": TOVAScorer(),
-        "knorm": KnormScorer(),
-        "random": RandomScorer(),
-    }
-    if config.method in simple:
-        return simple[config.method]
-    if config.method == "infokv_information":
-        return _infokv(config, tau=1.0, lam=0.0)
-    if config.method == "infokv_evolution":
-        return _infokv(config, tau=0.0, lam=0.0)
-    return _infokv(config, tau=config.tau, lam=config.lam)
+@functools.cache
+def method(name: str) -> Method[Any]:
+    """The method registered as `name`; `ConfigError` names the choices when there is none."""
+    if name not in method_names():
+        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")
+    declared: Method[Any] = importlib.import_module(f"{__name__}.{name}").METHOD
+    if declared.name != name:
+        raise ConfigError(
+            f"module {__name__}.{name} declares method {declared.name!r}; a method's module bears its name"
+        )
+    return declared

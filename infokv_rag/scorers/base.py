@@ -1,30 +1,81 @@
-"""The scorer interface and the small tensor helpers scorers share."""
+"""What a method module declares (`Method`, its `Scorer`) and the small tensor helpers scorers share."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..signals import LayerSignals
+from ..config import MethodSettings
+from ..errors import ConfigError
+from ..signals import SIGNALS, LayerSignals
+
+S = TypeVar("S", bound=MethodSettings)
 
 
-class Scorer:
-    """One compression method: `score()` ranks one layer's resident tokens; higher is kept.
+@dataclass(frozen=True)
+class NoSettings(MethodSettings):
+    """The settings of a method that has none of its own."""
+
+
+class Scorer(Generic[S]):
+    """One compression method's ranking: `score()` ranks one layer's resident tokens; higher is kept.
 
     Scorers see only `LayerSignals`; protected tokens (sinks, observation window), budgets and cache
-    surgery are handled once, in `selection` and the engine.
+    surgery are handled once, in `selection` and the ingestion.
     """
 
-    needs_window_attention: ClassVar[bool] = True
-    needs_information: ClassVar[bool] = False
-    needs_accumulated_attention: ClassVar[bool] = False
+    signals: frozenset[str] = frozenset()
+    """Names of the signals `score` reads (`infokv_rag.signals`); ingestion produces only these."""
+
+    def __init__(self, settings: S) -> None:
+        self.settings = settings
 
     def score(self, signals: LayerSignals) -> Tensor:
         """Returns (kv_heads, length) scores for the resident tokens of one layer."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Method(Generic[S]):
+    """A compression method as its module declares it."""
+
+    name: str
+    settings: type[S]
+    scorer: Callable[[S], Scorer[Any]]
+    summary: str
+    """How it scores a token, in one line (the README's table of methods repeats it)."""
+    compresses: bool = True
+    """False for the uncompressed baseline: its budget is the whole document."""
+
+    def settings_from(self, given: MethodSettings | Mapping[str, Any]) -> S:
+        """The method's settings from an instance of its settings class or a mapping of changed fields."""
+        if isinstance(given, self.settings):
+            return given
+        if isinstance(given, MethodSettings):
+            raise ConfigError(f"method {self.name!r} takes {self.settings.__name__}, not {type(given).__name__}")
+        allowed = [item.name for item in fields(self.settings)]
+        unknown = sorted(set(given) - set(allowed))
+        if unknown:
+            takes = ", ".join(allowed) if allowed else "no settings"
+            raise ConfigError(f"method {self.name!r} has no setting {', '.join(unknown)}; it takes {takes}")
+        return self.settings(**given)
+
+    def build(self, settings: MethodSettings | Mapping[str, Any]) -> Scorer[Any]:
+        scorer = self.scorer(self.settings_from(settings))
+        unknown = scorer.signals - SIGNALS
+        if unknown:
+            raise ConfigError(f"method {self.name!r} needs signals nobody produces: {sorted(unknown)}")
+        return scorer
+
+
+def check_pooling_kernel(kernel: int) -> None:
+    if kernel < 1 or kernel % 2 == 0:
+        raise ConfigError(f"pooling_kernel must be a positive odd number, got {kernel}")
 
 
 def normalize(scores: Tensor, mode: Literal["minmax", "rank"] = "minmax") -> Tensor:
@@ -59,5 +110,6 @@ def recency(signals: LayerSignals) -> Tensor:
 
 
 def seeded_uniform(signals: LayerSignals) -> Tensor:
+    """(kv_heads, length) uniform noise, a function of the seed, the layer and the tokens read."""
     generator = torch.Generator().manual_seed(signals.seed * 1_000_003 + signals.layer * 7919 + signals.tokens_read)
     return torch.rand(signals.positions.shape, generator=generator).to(signals.positions.device)

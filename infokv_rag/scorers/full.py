@@ -1,18 +1,18 @@
-from __future__ import annotations
+"""full: no compression, the reference every method is measured against."""
 
-from dataclasses import dataclass
+from __future__ import annotations
 
 from torch import Tensor
 
 from ..signals import LayerSignals
-from .base import Scorer, recency
+from .base import Method, NoSettings, Scorer, recency
 
 
-@dataclass
-class FullScorer(Scorer):
+class FullScorer(Scorer[NoSettings]):
     """No compression at ingestion (the budget is the whole document); recency orders decode-time eviction."""
-
-    needs_window_attention = False
 
     def score(self, signals: LayerSignals) -> Tensor:
         return recency(signals)
+
+
+METHOD = Method("full", NoSettings, FullScorer, "no compression", compresses=False)

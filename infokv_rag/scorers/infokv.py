@@ -1,73 +1,128 @@
+"""infokv: s = lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R)) within each (layer, KV head).
+
+E is the information signal, predictive entropy or surprisal (credited to the token it predicted,
+"incoming", or to the token whose distribution it is, "outgoing"); R is the relative change the layer
+makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled
+observation-window attention reduced over each KV group, optionally averaged with attention accumulated
+over all queries. N normalises within one (layer, KV head).
+"""
+
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from ..signals import LayerSignals
-from .base import Scorer, normalize, pool, reduce_groups
+from ..errors import ConfigError
+from ..signals import (
+    ACCUMULATED_ATTENTION,
+    EVOLUTION,
+    INFORMATION,
+    WINDOW_ATTENTION,
+    InformationSettings,
+    LayerSignals,
+)
+from .base import Method, Scorer, check_pooling_kernel, normalize, pool, reduce_groups
+
+Attribution = Literal["incoming", "outgoing"]
+EvolutionMode = Literal["per_layer", "mean"]
+Normalization = Literal["minmax", "rank"]
+HeadReduction = Literal["mean", "max"]
+Aggregation = Literal["token", "sentence"]
 
 
-@dataclass
-class InfoKVScorer(Scorer):
-    """InfoKV: s = lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R)) within each (layer, KV head).
+@dataclass(frozen=True)
+class InfoKVSignalSettings(InformationSettings):
+    """Every InfoKV knob but the two weights, which the single-signal ablations fix."""
 
-    E is the information signal, predictive entropy or surprisal (credited to the token it predicted,
-    "incoming", or to the token whose distribution it is, "outgoing"); R is the relative change the
-    layer makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled
-    observation-window attention reduced over each KV group, optionally averaged with attention
-    accumulated over all queries.
-    """
+    attribution: Attribution = "incoming"
+    evolution: EvolutionMode = "per_layer"
+    normalization: Normalization = "minmax"
+    head_reduction: HeadReduction = "mean"
+    pooling_kernel: int = 5
+    accumulated_attention: bool = False
+    aggregation: Aggregation = "sentence"
+    """"sentence": the information and evolution terms score each token by its sentence's mean, so the
+    facts a question needs are kept with their sentence."""
 
-    needs_information = True
+    def validate(self) -> None:
+        super().validate()
+        check_pooling_kernel(self.pooling_kernel)
 
+    def weighted(self, tau: float, lam: float) -> InfoKVSettings:
+        return InfoKVSettings(**dataclasses.asdict(self), tau=tau, lam=lam)
+
+
+@dataclass(frozen=True)
+class InfoKVSettings(InfoKVSignalSettings):
+    # Defaults chosen on the dev split (benchmarks/fact_recall.py, benchmarks/quality.py --ablate).
     tau: float = 1.0
     lam: float = 0.25
-    attribution: Literal["incoming", "outgoing"] = "incoming"
-    evolution: Literal["per_layer", "mean"] = "per_layer"
-    normalization: Literal["minmax", "rank"] = "minmax"
-    head_reduction: Literal["mean", "max"] = "mean"
-    pooling_kernel: int = 5
-    accumulated: bool = False
-    aggregation: Literal["token", "sentence"] = "sentence"
 
-    def __post_init__(self) -> None:
-        self.needs_information = self.tau > 0 and self.lam < 1
-        self.needs_window_attention = self.lam > 0
-        self.needs_accumulated_attention = self.accumulated
+    def validate(self) -> None:
+        super().validate()
+        for name in ("tau", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+class InfoKVScorer(Scorer[InfoKVSettings]):
+    def __init__(self, settings: InfoKVSettings) -> None:
+        super().__init__(settings)
+        # A term with weight 0 is never evaluated, so its signal is not produced.
+        needs = set()
+        if settings.lam < 1:
+            needs |= {INFORMATION} if settings.tau > 0 else set()
+            needs |= {EVOLUTION} if settings.tau < 1 else set()
+        if settings.lam > 0:
+            needs |= {WINDOW_ATTENTION, ACCUMULATED_ATTENTION} if settings.accumulated_attention else {WINDOW_ATTENTION}
+        self.signals = frozenset(needs)
 
     def attention_term(self, signals: LayerSignals) -> Tensor:
+        settings = self.settings
         assert signals.window_attention is not None
-        pooled = pool(signals.window_attention, self.pooling_kernel)
-        attention = normalize(reduce_groups(pooled, signals.kv_heads, self.head_reduction), self.normalization)
-        if self.accumulated:
+        pooled = pool(signals.window_attention, settings.pooling_kernel)
+        attention = normalize(reduce_groups(pooled, signals.kv_heads, settings.head_reduction), settings.normalization)
+        if settings.accumulated_attention:
             assert signals.accumulated_attention is not None
-            attention = 0.5 * (attention + normalize(signals.accumulated_attention, self.normalization))
+            attention = 0.5 * (attention + normalize(signals.accumulated_attention, settings.normalization))
         return attention
 
     def information_term(self, signals: LayerSignals) -> Tensor:
-        """S = tau * N(E) + (1 - tau) * N(R); a signal with weight 0 is not evaluated."""
+        """S = tau * N(E) + (1 - tau) * N(R)."""
+        settings = self.settings
         term = torch.zeros(signals.positions.shape, device=signals.positions.device)
-        if self.tau > 0:
-            incoming = self.attribution == "incoming"
+        if settings.tau > 0:
+            incoming = settings.attribution == "incoming"
             information = signals.incoming_information() if incoming else signals.outgoing_information()
-            term += self.tau * normalize(self._resident(signals, information), self.normalization)
-        if self.tau < 1:
-            evolution = signals.evolution if self.evolution == "per_layer" else signals.mean_evolution
-            term += (1 - self.tau) * normalize(self._resident(signals, evolution), self.normalization)
+            term += settings.tau * normalize(self._resident(signals, information), settings.normalization)
+        if settings.tau < 1:
+            evolution = signals.evolution if settings.evolution == "per_layer" else signals.mean_evolution
+            assert evolution is not None
+            term += (1 - settings.tau) * normalize(self._resident(signals, evolution), settings.normalization)
         return term
 
     def _resident(self, signals: LayerSignals, per_position: Tensor) -> Tensor:
         """(tokens_read,) signal -> (kv_heads, length) for the resident tokens, sentence-averaged if asked."""
-        if self.aggregation == "sentence":
+        if self.settings.aggregation == "sentence":
             per_position = signals.sentence_mean(per_position)
         return signals.at_positions(per_position)
 
     def score(self, signals: LayerSignals) -> Tensor:
-        if self.lam == 1.0:
+        lam = self.settings.lam
+        if lam == 1.0:
             return self.attention_term(signals)
-        if self.lam == 0.0:
+        if lam == 0.0:
             return self.information_term(signals)
-        return self.lam * self.attention_term(signals) + (1 - self.lam) * self.information_term(signals)
+        return lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
+
+
+METHOD = Method(
+    "infokv",
+    InfoKVSettings,
+    InfoKVScorer,
+    "`lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R))` (see below)",
+)

@@ -1,18 +1,16 @@
-from __future__ import annotations
+"""knorm: keys with a low L2 norm draw more attention, so they are kept."""
 
-from dataclasses import dataclass
+from __future__ import annotations
 
 from torch import Tensor
 
 from ..signals import LayerSignals
-from .base import Scorer
+from .base import Method, NoSettings, Scorer
 
 
-@dataclass
-class KnormScorer(Scorer):
-    """Knorm: keys with a low L2 norm draw more attention, so they are kept."""
-
-    needs_window_attention = False
-
+class KnormScorer(Scorer[NoSettings]):
     def score(self, signals: LayerSignals) -> Tensor:
         return -signals.keys.float().norm(dim=-1)
+
+
+METHOD = Method("knorm", NoSettings, KnormScorer, "low key norm")

@@ -1,18 +1,16 @@
-from __future__ import annotations
+"""random: uniformly random scores (seeded by `CompressionConfig.seed`), the floor every method must beat."""
 
-from dataclasses import dataclass
+from __future__ import annotations
 
 from torch import Tensor
 
 from ..signals import LayerSignals
-from .base import Scorer, seeded_uniform
+from .base import Method, NoSettings, Scorer, seeded_uniform
 
 
-@dataclass
-class RandomScorer(Scorer):
-    """Uniformly random scores (seeded): the floor every method must beat."""
-
-    needs_window_attention = False
-
+class RandomScorer(Scorer[NoSettings]):
     def score(self, signals: LayerSignals) -> Tensor:
         return seeded_uniform(signals)
+
+
+METHOD = Method("random", NoSettings, RandomScorer, "seeded uniform")

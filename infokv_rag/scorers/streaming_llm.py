@@ -1,18 +1,16 @@
-from __future__ import annotations
+"""streaming_llm: attention sinks (always protected) plus the most recent tokens."""
 
-from dataclasses import dataclass
+from __future__ import annotations
 
 from torch import Tensor
 
 from ..signals import LayerSignals
-from .base import Scorer, recency
+from .base import Method, NoSettings, Scorer, recency
 
 
-@dataclass
-class StreamingLLMScorer(Scorer):
-    """StreamingLLM: attention sinks (protected) plus the most recent tokens."""
-
-    needs_window_attention = False
-
+class StreamingLLMScorer(Scorer[NoSettings]):
     def score(self, signals: LayerSignals) -> Tensor:
         return recency(signals)
+
+
+METHOD = Method("streaming_llm", NoSettings, StreamingLLMScorer, "recency")

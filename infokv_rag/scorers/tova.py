@@ -1,17 +1,19 @@
-from __future__ import annotations
+"""tova: the attention of the last document query, averaged over each KV group."""
 
-from dataclasses import dataclass
+from __future__ import annotations
 
 from torch import Tensor
 
-from ..signals import LayerSignals
-from .base import Scorer, reduce_groups
+from ..signals import LAST_QUERY_ATTENTION, LayerSignals
+from .base import Method, NoSettings, Scorer, reduce_groups
 
 
-@dataclass
-class TOVAScorer(Scorer):
-    """TOVA: the attention of the last document query, averaged over each KV group."""
+class TOVAScorer(Scorer[NoSettings]):
+    signals = frozenset({LAST_QUERY_ATTENTION})
 
     def score(self, signals: LayerSignals) -> Tensor:
         assert signals.last_query_attention is not None
         return reduce_groups(signals.last_query_attention, signals.kv_heads, "mean")
+
+
+METHOD = Method("tova", NoSettings, TOVAScorer, "attention of the last document query")

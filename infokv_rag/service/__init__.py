@@ -17,12 +17,14 @@ the prefill chunk of uploads, and how many compressed caches stay in memory. Run
 the model worker in it owns the model.
 """
 
+from typing import Any
+
 from .settings import Settings
 
 __all__ = ["Settings", "create_app", "serve"]
 
 
-def __getattr__(name: str):  # lazy: importing the settings must not import FastAPI
+def __getattr__(name: str) -> Any:  # lazy: importing the settings must not import FastAPI
     if name in ("create_app", "serve"):
         from . import app
 

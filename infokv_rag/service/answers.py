@@ -21,7 +21,7 @@ from .uploads import compression_config
 from .worker import Event, GenerationJob, IngestJob, QueueFull
 
 if TYPE_CHECKING:
-    from ..engine import CompressedDocument
+    from ..document import CompressedDocument
     from ..prompt import Turn
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
         done, total = record.progress_done, record.progress_total
         progress = f", {done} of {total} tokens read" if record.status == "processing" and total else ""
         raise ServiceError(
-            409, "document_not_ready",
+            409,
+            "document_not_ready",
             f"the document is still being read (status {record.status}{progress}); poll GET /v1/documents/{record.id}",
         )
     if record.status == "failed":
@@ -53,7 +54,8 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
         log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
         _rebuild(service, record)
         raise ServiceError(
-            409, "cache_rebuilding",
+            409,
+            "cache_rebuilding",
             "the document's saved cache could not be used (damaged, or made by another model); it is being "
             f"read again: poll GET /v1/documents/{record.id}",
         ) from exc
@@ -72,7 +74,9 @@ def check_question(service: Service, chars: int, *, what: str = "question", limi
     limit = limit or service.settings.max_question_chars
     if chars > limit:
         raise ServiceError(
-            413, f"{what}_too_long", f"the {what} is {chars} characters; this server accepts at most {limit}",
+            413,
+            f"{what}_too_long",
+            f"the {what} is {chars} characters; this server accepts at most {limit}",
         )
 
 
@@ -88,16 +92,22 @@ def generation_options(
     max_tokens = max_tokens or settings.default_max_tokens
     if max_tokens > settings.max_new_tokens:
         raise ServiceError(
-            422, "max_tokens_too_large", f"max_tokens is {max_tokens}; this server generates at most "
-            f"{settings.max_new_tokens} tokens per answer",
+            422,
+            "max_tokens_too_large",
+            f"max_tokens is {max_tokens}; this server generates at most {settings.max_new_tokens} tokens per answer",
         )
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ServiceError(422, "invalid_stop", f"give at most {MAX_STOPS} stop strings of at most "
-                           f"{MAX_STOP_CHARS} characters")
+        raise ServiceError(
+            422, "invalid_stop", f"give at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
+        )
     try:
         return GenerationOptions.build(
-            max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stops,
+            seed=seed,
         )
     except ConfigError as exc:
         raise ServiceError(422, "invalid_option", str(exc)) from exc
@@ -117,8 +127,9 @@ async def start_answer(
     try:
         return service.worker.submit_generation(generation, asyncio.get_running_loop())
     except QueueFull as exc:
-        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
-                           headers={"Retry-After": "2"}) from exc
+        raise ServiceError(
+            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "2"}
+        ) from exc
 
 
 def event_error(event: Event) -> ServiceError:

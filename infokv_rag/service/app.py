@@ -112,12 +112,17 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     import json
 
     payload = json.dumps(body).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close")],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -134,8 +139,12 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     """
     settings = settings or Settings.from_env()
     settings.check_startable()
-    service = Service(settings=settings, registry=Registry(settings.data_dir, settings.loaded_documents),
-                      engine=engine, model_id=model_id(settings))
+    service = Service(
+        settings=settings,
+        registry=Registry(settings.data_dir, settings.loaded_documents),
+        engine=engine,
+        model_id=model_id(settings),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,8 +163,9 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         service.worker = worker
         for record in pending:
             log.info("reading %s again (interrupted by the last shutdown)", record.id)
-            worker.submit_ingestion(IngestJob(record, compression_config(settings, record.method, record.keep)),
-                                    force=True)
+            worker.submit_ingestion(
+                IngestJob(record, compression_config(settings, record.method, record.keep)), force=True
+            )
         service.started_at = time.time()
         try:
             yield
@@ -170,7 +180,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             "Upload a PDF or text file once; it is read into the model's KV cache, compressed with InfoKV and "
             "saved. Then ask any number of questions: each costs only its own tokens. Authenticate with "
             "`Authorization: Bearer <key>` or `X-API-Key: <key>`. Errors are JSON: "
-            "`{\"error\": {\"message\", \"type\", \"code\"}}`."
+            '`{"error": {"message", "type", "code"}}`.'
         ),
         lifespan=lifespan,
     )
@@ -214,7 +224,15 @@ def serve(
     settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
     app = create_app(settings)
     if not settings.auth_required:
-        log.warning("anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s:%s can use it",
-                    host, port)
-    uvicorn.run(app, host=host, port=port, workers=1, timeout_graceful_shutdown=5, server_header=False,
-                log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower())
+        log.warning(
+            "anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s:%s can use it", host, port
+        )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        workers=1,
+        timeout_graceful_shutdown=5,
+        server_header=False,
+        log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower(),
+    )

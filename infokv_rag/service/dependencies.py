@@ -66,7 +66,9 @@ async def require_api_key(
     challenge = {"WWW-Authenticate": 'Bearer realm="infokv-rag"'}
     if not candidate:
         raise ServiceError(
-            401, "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+            401,
+            "missing_api_key",
+            "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
             headers=challenge,
         )
     if not key_matches(candidate, settings.api_keys):

@@ -72,8 +72,20 @@ class ServerProcess:
         for name, value in self.settings.items():
             env[f"INFOKV_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
         self.port = free_port()
-        command = [sys.executable, "-m", "infokv_rag.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        command = [
+            sys.executable,
+            "-m",
+            "infokv_rag.cli",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+        ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -112,7 +124,7 @@ class ServerProcess:
 
 def read_sse(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
     """(event, data) of a text/event-stream's lines, as a browser's EventSource parses them."""
-    event, data = "message", []
+    event, data = "message", list[str]()
     for line in lines:
         if line == "":
             if data:

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import secrets
 import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..documents import Document
+from ..files import write_atomic
+from ..loaded import LoadOnceCache
+
 if TYPE_CHECKING:
-    from ..documents import Document
-    from ..engine import CompressedDocument, InfoKVEngine
+    from ..document import CompressedDocument
+    from ..engine import InfoKVEngine
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,24 @@ class DocumentRecord:
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     PERSISTED = (
-        "id", "filename", "status", "method", "keep", "created_at", "updated_at", "size_bytes", "pages",
-        "skipped_pages", "tokens", "kept_tokens", "cache_bytes", "full_cache_bytes", "compression_ratio",
-        "prefill_seconds", "reason", "reason_code",
+        "id",
+        "filename",
+        "status",
+        "method",
+        "keep",
+        "created_at",
+        "updated_at",
+        "size_bytes",
+        "pages",
+        "skipped_pages",
+        "tokens",
+        "kept_tokens",
+        "cache_bytes",
+        "full_cache_bytes",
+        "compression_ratio",
+        "prefill_seconds",
+        "reason",
+        "reason_code",
     )
 
     def to_meta(self) -> dict[str, Any]:
@@ -95,19 +112,6 @@ class DocumentRecord:
         return cls(**{name: data[name] for name in cls.PERSISTED if name in data})
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
 class Registry:
     """Thread-safe index of documents, their files, and an LRU of caches held in memory."""
 
@@ -115,11 +119,9 @@ class Registry:
         self.data_dir = Path(data_dir)
         self.documents_dir = self.data_dir / "documents"
         self.uploads_dir = self.data_dir / "uploads"
-        self.max_loaded = loaded_documents
         self._lock = threading.Lock()
         self._records: dict[str, DocumentRecord] = {}
-        self._loaded: OrderedDict[str, CompressedDocument] = OrderedDict()
-        self._load_locks: dict[str, threading.Lock] = {}
+        self._loaded: LoadOnceCache[str, CompressedDocument] = LoadOnceCache(loaded_documents, self._forget_origin)
         self.counters = {"cache_loads": 0}
 
     # Files ---------------------------------------------------------------------------------------
@@ -141,7 +143,7 @@ class Registry:
         return Path(tempfile.mkdtemp(prefix="upload-", dir=self.uploads_dir))
 
     def _write_meta(self, record: DocumentRecord) -> None:
-        _write_atomic(self.directory(record.id) / META, json.dumps(record.to_meta(), indent=1).encode("utf-8"))
+        write_atomic(self.directory(record.id) / META, json.dumps(record.to_meta(), indent=1).encode("utf-8"))
 
     # Records -------------------------------------------------------------------------------------
 
@@ -174,29 +176,16 @@ class Registry:
     def create(self, record: DocumentRecord, document: Document) -> None:
         directory = self.directory(record.id)
         directory.mkdir(parents=True)
-        body = {
-            "text": document.text,
-            "pages": [{"number": page.number, "chars": len(page.text)} for page in document.pages],
-            "source": record.filename,
-            "sha256": document.sha256,
-            "skipped_pages": list(document.skipped_pages),
-        }
-        _write_atomic(directory / DOCUMENT, json.dumps(body).encode("utf-8"))
+        body = {"text": document.text, **document.layout()}
+        write_atomic(directory / DOCUMENT, json.dumps(body).encode("utf-8"))
         self._write_meta(record)
         with self._lock:
             self._records[record.id] = record
 
     def read_document(self, record: DocumentRecord) -> Document:
         """The extracted document saved at upload (to read it again after a restart or a lost cache)."""
-        from ..documents import PAGE_SEPARATOR, Document, Page
-
         data = json.loads(self.document_path(record.id).read_text(encoding="utf-8"))
-        text, pages, offset = data["text"], [], 0
-        for page in data["pages"]:
-            pages.append(Page(number=page["number"], text=text[offset : offset + page["chars"]]))
-            offset += page["chars"] + len(PAGE_SEPARATOR)
-        return Document(text=text, pages=tuple(pages), source=data["source"], sha256=data["sha256"],
-                        skipped_pages=tuple(data["skipped_pages"]))
+        return Document.from_layout(data.pop("text"), data)
 
     def get(self, doc_id: str) -> DocumentRecord | None:
         if not valid_document_id(doc_id):
@@ -232,12 +221,10 @@ class Registry:
 
     def finish(self, record: DocumentRecord, document: CompressedDocument) -> bool:
         """Saves a freshly read document's cache and marks it ready; False when it was deleted meanwhile."""
-        from ..store import save_document
-
         with record.io_lock:
             if record.deleted:
                 return False
-            save_document(document, self.cache_path(record.id))
+            document.save(self.cache_path(record.id))
             stats = document.stats
             record.status = "ready"
             record.reason = record.reason_code = None
@@ -256,7 +243,7 @@ class Registry:
     def delete(self, doc_id: str) -> DocumentRecord | None:
         with self._lock:
             record = self._records.pop(doc_id, None) if valid_document_id(doc_id) else None
-            self._loaded.pop(doc_id, None)
+        self._loaded.pop(doc_id)
         if record is None:
             return None
         with record.io_lock:  # waits for a cache being saved right now
@@ -271,47 +258,32 @@ class Registry:
             if record.deleted:
                 return
             record.cache_origin = origin
-            self._loaded[record.id] = document
-            self._loaded.move_to_end(record.id)
-            while len(self._loaded) > self.max_loaded:
-                dropped, _ = self._loaded.popitem(last=False)
-                if dropped in self._records:
-                    self._records[dropped].cache_origin = None
+        self._loaded.put(record.id, document)
 
-    def forget_loaded(self, doc_id: str) -> None:
+    def _forget_origin(self, doc_id: str) -> None:
         with self._lock:
-            self._loaded.pop(doc_id, None)
             record = self._records.get(doc_id)
             if record is not None:
                 record.cache_origin = None
 
+    def forget_loaded(self, doc_id: str) -> None:
+        self._loaded.pop(doc_id)
+        self._forget_origin(doc_id)
+
     def loaded(self, doc_id: str) -> CompressedDocument | None:
-        with self._lock:
-            document = self._loaded.get(doc_id)
-            if document is not None:
-                self._loaded.move_to_end(doc_id)
-            return document
+        return self._loaded.get(doc_id)
 
     def load(self, engine: InfoKVEngine, record: DocumentRecord) -> CompressedDocument:
         """The document's compressed cache: from memory, else loaded and verified from disk (no prefill).
 
         Raises `CacheStoreError` when the saved cache is missing, damaged or made by another model.
         """
-        from ..store import load_document
 
-        document = self.loaded(record.id)
-        if document is not None:
+        def from_disk() -> CompressedDocument:
+            document = engine.load(self.cache_path(record.id))
+            with self._lock:
+                self.counters["cache_loads"] += 1
+                record.cache_origin = "disk"
             return document
-        with self._lock:
-            lock = self._load_locks.setdefault(record.id, threading.Lock())
-        with lock:  # one load per document, however many questions arrive at once
-            document = self.loaded(record.id)
-            if document is None:
-                document = load_document(engine, self.cache_path(record.id))
-                with self._lock:
-                    self.counters["cache_loads"] += 1
-                self.remember_loaded(record, document, "disk")
-        with self._lock:
-            self._load_locks.pop(record.id, None)
-        return document
 
+        return self._loaded.get_or_load(record.id, from_disk)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..scorers import method_names
+
 # Errors ------------------------------------------------------------------------------------------
 
 
@@ -75,8 +77,9 @@ class DocumentInfo(BaseModel):
     compression_ratio: float | None = None
     prefill_seconds: float | None = None
     cache_origin: Literal["prefill", "disk"] | None = Field(
-        None, description="Where the cache in memory came from: read in this process, or loaded from disk "
-        "(after a restart: no prefill). None while not in memory."
+        None,
+        description="Where the cache in memory came from: read in this process, or loaded from disk "
+        "(after a restart: no prefill). None while not in memory.",
     )
 
 
@@ -94,10 +97,12 @@ class DocumentDeleted(BaseModel):
 class UploadForm(BaseModel):
     """The multipart/form-data body of an upload (documented here; parsed by hand after the API-key check)."""
 
-    file: bytes = Field(description="The document: a PDF, or UTF-8/Latin-1 text or markdown.",
-                        json_schema_extra={"format": "binary"})
-    method: str | None = Field(None, description="Compression method (infokv, full, streaming_llm, snapkv, h2o, "
-                               "tova, knorm, random). Default: the server's.")
+    file: bytes = Field(
+        description="The document: a PDF, or UTF-8/Latin-1 text or markdown.", json_schema_extra={"format": "binary"}
+    )
+    method: str | None = Field(
+        None, description=f"Compression method ({', '.join(method_names())}). Default: the server's."
+    )
     keep: str | None = Field(None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512.")
     password: str | None = Field(None, description="Password of an encrypted PDF.")
 
@@ -114,9 +119,12 @@ class AskRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     seed: int | None = Field(None, description="Seed for sampling (temperature > 0).")
-    stream: bool = Field(False, description="Stream the answer as Server-Sent Events: `token` events "
-                         "({\"text\": ...}), then one `done` event (the full answer, as without streaming), "
-                         "or an `error` event.")
+    stream: bool = Field(
+        False,
+        description="Stream the answer as Server-Sent Events: `token` events "
+        '({"text": ...}), then one `done` event (the full answer, as without streaming), '
+        "or an `error` event.",
+    )
 
 
 class AskUsage(BaseModel):

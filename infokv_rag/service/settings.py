@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_METHOD
 from ..errors import ConfigError
 
 ENV_PREFIX = "INFOKV_"
@@ -55,7 +56,7 @@ class Settings:
     warmup: bool = True
     """Run one tiny prefill and decoding step at startup, so the first real request is not slowed down."""
     # Defaults of uploads
-    default_method: str = "infokv"
+    default_method: str = DEFAULT_METHOD
     default_keep: float | int = 0.25
 
     def __post_init__(self) -> None:
@@ -64,12 +65,11 @@ class Settings:
         object.__setattr__(self, "api_keys", keys)
         for key in keys:
             if len(key) < 8:
-                raise ConfigError("API keys must be at least 8 characters long; generate one with "
-                                  "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
-        positive = ("max_upload_bytes", "max_pages", "max_question_chars", "max_new_tokens", "default_max_tokens",
-                    "max_request_bytes", "max_active_generations", "max_queued_generations",
-                    "max_queued_uploads", "ingest_chunk_size", "loaded_documents")
-        for name in positive:
+                raise ConfigError(
+                    "API keys must be at least 8 characters long; generate one with "
+                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+                )
+        for name in _INT_FIELDS:  # every count is positive
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_new_tokens:
@@ -105,11 +105,19 @@ class Settings:
         return replace(self, **changes)
 
 
-_INT_FIELDS = {
-    "max_upload_bytes", "max_pages", "max_question_chars", "max_new_tokens", "default_max_tokens",
-    "max_request_bytes", "max_active_generations", "max_queued_generations", "max_queued_uploads",
-    "ingest_chunk_size", "loaded_documents",
-}
+_INT_FIELDS = (
+    "max_upload_bytes",
+    "max_pages",
+    "max_question_chars",
+    "max_new_tokens",
+    "default_max_tokens",
+    "max_request_bytes",
+    "max_active_generations",
+    "max_queued_generations",
+    "max_queued_uploads",
+    "ingest_chunk_size",
+    "loaded_documents",
+)
 
 
 def _parse(name: str, raw: str) -> Any:

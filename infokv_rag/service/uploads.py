@@ -54,7 +54,9 @@ def _copy_limited(source: IO[bytes], target: Path, limit: int) -> int:
             size += len(block)
             if size > limit:
                 raise ServiceError(
-                    413, "file_too_large", f"the upload is larger than the server's limit of {_mib(limit)}",
+                    413,
+                    "file_too_large",
+                    f"the upload is larger than the server's limit of {_mib(limit)}",
                 )
             out.write(block)
     return size
@@ -69,7 +71,8 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise ServiceError(
-            415, "multipart_required",
+            415,
+            "multipart_required",
             "send the document as multipart/form-data with the file in the 'file' field "
             "(e.g. curl -F file=@contract.pdf ...)",
         )
@@ -97,8 +100,9 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             raise
     finally:
         await form.close()
-    return StagedUpload(directory, path, name, size, fields["method"] or None, fields["keep"] or None,
-                        fields["password"] or None)
+    return StagedUpload(
+        directory, path, name, size, fields["method"] or None, fields["keep"] or None, fields["password"] or None
+    )
 
 
 def compression_config(settings: Settings, method: str | None, keep: str | float | int | None) -> CompressionConfig:
@@ -134,7 +138,9 @@ def _pdf_page_count(path: Path) -> int | None:
 
 def _too_many_pages(pages: int, settings: Settings) -> ServiceError:
     return ServiceError(
-        413, "too_many_pages", f"the document has {pages} pages; this server reads at most {settings.max_pages}",
+        413,
+        "too_many_pages",
+        f"the document has {pages} pages; this server reads at most {settings.max_pages}",
     )
 
 
@@ -154,9 +160,10 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
         raise _too_many_pages(total_pages, settings)
     document = replace(document, source=staged.name)
     tokens = len(engine.prompt.document_ids(document.text))
-    if tokens + 64 > engine.context_window:
+    if tokens > engine.max_document_tokens:
         raise ServiceError(
-            413, "document_too_long",
+            413,
+            "document_too_long",
             f"{staged.name} is {tokens} tokens, more than the model's context window of {engine.context_window} "
             "tokens (questions need room too); split the document",
         )
@@ -168,8 +175,10 @@ def _client_message(exc: DocumentError, staged: StagedUpload) -> str:
     message = str(exc).replace(str(staged.directory) + "/", "").replace(str(staged.directory), "")
     if isinstance(exc, EncryptedPDFError):
         if staged.password is None and "needs a password" in message:
-            return (f"{staged.name} is encrypted: send its password in the form field 'password', "
-                    "or upload a decrypted copy")
+            return (
+                f"{staged.name} is encrypted: send its password in the form field 'password', "
+                "or upload a decrypted copy"
+            )
         if "Wrong password" in message:
             return f"wrong password for {staged.name}: check the form field 'password', or upload a decrypted copy"
     return message

@@ -31,7 +31,8 @@ from .scheduling import FairLock
 
 if TYPE_CHECKING:
     from ..documents import Document
-    from ..engine import Generation, InfoKVEngine
+    from ..engine import InfoKVEngine
+    from ..generation import Generation
     from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,8 @@ class ModelWorker:
             for job in (*self._pending, *self._active):
                 job.cancel()
             self._cond.notify_all()
-        for job in list(self._ingest_jobs.values()):
-            job.cancelled.set()
+        for upload in list(self._ingest_jobs.values()):
+            upload.cancelled.set()
         self._uploads.put(None)
         for thread in self._threads:
             thread.join(timeout)
@@ -332,8 +333,12 @@ class ModelWorker:
             return
         except Exception:  # noqa: BLE001
             log.exception("ingestion of %s failed", record.id)
-            self.registry.fail(record, "internal_error", "an internal error stopped reading this document; "
-                               "upload it again, and tell the operator if it persists")
+            self.registry.fail(
+                record,
+                "internal_error",
+                "an internal error stopped reading this document; "
+                "upload it again, and tell the operator if it persists",
+            )
             return
         self.counters["prefills"] += 1
         self.counters["prefill_tokens"] += compressed.stats.document_tokens
@@ -343,12 +348,14 @@ class ModelWorker:
             if record.deleted:
                 return
             log.exception("saving the cache of %s failed", record.id)
-            self.registry.fail(record, "storage_error", f"the cache could not be saved ({type(exc).__name__}); "
-                               "check the server's disk and upload again")
+            self.registry.fail(
+                record,
+                "storage_error",
+                f"the cache could not be saved ({type(exc).__name__}); check the server's disk and upload again",
+            )
 
 
 def _error_code(exc: BaseException) -> str:
     from .errors import error_code
 
     return error_code(exc)
-

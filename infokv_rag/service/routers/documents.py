@@ -46,8 +46,9 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
     progress = None
     if record.progress_total:
         fraction = record.progress_done / record.progress_total
-        progress = Progress(tokens_done=record.progress_done, tokens_total=record.progress_total,
-                            fraction=round(fraction, 4))
+        progress = Progress(
+            tokens_done=record.progress_done, tokens_total=record.progress_total, fraction=round(fraction, 4)
+        )
     return DocumentInfo(
         id=record.id,
         filename=record.filename,
@@ -96,9 +97,17 @@ async def upload_document(request: Request, response: Response, service: Service
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
         record = DocumentRecord(
-            id=new_document_id(), filename=staged.name, status="queued", method=config.method, keep=config.keep,
-            created_at=now, updated_at=now, size_bytes=staged.size, pages=len(document.pages),
-            skipped_pages=list(document.skipped_pages), tokens=tokens,
+            id=new_document_id(),
+            filename=staged.name,
+            status="queued",
+            method=config.method,
+            keep=config.keep,
+            created_at=now,
+            updated_at=now,
+            size_bytes=staged.size,
+            pages=len(document.pages),
+            skipped_pages=list(document.skipped_pages),
+            tokens=tokens,
         )
         record.progress_total = tokens
         await run_in_threadpool(service.registry.create, record, document)
@@ -108,8 +117,9 @@ async def upload_document(request: Request, response: Response, service: Service
         service.worker.submit_ingestion(IngestJob(record, config, document))
     except QueueFull as exc:
         await run_in_threadpool(service.registry.delete, record.id)
-        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
-                           headers={"Retry-After": "10"}) from exc
+        raise ServiceError(
+            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "10"}
+        ) from exc
     response.headers["Location"] = f"/v1/documents/{record.id}"
     return document_info(record)
 
@@ -166,7 +176,7 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
     summary="Ask a question about a ready document (JSON, or Server-Sent Events with stream=true)",
     responses=answer_responses(
         "The answer as JSON, or with `stream: true` a `text/event-stream` of `token` "
-        "events ({\"text\": ...}) then one `done` event (the JSON answer) or an `error` event."
+        'events ({"text": ...}) then one `done` event (the JSON answer) or an `error` event.'
     ),
 )
 async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
 """OpenAI-compatible face: POST /v1/chat/completions (with `document_id`) and GET /v1/models.
 
-    client = OpenAI(base_url="http://host:8000/v1", api_key=KEY)
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "..."}],
-                                   extra_body={"document_id": doc_id}, stream=True)
+client = OpenAI(base_url="http://host:8000/v1", api_key=KEY)
+client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "..."}],
+                               extra_body={"document_id": doc_id}, stream=True)
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ CONVERSATION_CHAR_FACTOR = 4
 """A conversation may hold this many times the question limit in characters, over all messages."""
 
 
-@router.get("/models", response_model=ModelList, summary="The served model (OpenAI-compatible)",
-            responses=error_responses(401))
+@router.get(
+    "/models", response_model=ModelList, summary="The served model (OpenAI-compatible)", responses=error_responses(401)
+)
 async def list_models(service: ServiceDep) -> ModelList:
     return ModelList(data=[ModelCard(id=service.model_id, created=int(service.started_at))])
 
@@ -59,15 +60,21 @@ def _turns(request: ChatCompletionRequest) -> list[Turn]:
     for index, message in enumerate(request.messages):
         role = "system" if message.role == "developer" else message.role
         if role not in ("system", "user", "assistant"):
-            raise ServiceError(400, "unsupported_role", f"messages[{index}]: role {message.role!r} is not supported; "
-                               "use system, developer, user or assistant")
+            raise ServiceError(
+                400,
+                "unsupported_role",
+                f"messages[{index}]: role {message.role!r} is not supported; use system, developer, user or assistant",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise ServiceError(400, "unsupported_content", f"messages[{index}]: only text content is "
-                                       f"supported, not {part.type!r}")
+                    raise ServiceError(
+                        400,
+                        "unsupported_content",
+                        f"messages[{index}]: only text content is supported, not {part.type!r}",
+                    )
                 texts.append(part.text)
             content = "".join(texts)
         if not content:
@@ -89,8 +96,9 @@ def _usage(job: GenerationJob) -> ChatUsage:
 
 def _check_model(service: Service, model: str) -> None:
     if model != service.model_id:
-        raise ServiceError(404, "model_not_found", f"model {model!r} is not served here; use {service.model_id!r} "
-                           "(GET /v1/models)")
+        raise ServiceError(
+            404, "model_not_found", f"model {model!r} is not served here; use {service.model_id!r} (GET /v1/models)"
+        )
 
 
 @router.post(
@@ -106,8 +114,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     _check_model(service, body.model)
     record = find_document(service, body.document_id)
     turns = _turns(body)
-    check_question(service, sum(len(content) for _, content in turns), what="conversation",
-                   limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR)
+    check_question(
+        service,
+        sum(len(content) for _, content in turns),
+        what="conversation",
+        limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
+    )
     options = generation_options(
         service, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p, body.stop, body.seed
     )
@@ -121,8 +133,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
             id=completion_id,
             created=created,
             model=service.model_id,
-            choices=[ChatChoice(message=ChatCompletionMessage(content=answer),
-                                finish_reason=job.generation.usage.finish_reason)],
+            choices=[
+                ChatChoice(
+                    message=ChatCompletionMessage(content=answer), finish_reason=job.generation.usage.finish_reason
+                )
+            ],
             usage=_usage(job),
             timings=job.timings(),  # type: ignore[arg-type]
         )

@@ -1,0 +1,69 @@
+"""Benchmark-only tools: several compressions from one prefill, and teacher-forced logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
+from infokv_rag.documents import Document
+from infokv_rag.ingestion import Ingestion
+from infokv_rag.prompt import Turn
+from infokv_rag.signals import SignalCapture
+
+
+@torch.inference_mode()
+def compress_variants(
+    engine: InfoKVEngine, document: Document, configs: Sequence[CompressionConfig]
+) -> list[CompressedDocument]:
+    """Compresses one document several ways from a single prefill (for benchmarks and ablations).
+
+    Exact only when the document fits one prefill chunk of every config (then chunking never
+    interleaves with compression) and all configs share the observation window.
+    """
+    ids = torch.tensor(engine.prompt.document_ids(document.text), device=engine.runner.device)
+    if any(len(ids) > c.chunk_size for c in configs) or len({c.window for c in configs}) > 1:
+        raise ConfigError("compress_variants needs a document within one chunk and a common window")
+    ingestions = [Ingestion(engine, config, ids) for config in configs]
+    reference = Ingestion(engine, CompressionConfig(method="full", window=configs[0].window), ids)
+    full = engine.runner.new_cache()
+    capture = SignalCapture(configs[0].window, frozenset().union(*(i.scorer.signals for i in ingestions)))
+    with engine.lock:
+        hidden = reference.forward_chunk(full, capture, 0, len(ids))
+    full_cache = full.freeze(len(ids), reference.sinks)
+    informations: dict[object, Tensor] = {}
+    results = []
+    for config, ingestion in zip(configs, ingestions):
+        ingestion.timings["prefill"] = reference.timings["prefill"]
+        information = None
+        if ingestion.information is not None:
+            settings = ingestion.information_settings
+            key = (settings.information, settings.entropy_top_k, settings.entropy_vocabulary)
+            if key not in informations:
+                informations[key] = ingestion.chunk_information(hidden, 0, len(ids))
+            information = informations[key]
+        cache = full_cache.working_copy(0)
+        ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), information)
+        frozen, stats, information_reference = ingestion.finish(cache)
+        stats.pages = len(document.pages)
+        results.append(CompressedDocument(engine, frozen, config, document, stats, information_reference))
+    return results
+
+
+@torch.inference_mode()
+def teacher_forced_logits(document: CompressedDocument, turns: Sequence[Turn], continuation: Sequence[int]) -> Tensor:
+    """Next-token logits (len(continuation) + 1, vocab) after the conversation, fed `continuation`.
+
+    Row i is the distribution of continuation token i (the last row, of the token after it).
+    """
+    engine = document.engine
+    runner = engine.runner
+    suffix = engine.prompt.conversation_ids(turns)
+    ids = torch.tensor([*suffix, *continuation], device=runner.device)
+    n = document.cache.document_tokens
+    with engine.lock:
+        session = document.cache.working_copy(len(ids))
+        hidden = runner.forward(ids, torch.arange(n, n + len(ids), device=runner.device), session)
+        return runner.logits(hidden[len(suffix) - 1 :])

@@ -1,0 +1,138 @@
+"""Answering against a compressed document: decoding on a working copy, with decode-time eviction.
+
+The document's cache is never modified: each answer decodes on a growable copy. When
+`GenerationOptions.max_cache_tokens` is set, the lowest-scored tokens of each layer are evicted before
+a step would exceed it (never the sinks, the question or the recent window); a generated token is
+scored by where its information falls among the document's (`information_rank`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .errors import ConfigError, ContextLengthError
+from .generation import Generation, GenerationOptions, TextAssembler, TokenSampler, Usage, logits_entropy
+from .prompt import Turn
+from .selection import select_tokens
+from .signals import InformationSettings
+
+if TYPE_CHECKING:
+    from .document import CompressedDocument
+
+
+def generate(document: CompressedDocument, turns: Sequence[Turn], options: GenerationOptions) -> Generation:
+    """Answers a conversation about `document`; raises before any model work when it cannot fit."""
+    engine = document.engine
+    suffix = engine.prompt.conversation_ids(turns)
+    n = document.cache.document_tokens
+    needed = n + len(suffix) + options.max_new_tokens
+    if needed > engine.context_window:
+        raise ContextLengthError(
+            f"the document ({n} tokens) plus the question ({len(suffix)} tokens) plus max_new_tokens "
+            f"({options.max_new_tokens}) is {needed} tokens, more than the model's context window of "
+            f"{engine.context_window}; shorten the question or lower max_new_tokens"
+        )
+    protected = document.cache.sink_tokens + len(suffix) + document.config.window
+    if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
+        raise ConfigError(
+            f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
+            f"({len(suffix)} tokens) and the recent window need {protected + options.eviction_slack}"
+        )
+    usage = Usage(prompt_tokens=len(suffix), cached_tokens=n)
+    assembler = TextAssembler(engine.tokenizer, options.stop)
+    return Generation(_decode(document, suffix, options, usage, assembler), usage, assembler.ids)
+
+
+def _decode(
+    document: CompressedDocument,
+    suffix: list[int],
+    options: GenerationOptions,
+    usage: Usage,
+    assembler: TextAssembler,
+) -> Iterator[str]:
+    engine = document.engine
+    runner = engine.runner
+    n = document.cache.document_tokens
+    started = time.perf_counter()
+    with engine.lock:
+        session = document.cache.working_copy(len(suffix) + options.max_new_tokens)
+    sampler = TokenSampler(options, runner.device)
+    question_end = n + len(suffix)
+    pending = torch.tensor(suffix, device=runner.device)
+    pending_scores = torch.ones(len(suffix), device=runner.device)
+    position = n
+    usage.finish_reason = "length"
+    for _ in range(options.max_new_tokens):
+        with engine.lock:
+            if options.max_cache_tokens is not None:
+                _evict(session, document, options, position, len(pending), question_end)
+            positions = torch.arange(position, position + len(pending), device=runner.device)
+            hidden = runner.forward(pending, positions, session, token_scores=pending_scores)
+            logits = runner.logits(hidden[-1])
+        usage.max_resident_tokens = max(usage.max_resident_tokens, *session.lengths)
+        position += len(pending)
+        token = sampler(logits)
+        if usage.time_to_first_token is None:
+            usage.time_to_first_token = time.perf_counter() - started
+        if token in engine.stop_ids:
+            usage.finish_reason = "stop"
+            break
+        usage.completion_tokens += 1
+        piece = assembler.push(token)
+        if piece:
+            yield piece
+        if assembler.stopped:
+            usage.finish_reason = "stop"
+            break
+        pending = torch.tensor([token], device=runner.device)
+        pending_scores = information_rank(document, logits, token).reshape(1)
+    tail = assembler.flush()
+    if tail:
+        yield tail
+
+
+def _evict(
+    session: KVCache,
+    document: CompressedDocument,
+    options: GenerationOptions,
+    position: int,
+    incoming: int,
+    question_end: int,
+) -> None:
+    """Evicts the lowest-scored tokens of each layer so that `incoming` more fit under the cap."""
+    cap = options.max_cache_tokens
+    assert cap is not None
+    if max(session.lengths) + incoming <= cap:
+        return
+    target = max(cap - incoming - options.eviction_slack + 1, 0)
+    for layer in session.layers:
+        if layer.length <= target:
+            continue
+        positions = layer.live("positions")
+        protected = (
+            (positions < document.cache.sink_tokens)
+            | ((positions >= document.cache.document_tokens) & (positions < question_end))
+            | (positions >= position - document.config.window)
+        )
+        layer.retain(select_tokens(layer.live("scores"), protected, target))
+
+
+def information_rank(document: CompressedDocument, logits: Tensor, token: int) -> Tensor:
+    """Eviction priority of a generated `token` sampled from `logits` (vocab,): where its information
+    falls among the document's, a scalar in [0, 1] (0.5 when the method computed none)."""
+    reference = document.information_reference
+    settings = document.config.settings
+    if reference is None or len(reference) == 0 or not isinstance(settings, InformationSettings):
+        return torch.full((), 0.5, device=logits.device)
+    if settings.information == "surprisal":
+        value = -torch.log_softmax(logits.float(), dim=-1)[token].reshape(1)
+    else:
+        value = logits_entropy(logits.reshape(1, -1), settings.entropy_top_k)
+    rank = torch.searchsorted(reference, value.to(reference.device))
+    return (rank.float() / len(reference)).reshape(()).to(logits.device)

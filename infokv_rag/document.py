@@ -1,0 +1,70 @@
+"""CompressedDocument: one document read into a compressed cache, answering any number of questions."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from . import decoding, store
+from .cache import DocumentCache
+from .config import CompressionConfig
+from .documents import Document
+from .generation import Generation, GenerationOptions
+from .ingestion import DocumentStats
+from .prompt import Turn, question_turns
+
+if TYPE_CHECKING:
+    from .engine import InfoKVEngine
+
+
+@dataclass
+class CompressedDocument:
+    """A document read once into a compressed cache; answers any number of questions against it."""
+
+    engine: InfoKVEngine
+    cache: DocumentCache
+    config: CompressionConfig
+    document: Document
+    stats: DocumentStats
+    information_reference: Tensor | None = None
+    """(n,) sorted information values (entropy or surprisal, as configured) of the document tokens, when
+    the method computed them; decode-time eviction ranks generated tokens among them."""
+
+    def generate(self, turns: Sequence[Turn], options: GenerationOptions | None = None) -> Generation:
+        """Answers a conversation ((role, content) turns after the document); see `ask` for options."""
+        return decoding.generate(self, turns, options or GenerationOptions())
+
+    def stream(
+        self,
+        question: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        max_cache_tokens: int | None = None,
+    ) -> Iterator[str]:
+        """Yields the answer's text pieces as they are generated."""
+        options = GenerationOptions.build(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            max_cache_tokens=max_cache_tokens,
+        )
+        yield from self.generate(question_turns(question), options)
+
+    def ask(self, question: str, **options: Any) -> str:
+        """Answers one question (greedy unless `temperature` > 0); options as for `stream`."""
+        return "".join(self.stream(question, **options))
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Writes this cache to `directory` atomically (see `infokv_rag.store`); returns its path."""
+        return store.save_document(self, directory)

@@ -1,0 +1,237 @@
+"""Reading one document: chunked prefill, the signals its method needs, scoring and compression.
+
+Per chunk: the forward pass captures attention and layer change (`SignalCapture`), the final hidden
+states give the information signal, and when the resident cache exceeds the budget (always after the
+last chunk) every layer is scored by the method's scorer and cut to its budget. So the resident cache
+never exceeds budget + chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .cache import DocumentCache, KVCache, gather_tokens
+from .config import CompressionConfig
+from .kernels import predictive_entropy, predictive_surprisal
+from .scorers.base import Scorer, normalize
+from .selection import adaptive_budgets, protected_mask, select_tokens
+from .signals import EVOLUTION, INFORMATION, InformationSettings, LayerSignals, SignalCapture
+
+if TYPE_CHECKING:
+    from .engine import InfoKVEngine
+
+ProgressCallback = Callable[[int, int], None]
+"""Called with (tokens read, total tokens) after each prefill chunk."""
+
+
+@dataclass
+class DocumentStats:
+    """What ingestion measured. Bytes are counted from the stored tensors."""
+
+    document_tokens: int
+    kept_tokens_per_layer: list[int]
+    cache_bytes: int
+    full_cache_bytes: int
+    prefill_seconds: float
+    scoring_seconds: float
+    compression_seconds: float
+    method: str
+    keep: float | int
+    pages: int = 1
+    peak_resident_tokens: int = 0
+    """Most tokens held over all layers (per KV head) at any time during ingestion."""
+
+    @property
+    def kept_tokens(self) -> int:
+        return sum(self.kept_tokens_per_layer)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.cache_bytes / self.full_cache_bytes if self.full_cache_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "kept_tokens": self.kept_tokens, "compression_ratio": self.compression_ratio}
+
+
+class Ingestion:
+    """One document's chunked prefill, scoring and compression; `run` does it all.
+
+    The steps are public so that a benchmark can prefill once and compress several ways
+    (benchmarks/variants.py).
+    """
+
+    def __init__(self, engine: InfoKVEngine, config: CompressionConfig, ids: Tensor) -> None:
+        self.engine = engine
+        self.runner = engine.runner
+        self.config = config
+        self.ids = ids
+        """(n,) the document prefix's token ids."""
+        self.n = len(ids)
+        self.scorer: Scorer[Any] = config.method_spec.build(config.settings)
+        self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
+        self.budget = config.budget_for(self.n, self.sinks)
+        self.information: Tensor | None = None
+        """(n,) outgoing information per position, when the scorer reads it."""
+        if INFORMATION in self.scorer.signals:
+            assert isinstance(config.settings, InformationSettings)
+            self.information_settings = config.settings
+            self.information = torch.zeros(self.n, device=ids.device)
+            self.head_rows, self.information_head = self._information_head()
+        boundaries = engine.sentence_boundaries[ids]
+        self.sentences = torch.cumsum(boundaries.long(), 0) - boundaries.long()
+        self.evolution: Tensor | None = None
+        """(layers, n) R^l per layer and position, when the scorer reads it."""
+        if EVOLUTION in self.scorer.signals:
+            self.evolution = torch.zeros(self.runner.num_layers, self.n, device=ids.device)
+        self.accumulated: list[Tensor | None] = [None] * self.runner.num_layers
+        self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
+        self.peak_resident = 0
+
+    @torch.inference_mode()
+    def run(self, progress: ProgressCallback | None) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
+        """Returns the frozen cache, the stats and the sorted information reference (None when not computed)."""
+        cache = self.runner.new_cache()
+        chunk = self.config.chunk_size
+        for start in range(0, self.n, chunk):
+            end = min(self.n, start + chunk)
+            with self.engine.lock:  # answers about other documents may run between chunks
+                capture = SignalCapture(self.config.window, self.scorer.signals)
+                hidden = self.forward_chunk(cache, capture, start, end)
+                self.score_and_compress(cache, capture, hidden, start, end)
+            self.peak_resident = max(self.peak_resident, cache.resident_tokens)
+            if progress is not None:
+                progress(end, self.n)
+        return self.finish(cache)
+
+    def finish(self, cache: KVCache) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
+        frozen = cache.freeze(self.n, self.sinks)
+        stats = DocumentStats(
+            document_tokens=self.n,
+            kept_tokens_per_layer=frozen.lengths,
+            cache_bytes=frozen.nbytes,
+            full_cache_bytes=self.n * self.engine.bytes_per_token,
+            prefill_seconds=self.timings["prefill"],
+            scoring_seconds=self.timings["scoring"],
+            compression_seconds=self.timings["compression"],
+            method=self.config.method,
+            keep=self.config.keep,
+            peak_resident_tokens=self.peak_resident,
+        )
+        information = self.information.sort().values if self.information is not None else None
+        return frozen, stats, information
+
+    def forward_chunk(self, cache: KVCache, capture: SignalCapture, start: int, end: int) -> Tensor:
+        """Prefills tokens [start, end) into `cache`; returns their final hidden states (end - start, hidden)."""
+        clock = time.perf_counter()
+        positions = torch.arange(start, end, device=self.ids.device)
+        hidden = self.runner.forward(self.ids[start:end], positions, cache, capture)
+        self.timings["prefill"] += time.perf_counter() - clock
+        return hidden
+
+    def score_and_compress(
+        self,
+        cache: KVCache,
+        capture: SignalCapture,
+        hidden: Tensor,
+        start: int,
+        end: int,
+        information: Tensor | None = None,
+    ) -> None:
+        """Records the chunk's signals and compresses when over budget (always after the last chunk).
+
+        `information` (end - start,) may be given when it was already computed with these settings.
+        """
+        clock, compression_before = time.perf_counter(), self.timings["compression"]
+        if self.information is not None:
+            self.information[start:end] = (
+                self.chunk_information(hidden, start, end) if information is None else information
+            )
+        if self.evolution is not None:
+            for layer, change in capture.layer_change.items():
+                self.evolution[layer, start:end] = change
+        self._accumulate(capture, cache)
+        final = end == self.n
+        if final or max(cache.lengths) > self.budget:
+            self._compress(cache, capture, end, final)
+        compression = self.timings["compression"] - compression_before
+        self.timings["scoring"] += time.perf_counter() - clock - compression
+
+    def chunk_information(self, hidden: Tensor, start: int, end: int) -> Tensor:
+        """(end - start,) outgoing information of positions [start, end) from their final hidden states.
+
+        Entropy of each position's next-token distribution, or the surprisal of the token that follows
+        it (0 for the document's last position, which predicts nothing of the document).
+        """
+        settings = self.information_settings
+        if settings.information == "entropy":
+            return predictive_entropy(hidden, self.information_head, settings.entropy_top_k)
+        following = self.ids[start + 1 : end + 1]
+        values = torch.zeros(end - start, device=hidden.device)
+        targets = torch.searchsorted(self.head_rows, following)
+        values[: len(following)] = predictive_surprisal(hidden[: len(following)], self.information_head, targets)
+        return values
+
+    def _information_head(self) -> tuple[Tensor, Tensor]:
+        """The vocabulary the information signal is computed over: sorted token ids (rows,) and their
+        LM-head rows (rows, hidden). Every document token is among them, so its surprisal is defined."""
+        weight = self.runner.lm_head.weight
+        size = self.information_settings.entropy_vocabulary
+        if not size or size >= weight.shape[0]:
+            return torch.arange(weight.shape[0], device=weight.device), weight
+        rows = torch.cat([torch.arange(size, device=weight.device), self.ids]).unique()
+        return rows, weight[rows]
+
+    def _accumulate(self, capture: SignalCapture, cache: KVCache) -> None:
+        for layer, chunk_sums in capture.accumulated_attention.items():
+            per_kv_head = chunk_sums.reshape(self.runner.kv_heads, -1, chunk_sums.shape[-1]).sum(dim=1)
+            previous = self.accumulated[layer]
+            if previous is not None:
+                per_kv_head[:, : previous.shape[1]] += previous
+            self.accumulated[layer] = per_kv_head
+            assert per_kv_head.shape[1] == cache.layers[layer].length
+
+    def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
+        evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
+        mean_evolution = evolution.mean(dim=0) if evolution is not None else None
+        scores = []
+        for index, layer in enumerate(cache.layers):
+            signals = LayerSignals(
+                layer=index,
+                tokens_read=tokens_read,
+                positions=layer.live("positions"),
+                keys=layer.live("keys"),
+                sentences=self.sentences[:tokens_read],
+                window_attention=capture.window_attention.get(index),
+                last_query_attention=capture.last_query_attention.get(index),
+                accumulated_attention=self.accumulated[index],
+                information=self.information[:tokens_read] if self.information is not None else None,
+                evolution=evolution[index] if evolution is not None else None,
+                mean_evolution=mean_evolution,
+                seed=self.config.seed,
+            )
+            scores.append(self.scorer.score(signals))
+        clock = time.perf_counter()
+        if self.config.adaptive_budget and self.config.method_spec.compresses:
+            minimum = min(self.sinks + self.config.window, self.budget)
+            normalized = [normalize(s, "minmax") for s in scores]
+            budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)
+        else:
+            budgets = [self.budget] * len(scores)
+        for index, (layer, layer_scores, budget) in enumerate(zip(cache.layers, scores, budgets, strict=True)):
+            if final:
+                layer.live("scores").copy_(normalize(layer_scores, "rank"))
+            if layer.length <= budget:
+                continue
+            protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
+            keep = select_tokens(layer_scores, protected, budget)
+            layer.retain(keep)
+            accumulated = self.accumulated[index]
+            if accumulated is not None:
+                self.accumulated[index] = gather_tokens(accumulated, keep)
+        self.timings["compression"] += time.perf_counter() - clock

@@ -1,0 +1,65 @@
+"""Loaded documents kept in memory: each loaded once however many callers want it, the latest few kept."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class LoadOnceCache(Generic[K, V]):
+    """The `capacity` most recently used values, by key; `get_or_load` loads a missing key once.
+
+    Callers that want the same missing key wait for one load (one lock per key); other keys load in
+    parallel. `on_drop` hears of each key evicted for room, outside the cache's lock.
+    """
+
+    def __init__(self, capacity: int, on_drop: Callable[[K], None] | None = None) -> None:
+        self.capacity = capacity
+        self.on_drop = on_drop
+        self._values: OrderedDict[K, V] = OrderedDict()
+        self._loading: dict[K, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._values[key] = value
+            self._values.move_to_end(key)
+            dropped = []
+            while len(self._values) > self.capacity:
+                dropped.append(self._values.popitem(last=False)[0])
+        if self.on_drop is not None:
+            for old in dropped:
+                self.on_drop(old)
+
+    def pop(self, key: K) -> V | None:
+        with self._lock:
+            return self._values.pop(key, None)
+
+    def get_or_load(self, key: K, load: Callable[[], V]) -> V:
+        value = self.get(key)
+        if value is not None:
+            return value
+        with self._lock:
+            lock = self._loading.setdefault(key, threading.Lock())
+        try:
+            with lock:
+                value = self.get(key)
+                if value is None:
+                    value = load()
+                    self.put(key, value)
+        finally:
+            with self._lock:
+                self._loading.pop(key, None)
+        return value

@@ -1,0 +1,190 @@
+"""Every registered compression method on synthetic signals, in the style of kvpress's tests over all presses.
+
+Each method gets only the signals it declares (the others are None), so a scorer that reads an
+undeclared signal fails here. Adding a method: its module under infokv_rag/scorers/ and its entry in
+EXPECTED_SIGNALS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import torch
+
+from infokv_rag import CompressionConfig, ConfigError
+from infokv_rag.scorers import method, method_names
+from infokv_rag.scorers.base import Scorer
+from infokv_rag.selection import protected_mask, select_tokens
+from infokv_rag.signals import (
+    ACCUMULATED_ATTENTION,
+    EVOLUTION,
+    INFORMATION,
+    LAST_QUERY_ATTENTION,
+    SIGNALS,
+    WINDOW_ATTENTION,
+    LayerSignals,
+)
+
+EXPECTED_SIGNALS: dict[str, frozenset[str]] = {
+    "full": frozenset(),
+    "h2o": frozenset({ACCUMULATED_ATTENTION}),
+    "infokv": frozenset({INFORMATION, WINDOW_ATTENTION}),
+    "infokv_evolution": frozenset({EVOLUTION}),
+    "infokv_information": frozenset({INFORMATION}),
+    "knorm": frozenset(),
+    "random": frozenset(),
+    "snapkv": frozenset({WINDOW_ATTENTION}),
+    "streaming_llm": frozenset(),
+    "tova": frozenset({LAST_QUERY_ATTENTION}),
+}
+"""What each method reads with its default settings."""
+
+KV_HEADS, HEADS, HEAD_DIM = 2, 4, 8
+TOKENS_READ, SINKS, WINDOW, BUDGET = 96, 4, 16, 40
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> LayerSignals:
+    """One layer after some compression: 70 of 96 positions resident per KV head (different per head)."""
+    generator = torch.Generator().manual_seed(seed)
+    length = 70
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator)
+
+    old = torch.stack([torch.randperm(TOKENS_READ - SINKS - WINDOW, generator=generator)[: length - SINKS - WINDOW] for _ in range(KV_HEADS)])
+    positions = torch.cat(
+        [
+            torch.arange(SINKS).expand(KV_HEADS, -1),
+            (old + SINKS).sort(dim=1).values,
+            torch.arange(TOKENS_READ - WINDOW, TOKENS_READ).expand(KV_HEADS, -1),
+        ],
+        dim=1,
+    )
+    evolution = rand(TOKENS_READ)
+    available = {
+        WINDOW_ATTENTION: rand(HEADS, length).softmax(dim=-1),
+        LAST_QUERY_ATTENTION: rand(HEADS, length).softmax(dim=-1),
+        ACCUMULATED_ATTENTION: rand(KV_HEADS, length) * 10,
+        INFORMATION: rand(TOKENS_READ) * 5,
+        EVOLUTION: evolution,
+    }
+    given: dict[str, Any] = {name: value for name, value in available.items() if name in wanted}
+    if EVOLUTION in wanted:
+        given["mean_evolution"] = evolution * 0.5 + 0.25
+    return LayerSignals(
+        layer=layer,
+        tokens_read=TOKENS_READ,
+        positions=positions,
+        keys=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
+        sentences=torch.arange(TOKENS_READ) // 7,
+        seed=seed,
+        **given,
+    )
+
+
+def scorer_of(name: str, **settings: Any) -> Scorer[Any]:
+    config = CompressionConfig(method=name, settings=settings)
+    return config.method_spec.build(config.settings)
+
+
+def test_the_registry_is_what_this_file_expects() -> None:
+    assert set(method_names()) == set(EXPECTED_SIGNALS)
+    for name in method_names():
+        assert method(name).name == name
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_declared_signals(name: str) -> None:
+    signals = scorer_of(name).signals
+    assert signals == EXPECTED_SIGNALS[name]
+    assert signals <= SIGNALS
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_scores_have_one_value_per_resident_token_and_kv_head(name: str) -> None:
+    signals = synthetic_signals(scorer_of(name).signals)
+    scores = scorer_of(name).score(signals)
+    assert scores.shape == (KV_HEADS, signals.positions.shape[1])
+    assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_scores_are_deterministic(name: str) -> None:
+    wanted = scorer_of(name).signals
+    first = scorer_of(name).score(synthetic_signals(wanted, seed=3))
+    again = scorer_of(name).score(synthetic_signals(wanted, seed=3))
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_selection_respects_the_budget_and_keeps_sinks_and_window(name: str) -> None:
+    signals = synthetic_signals(scorer_of(name).signals)
+    scores = scorer_of(name).score(signals)
+    protected = protected_mask(signals.positions, TOKENS_READ, SINKS, WINDOW)
+    kept = select_tokens(scores, protected, BUDGET)
+    assert kept.shape == (KV_HEADS, BUDGET)
+    for head in range(KV_HEADS):
+        positions = set(signals.positions[head, kept[head]].tolist())
+        assert set(range(SINKS)) <= positions, "attention sinks are kept"
+        assert set(range(TOKENS_READ - WINDOW, TOKENS_READ)) <= positions, "the observation window is kept"
+        assert len(positions) == BUDGET
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_settings_have_defaults_round_trip_and_refuse_unknown_fields(name: str) -> None:
+    config = CompressionConfig(method=name)
+    assert config.settings == method(name).settings()
+    assert CompressionConfig.from_dict(config.to_dict()) == config
+    assert hash(config) == hash(CompressionConfig.from_dict(config.to_dict()))
+    with pytest.raises(ConfigError, match=f"method '{name}' has no setting no_such_knob"):
+        CompressionConfig(method=name, settings={"no_such_knob": 1})
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_settings_with_choices_are_validated_on_construction(name: str) -> None:
+    settings = method(name).settings
+    hints = typing.get_type_hints(settings)
+    for item in dataclasses.fields(settings):
+        if typing.get_origin(hints[item.name]) is Literal:
+            with pytest.raises(ConfigError, match=item.name):
+                settings(**{item.name: "not-a-choice"})
+
+
+@pytest.mark.parametrize("name", ["infokv", "infokv_information", "snapkv"])
+def test_pooling_kernel_must_be_odd(name: str) -> None:
+    with pytest.raises(ConfigError, match="pooling_kernel must be a positive odd number"):
+        CompressionConfig(method=name, settings={"pooling_kernel": 4})
+
+
+def test_infokv_reads_only_the_signals_its_weights_use() -> None:
+    assert scorer_of("infokv", lam=1.0).signals == {WINDOW_ATTENTION}
+    assert scorer_of("infokv", lam=1.0, accumulated_attention=True).signals == {WINDOW_ATTENTION, ACCUMULATED_ATTENTION}
+    assert scorer_of("infokv", tau=0.5).signals == {INFORMATION, EVOLUTION, WINDOW_ATTENTION}
+    assert scorer_of("infokv", tau=0.0, lam=0.0).signals == {EVOLUTION}
+
+
+def test_the_ablations_score_like_infokv_with_fixed_weights() -> None:
+    for name, weights in (("infokv_information", {"tau": 1.0, "lam": 0.0}), ("infokv_evolution", {"tau": 0.0, "lam": 0.0})):
+        signals = synthetic_signals(SIGNALS)
+        assert torch.equal(scorer_of(name).score(signals), scorer_of("infokv", **weights).score(signals))
+
+
+def test_random_depends_on_seed_and_layer() -> None:
+    scorer = scorer_of("random")
+    base = scorer.score(synthetic_signals(frozenset(), seed=0, layer=1))
+    assert not torch.equal(base, scorer.score(synthetic_signals(frozenset(), seed=0, layer=2)))
+
+
+def test_the_readme_table_lists_exactly_the_registered_methods() -> None:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Compression methods") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", section, flags=re.MULTILINE)
+    assert dict(rows) == {name: method(name).summary for name in method_names()}
+    assert len(rows) == len(method_names())
