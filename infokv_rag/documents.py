@@ -186,7 +186,8 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
         named = f" is named {suffix} but" if suffix in TEXT_SUFFIXES else ""
         raise UnsupportedFormatError(
             f"{name}{named} is not a supported document: it {_describe(data)}. "
-            "Supported are PDF files and plain text or markdown (UTF-8 or Latin-1); "
+            "Supported are PDF files and plain text or markdown (UTF-8, or a legacy encoding that can be "
+            "detected such as Latin-1 or GB18030); "
             "export the document to PDF or plain text first."
         )
     body = _normalize_newlines(text)
@@ -217,13 +218,40 @@ def _decode_text(data: bytes) -> str | None:
         return text
     if b"\x00" in data:
         return None
-    # Not UTF-8: most likely a legacy Western file. cp1252 turns 0x80-0x9f into the quotes and
-    # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1.
+    # Not UTF-8. A legacy Western file is the common case: cp1252 turns 0x80-0x9f into the quotes and
+    # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1. But any byte
+    # string decodes as cp1252, so it is taken only when the result reads like Western text; otherwise
+    # (GB18030, Shift-JIS, cp1251, ...) the encoding is detected, or the file refused: never garbled.
     for encoding in ("cp1252", "latin-1"):
         text = _text_or_none(data, encoding)
         if text is not None:
-            return text
-    return None
+            return text if _reads_as_western(text) else _detect_legacy_encoding(data)
+    return _detect_legacy_encoding(data)
+
+
+def _reads_as_western(text: str) -> bool:
+    """Accented letters in Western text stand mostly alone between ASCII letters ("préavis", "Größe");
+    the bytes of a multi-byte or Cyrillic text, read as cp1252, come in runs ("Í¨Öª")."""
+    non_ascii = adjacent = 0
+    previous_non_ascii = False
+    for char in text:
+        is_non_ascii = ord(char) > 0x7F
+        non_ascii += is_non_ascii
+        adjacent += is_non_ascii and previous_non_ascii
+        previous_non_ascii = is_non_ascii
+    return adjacent <= 0.3 * non_ascii
+
+
+def _detect_legacy_encoding(data: bytes) -> str | None:
+    """The text of a non-UTF-8, non-Western file when its encoding can be told; None (refused) otherwise."""
+    try:
+        from charset_normalizer import from_bytes
+    except ImportError:  # pragma: no cover - a dependency; without it such files are refused, not guessed
+        return None
+    match = from_bytes(data).best()
+    if match is None or match.chaos > 0.1:
+        return None
+    return _text_or_none(data, match.encoding)
 
 
 def _text_or_none(data: bytes, encoding: str) -> str | None:
@@ -272,6 +300,8 @@ def _describe(data: bytes) -> str:
         return "looks like an HTML page (often a failed or blocked download)"
     if _decode_text(data) is not None:
         return "is plain text"
+    if _text_or_none(data, "latin-1") is not None:
+        return "looks like text in an encoding that could not be determined (not UTF-8); save it as UTF-8"
     return "looks like binary data of an unknown format"
 
 

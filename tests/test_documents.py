@@ -362,3 +362,35 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 def test_every_document_error_is_a_document_error() -> None:
     for cls in (UnsupportedFormatError, EmptyDocumentError, EncryptedPDFError, NoExtractableTextError, CorruptPDFError):
         assert issubclass(cls, DocumentError)
+
+
+_LEGACY_TEXTS = {
+    "gb18030": "本合同的通知期限为九十天。如果供应商延迟交货，每天罚款五百欧元。合同经理是爱丽丝。",
+    "big5": "本合約的通知期限為九十天。如果供應商延遲交貨，每天罰款五百歐元。",
+    "shift_jis": "この契約の通知期間は九十日です。供給者が納品を遅らせた場合、一日五百ユーロの罰金。",
+    "cp1251": "Срок уведомления по настоящему договору составляет девяносто дней. Штраф пятьсот евро.",
+}
+
+
+@pytest.mark.parametrize("encoding", sorted(_LEGACY_TEXTS))
+def test_legacy_encodings_are_detected_not_garbled(tmp_path: Path, encoding: str) -> None:
+    """Any byte string decodes as cp1252; a CJK or Cyrillic file must not be stored as its mojibake."""
+    text = "Contract 7: " + _LEGACY_TEXTS[encoding]
+    path = tmp_path / "contract.txt"
+    path.write_bytes(text.encode(encoding))
+    assert load_document(path).text == text
+
+
+def test_western_legacy_text_stays_cp1252(tmp_path: Path) -> None:
+    text = "Le délai de préavis est de quatre-vingt-dix jours; as condições não são negociáveis. Größe: 5 €."
+    path = tmp_path / "avis.txt"
+    path.write_bytes(text.encode("cp1252"))
+    assert load_document(path).text == text
+
+
+def test_text_of_an_undeterminable_encoding_is_refused(tmp_path: Path) -> None:
+    # Runs of high bytes (not Western) that no encoding reads as coherent text: refused, never guessed.
+    path = tmp_path / "mystery.txt"
+    path.write_bytes(b"Notice: " + bytes([0xC3, 0x80, 0xFE, 0xA1, 0x81, 0x30, 0xE9, 0xFF]) * 3 + b" end.")
+    message = _refusal(UnsupportedFormatError, path)
+    assert "UTF-8" in message

@@ -19,6 +19,7 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.service.launcher import ServerProcess, read_sse
 
 from . import pdf_factory as pdfs
+from .service_helpers import assert_error
 
 pytestmark = pytest.mark.tiny
 
@@ -86,17 +87,6 @@ def ask(client: httpx.Client, doc_id: str, question: str = QUESTION, **options: 
     return client.post(f"/v1/documents/{doc_id}/ask", json={"question": question, **options}, headers=AUTH)
 
 
-def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, (response.status_code, response.text)
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and body["error"]["code"] == code, body
-    assert body["error"]["message"] and body["error"]["type"]
-    for leak in ("Traceback", 'File "', "/tmp/", "/uploads/", "site-packages"):
-        assert leak not in response.text, response.text
-    return body["error"]
-
-
 def health(client: httpx.Client) -> dict[str, Any]:
     return client.get("/healthz").json()
 
@@ -149,7 +139,7 @@ def test_api_keys(client: httpx.Client) -> None:
     assert_error(client.get(listing, headers={"Authorization": "Bearer wrong-key-0000000"}), 401, "invalid_api_key")
     assert_error(client.get(listing, headers={"X-API-Key": KEY + "x"}), 401, "invalid_api_key")
     assert_error(client.get(listing, headers={"X-API-Key": KEY[:-1]}), 401, "invalid_api_key")
-    assert_error(client.get(listing, headers={"Authorization": f"Basic {KEY}"}), 401, "missing_api_key")
+    assert_error(client.get(listing, headers={"Authorization": f"Basic {KEY}"}), 401, "invalid_api_key")
     assert client.get(listing, headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
     assert client.get(listing, headers={"X-API-Key": KEY}).status_code == 200
     response = client.get(listing)
@@ -254,7 +244,7 @@ def test_ask_errors(client: httpx.Client, contract: dict[str, Any]) -> None:
     assert_error(ask(client, doc_id, max_tokens=0), 422, "invalid_request")
     assert_error(ask(client, doc_id, ""), 422, "invalid_request")
     assert_error(ask(client, doc_id, temperature=-1), 422, "invalid_request")
-    assert_error(ask(client, doc_id, stop=["a"] * 5), 422, "invalid_stop")
+    assert_error(ask(client, doc_id, stop=["a"] * 5), 422, "invalid_request")
     assert_error(ask(client, doc_id, colour="blue"), 422, "invalid_request")
     bad_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=AUTH)
     assert_error(bad_json, 422, "invalid_request")

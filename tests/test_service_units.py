@@ -12,11 +12,11 @@ pytest.importorskip("fastapi")
 
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.answers import sse  # noqa: E402
-from infokv_rag.service.dependencies import key_matches  # noqa: E402
 from infokv_rag.service.launcher import read_sse  # noqa: E402
 from infokv_rag.service.registry import Registry, new_document_id, valid_document_id  # noqa: E402
 from infokv_rag.service.scheduling import FairLock  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
+from infokv_rag.service.tenants import KeyRing  # noqa: E402
 from infokv_rag.service.uploads import display_name  # noqa: E402
 
 
@@ -52,11 +52,11 @@ def test_create_app_refuses_to_start_unprotected(tmp_path: Path) -> None:
 
 
 def test_key_matching_is_exact() -> None:
-    keys = ("alpha-key-123", "beta-key-4567")
-    assert key_matches("alpha-key-123", keys) and key_matches("beta-key-4567", keys)
+    ring = KeyRing.from_entries(["alpha-key-123", "beta-key-4567"])
+    assert ring.find("alpha-key-123") and ring.find("beta-key-4567")
     for wrong in ("", "alpha-key-12", "alpha-key-1234", "ALPHA-KEY-123", "beta-key-4567 ", "ключ"):
-        assert not key_matches(wrong, keys)
-    assert not key_matches("anything", ())
+        assert ring.find(wrong) is None
+    assert KeyRing([]).find("anything") is None
 
 
 def test_document_ids_are_random_and_never_paths(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@
     from infokv_rag.service import Settings, create_app
     app = create_app(Settings.from_env(model="tiny"))   # any ASGI server; run ONE process per model
 
-The app loads the model at startup (lifespan), reopens the data directory (ready documents answer from
-their saved caches without a prefill; interrupted uploads are read again) and starts the model worker.
+`create_app` refuses (ConfigError) settings that would leave the service unprotected, and a data directory
+it cannot write to or that another server holds. The app loads the model at startup (lifespan), reopens
+the data directory (ready documents answer from their saved caches without a prefill; interrupted uploads
+are read again) and starts the model worker.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .dependencies import Service
 from .errors import error_body, install_error_handlers
+from .openapi import openapi_with_limits
 from .registry import Registry
 from .routers import documents, health, openai, page
 from .settings import Settings
@@ -135,16 +138,15 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     """The service as an ASGI app. `engine` may be given (tests); otherwise `settings.model` loads at startup.
 
     Raises `ConfigError` when the settings would leave the service unprotected (no API keys and
-    anonymous access not enabled explicitly).
+    anonymous access not enabled explicitly), or when the data directory is not writable or in use by
+    another server (the message names the path and the reason). The directory's lock is held from here
+    until the app shuts down.
     """
     settings = settings or Settings.from_env()
     settings.check_startable()
-    service = Service(
-        settings=settings,
-        registry=Registry(settings.data_dir, settings.loaded_documents),
-        engine=engine,
-        model_id=model_id(settings),
-    )
+    registry = Registry(settings.data_dir, settings.loaded_documents)
+    registry.check_writable()  # before the model loads: a server that cannot keep documents must not start
+    service = Service(settings=settings, registry=registry, engine=engine, model_id=model_id(settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -152,25 +154,27 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         from .uploads import compression_config
         from .worker import IngestJob, ModelWorker
 
-        if service.engine is None:
-            log.info("loading model %s", settings.model)
-            service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model, settings.device)
-        if settings.warmup:
-            await run_in_threadpool(_warm_up, service.engine)
-        pending = await run_in_threadpool(service.registry.open)
-        worker = ModelWorker(service.engine, service.registry, settings)
-        worker.start()
-        service.worker = worker
-        for record in pending:
-            log.info("reading %s again (interrupted by the last shutdown)", record.id)
-            worker.submit_ingestion(
-                IngestJob(record, compression_config(settings, record.method, record.keep)), force=True
-            )
-        service.started_at = time.time()
         try:
+            if service.engine is None:
+                log.info("loading model %s", settings.model)
+                service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model,
+                                                         settings.device)
+            if settings.warmup:
+                await run_in_threadpool(_warm_up, service.engine)
+            pending = await run_in_threadpool(service.registry.open)
+            worker = ModelWorker(service.engine, service.registry, settings)
+            worker.start()
+            service.worker = worker
+            for record in pending:
+                log.info("reading %s again (interrupted by the last shutdown)", record.id)
+                worker.submit_ingestion(IngestJob(record, compression_config(settings, record.method, record.keep)),
+                                        force=True)
+            service.started_at = time.time()
             yield
         finally:
-            await run_in_threadpool(worker.stop)
+            if service.worker is not None:
+                await run_in_threadpool(service.worker.stop)
+            service.registry.close()  # releases the data directory for the next server
 
     app = FastAPI(
         title="infokv-rag",
@@ -179,11 +183,13 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         description=(
             "Upload a PDF or text file once; it is read into the model's KV cache, compressed with InfoKV and "
             "saved. Then ask any number of questions: each costs only its own tokens. Authenticate with "
-            "`Authorization: Bearer <key>` or `X-API-Key: <key>`. Errors are JSON: "
-            '`{"error": {"message", "type", "code"}}`.'
+            "`Authorization: Bearer <key>` or `X-API-Key: <key>`; every key presented must be valid. Each key "
+            "belongs to a tenant, and a tenant sees only its own documents. Errors are JSON: "
+            "`{\"error\": {\"message\", \"type\", \"code\"}}`."
         ),
         lifespan=lifespan,
     )
+    app.openapi = openapi_with_limits(app.openapi, settings)  # type: ignore[method-assign]
     app.state.service = service
     install_error_handlers(app)
     app.include_router(documents.router)

@@ -1,9 +1,7 @@
-"""What route handlers depend on: the running service's objects, and the API-key check."""
+"""What route handlers depend on: the running service's objects, the caller (tenant) and its documents."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,6 +11,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from .errors import ServiceError
 from .registry import DocumentRecord, Registry
 from .settings import Settings
+from .tenants import Principal
 
 if TYPE_CHECKING:
     from ..engine import InfoKVEngine
@@ -37,47 +36,70 @@ def get_service(request: Request) -> Service:
 
 ServiceDep = Annotated[Service, Depends(get_service)]
 
-# Declared as security schemes so that the OpenAPI schema documents both ways to send a key.
+# Declared as security schemes so that the OpenAPI schema documents both ways to send a key. The check
+# itself reads the raw headers: a credential the schemes would ignore (e.g. `Authorization: Basic ...`)
+# must still be refused, not skipped.
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <API key>")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="X-API-Key: <API key>")
 
-
-def key_matches(candidate: str, keys: tuple[str, ...]) -> bool:
-    """Constant-time comparison against every configured key (no early exit, no length leak).
-
-    Both sides are hashed first so that `hmac.compare_digest` always compares equal-length digests.
-    """
-    given = hashlib.sha256(candidate.encode("utf-8", "surrogatepass")).digest()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, hashlib.sha256(key.encode("utf-8")).digest())
-    return matched
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="infokv-rag"'}
+_ANONYMOUS = Principal(None, admin=True)
+"""An open service (INFOKV_ALLOW_ANONYMOUS) has no tenants: its one caller sees everything."""
 
 
-async def require_api_key(
+def _unauthorized(code: str, message: str) -> ServiceError:
+    return ServiceError(401, code, message, headers=_CHALLENGE)
+
+
+def presented_keys(request: Request) -> list[str]:
+    """Every credential the request presents, whichever header carries it (empty values included)."""
+    keys = []
+    authorization = request.headers.get("authorization")
+    if authorization is not None:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized("invalid_api_key", "the Authorization header must be 'Bearer <API key>'")
+        keys.append(token.strip())
+    keys.extend(request.headers.getlist("x-api-key"))
+    return keys
+
+
+async def authenticate(
+    request: Request,
     service: ServiceDep,
-    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-    header: Annotated[str | None, Security(_header)],
-) -> None:
-    settings = service.settings
-    if not settings.auth_required:  # anonymous access was enabled explicitly (Settings.check_startable)
-        return
-    candidate = header if header else (bearer.credentials if bearer else None)
-    challenge = {"WWW-Authenticate": 'Bearer realm="infokv-rag"'}
-    if not candidate:
-        raise ServiceError(
-            401,
-            "missing_api_key",
-            "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
-            headers=challenge,
+    _bearer_scheme: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    _header_scheme: Annotated[str | None, Security(_header)],
+) -> Principal:
+    """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
+    keyring = service.settings.keyring
+    if not keyring:  # anonymous access was enabled explicitly (Settings.check_startable)
+        return _ANONYMOUS
+    keys = presented_keys(request)
+    if not keys:
+        raise _unauthorized(
+            "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
         )
-    if not key_matches(candidate, settings.api_keys):
-        raise ServiceError(401, "invalid_api_key", "the API key is not valid", headers=challenge)
+    found = [keyring.find(key) for key in keys]
+    if any(credential is None for credential in found):
+        raise _unauthorized("invalid_api_key", "the API key is not valid")
+    principals = {credential.principal for credential in found if credential is not None}
+    if len(principals) > 1:
+        raise _unauthorized("conflicting_api_keys", "the request carries API keys of different tenants or roles; "
+                            "send one key")
+    return principals.pop()
 
 
-def find_document(service: Service, document_id: str) -> DocumentRecord:
-    """The document's record, or 404 (also for ids that are not well-formed: they cannot exist)."""
+CallerDep = Annotated[Principal, Depends(authenticate)]
+
+
+def find_document(service: Service, caller: Principal, document_id: str) -> DocumentRecord:
+    """The caller's document, or 404: for ids that are unknown, not well-formed (they cannot exist) or
+    another tenant's (exactly the same answer, so ids cannot be probed across tenants)."""
     record = service.registry.get(document_id)
-    if record is None:
+    if record is None or not caller.may_see(record.owner):
         raise ServiceError(404, "document_not_found", "no document with this id; list yours with GET /v1/documents")
     return record
+
+
+def visible_documents(service: Service, caller: Principal) -> list[DocumentRecord]:
+    return [record for record in service.registry.list() if caller.may_see(record.owner)]

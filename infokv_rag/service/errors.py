@@ -31,6 +31,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "overloaded_error",
+    507: "storage_error",
 }
 
 
@@ -46,6 +47,20 @@ class ServiceError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.code, self.message)
+
+
+class StorageError(ServiceError):
+    """The server's disk refused a write or a removal (HTTP 507 `storage_error`).
+
+    The message names the action and the operating system's reason (no space, read-only, permission),
+    never a server path.
+    """
+
+    def __init__(self, action: str, exc: OSError, consequence: str | None = None) -> None:
+        reason = exc.strerror or type(exc).__name__
+        message = f"the server could not {action}: {reason}"
+        message += f"; {consequence}" if consequence else "; nothing was kept. Retry later, or tell the operator"
+        super().__init__(507, "storage_error", message)
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:

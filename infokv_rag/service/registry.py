@@ -1,21 +1,29 @@
 """Documents and their caches, persisted under the data directory.
 
 Layout (one directory per document; nothing else is ever derived from client input):
-  <data_dir>/documents/<id>/meta.json   status, file name, config, counts (written atomically)
+  <data_dir>/.lock                      held (flock) by the one server process that owns the directory
+  <data_dir>/documents/<id>/meta.json   owner, status, file name, config, counts (written atomically)
   <data_dir>/documents/<id>/document.json  the extracted text and page map (to rebuild a lost or stale cache)
   <data_dir>/documents/<id>/cache/      the verified compressed cache (`infokv_rag.store`)
+  <data_dir>/documents/.deleting-<id>/  a document being deleted (renamed in one step; meta.json goes last)
   <data_dir>/uploads/                   staging area of uploads being received
 
 Ids come from `secrets.token_urlsafe` and are checked against `ID_PATTERN` before any filesystem use,
-so a client can neither guess another team's ids nor smuggle a path in. After a restart, ready documents
+so a client can neither guess another tenant's ids nor smuggle a path in. After a restart, ready documents
 are answered from their saved caches (loaded lazily, verified, no prefill); documents whose ingestion was
-interrupted are read again from their saved source.
+interrupted are read again from their saved source; deletions that were interrupted are finished.
+
+Storage failures are never hidden: a write that fails raises `StorageError` (HTTP 507), and a delete
+reports success only once the files are gone.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -27,8 +35,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..documents import Document
+from ..errors import ConfigError
 from ..files import write_atomic
 from ..loaded import LoadOnceCache
+from .errors import StorageError
 
 if TYPE_CHECKING:
     from ..document import CompressedDocument
@@ -41,6 +51,9 @@ ID_PATTERN = re.compile(r"^doc_[A-Za-z0-9_-]{22}$")
 META = "meta.json"
 DOCUMENT = "document.json"
 CACHE = "cache"
+DELETING = ".deleting-"
+LOCK = ".lock"
+DELETE_INCOMPLETE = "delete_incomplete"
 
 Status = Literal["queued", "processing", "ready", "failed"]
 
@@ -60,6 +73,8 @@ class DocumentRecord:
     id: str
     filename: str
     status: Status
+    owner: str | None
+    """The tenant that uploaded it; None for documents persisted before tenants (visible to admins only)."""
     method: str
     keep: float | int
     created_at: float
@@ -75,16 +90,21 @@ class DocumentRecord:
     prefill_seconds: float | None = None
     reason: str | None = None
     reason_code: str | None = None
+    sha256: str | None = None
+    """Of the uploaded file: with `share_caches`, identical uploads reuse one prefill."""
     # In memory only
     progress_done: int = 0
     progress_total: int = 0
     cache_origin: str | None = None
     """'prefill' (read in this process) or 'disk' (loaded from the saved cache); None while not loaded."""
     deleted: bool = False
+    """Its directory is gone or retired for deletion: nothing may write for it any more."""
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     PERSISTED = (
         "id",
+        "owner",
+        "sha256",
         "filename",
         "status",
         "method",
@@ -109,7 +129,58 @@ class DocumentRecord:
 
     @classmethod
     def from_meta(cls, data: dict[str, Any]) -> DocumentRecord:
-        return cls(**{name: data[name] for name in cls.PERSISTED if name in data})
+        # meta.json of a version without tenants has no "owner": such documents belong to no tenant.
+        values = {name: data[name] for name in cls.PERSISTED if name in data}
+        values.setdefault("owner", None)
+        return cls(**values)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _remove_tree(directory: Path) -> None:
+    """Removes `directory`, its meta.json last, so that a partial removal still says whose files remain.
+
+    Raises the first OSError after removing everything it can; a missing directory is already removed.
+    """
+    if not directory.exists():
+        return
+    failures: list[OSError] = []
+
+    def collect(_function: object, _path: str, info: tuple[type[BaseException], BaseException, object]) -> None:
+        exc = info[1]
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+            failures.append(exc)
+
+    for entry in directory.iterdir():
+        if entry.name == META:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, onerror=collect)  # onexc needs Python 3.12
+        else:
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                failures.append(exc)
+    if failures:
+        raise failures[0]
+    (directory / META).unlink(missing_ok=True)
+    directory.rmdir()
+
+
+def _remove_temporaries(directory: Path) -> None:
+    """Temporary files and cache staging directories that a killed process left in a document directory."""
+    for leftover in directory.glob(".*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 class Registry:
@@ -122,7 +193,49 @@ class Registry:
         self._lock = threading.Lock()
         self._records: dict[str, DocumentRecord] = {}
         self._loaded: LoadOnceCache[str, CompressedDocument] = LoadOnceCache(loaded_documents, self._forget_origin)
-        self.counters = {"cache_loads": 0}
+        self._lock_file: int | None = None
+        self.counters = {"cache_loads": 0, "cache_shares": 0}
+
+    # Start-up ------------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Refuses (ConfigError naming the path and the reason) a data directory this process cannot own.
+
+        Creates the layout, proves that files can be written, synced, renamed and removed in it, and takes
+        its lock, so that two servers never share one directory.
+        """
+        step, path = "create", self.data_dir
+        try:
+            for path in (self.data_dir, self.documents_dir, self.uploads_dir):
+                step = "create"
+                path.mkdir(parents=True, exist_ok=True)
+                step = "write a file in"
+                probe = path / f".write-probe-{os.getpid()}"
+                write_atomic(probe, b"probe")
+                step = "remove a file from"
+                probe.unlink()
+            path, step = self.data_dir / LOCK, "lock"
+            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(handle)
+                raise
+        except OSError as exc:
+            if step == "lock" and exc.errno in (errno.EAGAIN, errno.EACCES):
+                reason = "another server process is using it"
+            else:
+                reason = exc.strerror or str(exc)
+            raise ConfigError(
+                f"the data directory {self.data_dir} is not usable: cannot {step} {path} ({reason}); "
+                "fix its permissions or free space, or choose another with --data-dir / INFOKV_DATA_DIR"
+            ) from None
+        self._lock_file = handle
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            os.close(self._lock_file)  # closing the descriptor releases the flock
+            self._lock_file = None
 
     # Files ---------------------------------------------------------------------------------------
 
@@ -148,21 +261,25 @@ class Registry:
     # Records -------------------------------------------------------------------------------------
 
     def open(self) -> list[DocumentRecord]:
-        """Reads the data directory; returns the documents whose ingestion must (re)start."""
+        """Reads the data directory; returns the documents whose ingestion must (re)start.
+
+        Whatever a killed process left half-done is settled first: half-received uploads and temporary
+        files are removed, interrupted deletions are finished (or shown as `delete_incomplete`).
+        """
         self.documents_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.uploads_dir, ignore_errors=True)  # half-received uploads of a previous run
+        for leftover in self.uploads_dir.glob("upload-*"):
+            shutil.rmtree(leftover, ignore_errors=True)  # half-received uploads of a previous run
         pending: list[DocumentRecord] = []
         for directory in sorted(self.documents_dir.iterdir()):
+            if directory.name.startswith(DELETING):
+                self._finish_interrupted_delete(directory)
+                continue
             if not directory.is_dir() or not valid_document_id(directory.name):
                 continue
-            try:
-                data = json.loads((directory / META).read_text(encoding="utf-8"))
-                record = DocumentRecord.from_meta(data)
-                if record.id != directory.name:
-                    raise ValueError("id does not match its directory")
-            except (OSError, ValueError, TypeError, KeyError) as exc:
-                log.warning("skipping %s: unreadable %s (%s)", directory, META, exc)
+            record = self._read_meta(directory, directory.name)
+            if record is None:
                 continue
+            _remove_temporaries(directory)
             self._records[record.id] = record
             if record.status in ("queued", "processing"):
                 if (directory / DOCUMENT).is_file():
@@ -173,12 +290,44 @@ class Registry:
         pending.sort(key=lambda r: r.created_at)
         return pending
 
+    @staticmethod
+    def _read_meta(directory: Path, doc_id: str) -> DocumentRecord | None:
+        try:
+            data = json.loads((directory / META).read_text(encoding="utf-8"))
+            record = DocumentRecord.from_meta(data)
+            if record.id != doc_id:
+                raise ValueError("id does not match its directory")
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.warning("skipping %s: unreadable %s (%s)", directory, META, exc)
+            return None
+        return record
+
+    def _finish_interrupted_delete(self, trash: Path) -> None:
+        doc_id = trash.name.removeprefix(DELETING)
+        if not valid_document_id(doc_id):
+            return
+        try:
+            _remove_tree(trash)
+            return
+        except OSError as exc:
+            failure = exc
+        record = self._read_meta(trash, doc_id)
+        if record is not None:  # still there, and the meta file says whose: keep it visible
+            record.deleted = True
+            self._mark_delete_incomplete(record, failure)
+            self._records[record.id] = record
+
     def create(self, record: DocumentRecord, document: Document) -> None:
+        """Persists a new upload (its text, then its meta file); StorageError leaves nothing behind."""
         directory = self.directory(record.id)
-        directory.mkdir(parents=True)
         body = {"text": document.text, **document.layout()}
-        write_atomic(directory / DOCUMENT, json.dumps(body).encode("utf-8"))
-        self._write_meta(record)
+        try:
+            directory.mkdir(parents=True)
+            write_atomic(directory / DOCUMENT, json.dumps(body).encode("utf-8"))
+            self._write_meta(record)
+        except OSError as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise StorageError("save the upload", exc) from exc
         with self._lock:
             self._records[record.id] = record
 
@@ -205,22 +354,34 @@ class Registry:
         return counts
 
     def update(self, record: DocumentRecord, **changes: Any) -> bool:
-        """Changes and persists a record; False when it was deleted meanwhile."""
+        """Changes and persists a record; False when it was deleted meanwhile. StorageError when the meta
+        file cannot be written (the change then holds in memory only)."""
         with record.io_lock:
             if record.deleted:
                 return False
             for name, value in changes.items():
                 setattr(record, name, value)
             record.updated_at = time.time()
-            self._write_meta(record)
+            try:
+                self._write_meta(record)
+            except OSError as exc:
+                raise StorageError("save the document's status", exc) from exc
             return True
 
     def fail(self, record: DocumentRecord, code: str, reason: str) -> None:
-        self.update(record, status="failed", reason=reason, reason_code=code)
+        try:
+            self.update(record, status="failed", reason=reason, reason_code=code)
+        except StorageError:
+            # The failure stands in memory; after a restart the meta file still says queued or processing,
+            # and the document is read again.
+            log.exception("could not persist the failure of %s", record.id)
         self.forget_loaded(record.id)
 
     def finish(self, record: DocumentRecord, document: CompressedDocument) -> bool:
-        """Saves a freshly read document's cache and marks it ready; False when it was deleted meanwhile."""
+        """Saves a freshly read document's cache and marks it ready; False when it was deleted meanwhile.
+
+        Raises `CacheStoreError` or `StorageError` when the cache or the meta file cannot be written.
+        """
         with record.io_lock:
             if record.deleted:
                 return False
@@ -236,20 +397,84 @@ class Registry:
             record.prefill_seconds = round(stats.prefill_seconds + stats.scoring_seconds + stats.compression_seconds, 3)
             record.progress_done = record.progress_total = stats.document_tokens
             record.updated_at = time.time()
-            self._write_meta(record)
+            try:
+                self._write_meta(record)
+            except OSError as exc:
+                raise StorageError("save the document's status", exc) from exc
         self.remember_loaded(record, document, "prefill")
         return True
 
-    def delete(self, doc_id: str) -> DocumentRecord | None:
+    def share(self, record: DocumentRecord) -> bool:
+        """Gives `record` a copy of an identical ready document's cache (`share_caches`); False when none.
+
+        The files are hard links where the filesystem allows (the cache is never modified in place: a
+        new save replaces the directory), so sharing costs no space.
+        """
+        donor = next((other for other in self.list() if other is not record and other.status == "ready"
+                      and other.sha256 == record.sha256 and other.method == record.method
+                      and other.keep == record.keep), None)
+        if donor is None or record.sha256 is None:
+            return False
+        with donor.io_lock, record.io_lock:
+            if donor.deleted or record.deleted:
+                return False
+            staging = Path(tempfile.mkdtemp(prefix=".cache.sharing-", dir=self.directory(record.id)))
+            try:
+                shutil.copytree(self.cache_path(donor.id), staging / CACHE, copy_function=_link_or_copy)
+                os.replace(staging / CACHE, self.cache_path(record.id))
+            except OSError as exc:
+                raise StorageError("copy a shared cache", exc) from exc
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            for name in ("tokens", "kept_tokens", "cache_bytes", "full_cache_bytes", "compression_ratio"):
+                setattr(record, name, getattr(donor, name))
+            record.status, record.prefill_seconds = "ready", 0.0
+            record.progress_done = record.progress_total = record.tokens
+            record.updated_at = time.time()
+            try:
+                self._write_meta(record)
+            except OSError as exc:
+                raise StorageError("save the document's status", exc) from exc
         with self._lock:
-            record = self._records.pop(doc_id, None) if valid_document_id(doc_id) else None
-        self._loaded.pop(doc_id)
-        if record is None:
-            return None
+            self.counters["cache_shares"] += 1
+        return True
+
+    def delete(self, record: DocumentRecord) -> None:
+        """Removes the document's files; returns only once they are gone.
+
+        The directory is first renamed aside (one atomic step), then emptied with meta.json last. When the
+        rename fails, nothing changed and the document stays as it was. When removing fails later, the
+        document stays listed as failed with reason_code `delete_incomplete` (DELETE again to retry; a
+        restart retries too). Either way a `StorageError` says what failed.
+        """
+        trash = self.documents_dir / f"{DELETING}{record.id}"
         with record.io_lock:  # waits for a cache being saved right now
-            record.deleted = True
-            shutil.rmtree(self.directory(doc_id), ignore_errors=True)
-        return record
+            if not record.deleted:
+                try:
+                    os.rename(self.directory(record.id), trash)
+                except FileNotFoundError:
+                    pass  # nothing on disk (e.g. removed by hand): only the record is left to drop
+                except OSError as exc:
+                    raise StorageError("delete the document", exc, "the document is unchanged") from exc
+                record.deleted = True
+            self.forget_loaded(record.id)
+            try:
+                _remove_tree(trash)
+            except OSError as exc:
+                self._mark_delete_incomplete(record, exc)
+                raise StorageError("remove all of the document's files", exc,
+                                   "it is listed as failed (delete_incomplete); send DELETE again") from exc
+        with self._lock:
+            self._records.pop(record.id, None)
+
+    @staticmethod
+    def _mark_delete_incomplete(record: DocumentRecord, exc: OSError) -> None:
+        # In memory only: the document's files now lie under .deleting-<id>, which says the same on restart.
+        record.status = "failed"
+        record.reason_code = DELETE_INCOMPLETE
+        record.reason = (f"deleting this document did not finish ({exc.strerror or exc}); some of its files "
+                         "remain: send DELETE again")
+        record.cache_origin = None
 
     # Caches in memory ----------------------------------------------------------------------------
 
@@ -259,6 +484,8 @@ class Registry:
                 return
             record.cache_origin = origin
         self._loaded.put(record.id, document)
+        if record.deleted:  # deleted meanwhile: not kept in memory
+            self.forget_loaded(record.id)
 
     def _forget_origin(self, doc_id: str) -> None:
         with self._lock:
@@ -286,4 +513,7 @@ class Registry:
                 record.cache_origin = "disk"
             return document
 
-        return self._loaded.get_or_load(record.id, from_disk)
+        document = self._loaded.get_or_load(record.id, from_disk)
+        if record.deleted:  # deleted while it loaded: answers what was asked, but is not kept in memory
+            self.forget_loaded(record.id)
+        return document

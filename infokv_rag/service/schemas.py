@@ -1,12 +1,35 @@
-"""Request and response bodies (they make the OpenAPI schema)."""
+"""Request and response bodies (they make the OpenAPI schema).
+
+Every numeric field has bounds here, so that out-of-range input is refused by validation (422) before
+any code can overflow on it. Limits that depend on the server's settings (max_tokens, question length,
+upload size) are written into the schema by `openapi.apply_limits`.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ..scorers import method_names
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""Seeds are 64-bit integers (what the sampler's generator takes)."""
+MAX_TOKENS_CAP = 1 << 20
+"""Hard bound of max_tokens in validation; the schema shows the server's own, lower limit."""
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+MAX_MESSAGES = 256
+FORM_FIELD_BYTES = 4096
+"""Largest multipart field of an upload other than the file."""
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Method = Literal[method_names()]  # type: ignore[valid-type]  # the registry's names, known only at run time
 
 # Errors ------------------------------------------------------------------------------------------
 
@@ -24,13 +47,15 @@ class ErrorResponse(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Invalid request (e.g. the question does not fit the model's context window)",
-        401: "Missing or invalid API key",
+        401: "Missing, invalid or conflicting API key (every key presented must be valid)",
         404: "No such document",
         409: "The document is not ready (still being read, or failed)",
         413: "Upload, page count, document or question too large",
         415: "Not a PDF or text file",
         422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
-        503: "Busy: too many queued requests; retry later",
+        503: "Busy: too many queued requests; retry later (see Retry-After)",
+        507: "The server's storage refused a write or a removal (`storage_error`); the message says what "
+             "was kept",
     }
     return {code: {"model": ErrorResponse, "description": descriptions[code]} for code in codes}
 
@@ -39,7 +64,7 @@ def answer_responses(description: str) -> dict[int | str, dict[str, Any]]:
     """Responses of an endpoint that answers as JSON, or as Server-Sent Events (`description`) with
     `stream: true`; answering fails the same ways on every such endpoint."""
     return {
-        **error_responses(400, 401, 404, 409, 413, 422, 503),
+        **error_responses(400, 401, 404, 409, 413, 422, 503, 507),
         200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     }
 
@@ -58,11 +83,14 @@ class Progress(BaseModel):
 class DocumentInfo(BaseModel):
     id: str
     object: Literal["document"] = "document"
+    owner: str | None = Field(description="The tenant that uploaded it (None: uploaded before tenants existed, "
+                              "or to an open service).")
     filename: str
     status: DocumentStatus
     progress: Progress | None = Field(None, description="Prefill progress while processing (and once ready).")
     reason: str | None = Field(None, description="Why reading the document failed (status failed).")
-    reason_code: str | None = None
+    reason_code: str | None = Field(None, description="Machine-readable cause of `failed`, e.g. no_text, "
+                                    "storage_error, delete_incomplete (a DELETE that must be sent again).")
     created_at: int
     updated_at: int
     method: str
@@ -97,14 +125,15 @@ class DocumentDeleted(BaseModel):
 class UploadForm(BaseModel):
     """The multipart/form-data body of an upload (documented here; parsed by hand after the API-key check)."""
 
-    file: bytes = Field(
-        description="The document: a PDF, or UTF-8/Latin-1 text or markdown.", json_schema_extra={"format": "binary"}
-    )
-    method: str | None = Field(
-        None, description=f"Compression method ({', '.join(method_names())}). Default: the server's."
-    )
-    keep: str | None = Field(None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512.")
-    password: str | None = Field(None, description="Password of an encrypted PDF.")
+    file: bytes = Field(description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
+                        "Western single-byte, or a detected legacy encoding such as GB18030).",
+                        json_schema_extra={"format": "binary"})
+    method: Method | None = Field(None, description="Compression method. Default: the server's.")
+    keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
+        None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count).")
+    # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
+    password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(
+        None, description="Password of an encrypted PDF.")
 
 
 # Asking ------------------------------------------------------------------------------------------
@@ -114,17 +143,14 @@ class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     question: str = Field(min_length=1, description="The question (length limited by the server).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (limited by the server).")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy (deterministic).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
-    seed: int | None = Field(None, description="Seed for sampling (temperature > 0).")
-    stream: bool = Field(
-        False,
-        description="Stream the answer as Server-Sent Events: `token` events "
-        '({"text": ...}), then one `done` event (the full answer, as without streaming), '
-        "or an `error` event.",
-    )
+    max_tokens: MaxTokens | None = Field(None, description="Most tokens to generate (limited by the server).")
+    temperature: Temperature = Field(0.0, description="0 is greedy (deterministic).")
+    top_p: TopP = 1.0
+    stop: Stop = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters.")
+    seed: Seed | None = Field(None, description="Seed for sampling (temperature > 0), a 64-bit integer.")
+    stream: bool = Field(False, description="Stream the answer as Server-Sent Events: `token` events "
+                         "({\"text\": ...}), then one `done` event (the full answer, as without streaming), "
+                         "or an `error` event.")
 
 
 class AskUsage(BaseModel):
@@ -183,15 +209,15 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    document_id: str = Field(description="The document the conversation is about (extension field).")
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: str = Field(max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    document_id: str = Field(max_length=64, description="The document the conversation is about (extension field).")
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: Stop = None
+    seed: Seed | None = None
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None

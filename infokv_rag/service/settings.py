@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import DEFAULT_METHOD
 from ..errors import ConfigError
+from .tenants import KeyRing, read_keys_file, split_entries
 
 ENV_PREFIX = "INFOKV_"
 
@@ -26,17 +27,27 @@ def default_data_dir() -> Path:
 class Settings:
     """Everything the service can be configured with; `from_env` reads `INFOKV_<FIELD>` variables.
 
-    Authentication: requests to /v1 need one of `api_keys` (Bearer token or X-API-Key header). With no
-    keys the service refuses to start unless `allow_anonymous` is set explicitly.
+    Authentication: requests to /v1 need one of the configured keys (Bearer token or X-API-Key header):
+    `api_keys` and `admin_keys` are entries `tenant:key` or bare keys (see `tenants`), `keys_file` a file of
+    them. With no keys the service refuses to start unless `allow_anonymous` is set explicitly.
     """
 
     model: str = "default"
     data_dir: Path = field(default_factory=default_data_dir)
     device: str | None = None
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    """Keys whose callers see every tenant's documents, and those persisted before tenants existed."""
+    keys_file: Path | None = None
     allow_anonymous: bool = False
+    share_caches: bool = False
+    """Serve an upload from an identical ready upload's cache (same file, method and keep), whichever tenant
+    made it. Off by default: sharing saves a prefill but tells a tenant, by its speed, that someone else
+    uploaded the same file."""
     # Limits
     max_upload_bytes: int = 32 * 1024 * 1024
+    max_document_chars: int = 2_000_000
+    """Characters of extracted text, checked before any tokenization (the token limit is the context window)."""
     max_pages: int = 1000
     max_question_chars: int = 4000
     max_new_tokens: int = 1024
@@ -59,16 +70,20 @@ class Settings:
     default_method: str = DEFAULT_METHOD
     default_keep: float | int = 0.25
 
+    keyring: KeyRing = field(init=False, repr=False, compare=False)
+    """Every credential of `api_keys`, `admin_keys` and `keys_file`, validated."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
-        keys = tuple(k.strip() for k in self.api_keys if k and k.strip())
-        object.__setattr__(self, "api_keys", keys)
-        for key in keys:
-            if len(key) < 8:
-                raise ConfigError(
-                    "API keys must be at least 8 characters long; generate one with "
-                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
-                )
+        for name in ("api_keys", "admin_keys"):
+            object.__setattr__(self, name, tuple(k.strip() for k in getattr(self, name) if k and k.strip()))
+        keys, admins = list(self.api_keys), list(self.admin_keys)
+        if self.keys_file is not None:
+            object.__setattr__(self, "keys_file", Path(self.keys_file).expanduser())
+            from_file, admins_from_file = read_keys_file(self.keys_file)
+            keys += from_file
+            admins += admins_from_file
+        object.__setattr__(self, "keyring", KeyRing.from_entries(keys, admins))
         for name in _INT_FIELDS:  # every count is positive
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -77,13 +92,14 @@ class Settings:
 
     @property
     def auth_required(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.keyring)
 
     def check_startable(self) -> None:
         """Refuses an unprotected service unless anonymous access was asked for explicitly."""
-        if not self.api_keys and not self.allow_anonymous:
+        if not self.keyring and not self.allow_anonymous:
             raise ConfigError(
-                "refusing to start without API keys: set INFOKV_API_KEYS=key1,key2 (clients send "
+                "refusing to start without API keys: set INFOKV_API_KEYS=tenantA:key1,tenantB:key2 or "
+                "INFOKV_KEYS_FILE (clients send "
                 "'Authorization: Bearer <key>' or 'X-API-Key: <key>'), or set INFOKV_ALLOW_ANONYMOUS=1 "
                 "to run an open service on a trusted network"
             )
@@ -94,6 +110,8 @@ class Settings:
         environ = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         for f in fields(cls):
+            if not f.init:
+                continue
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is None:
                 continue
@@ -107,6 +125,7 @@ class Settings:
 
 _INT_FIELDS = (
     "max_upload_bytes",
+    "max_document_chars",
     "max_pages",
     "max_question_chars",
     "max_new_tokens",
@@ -122,9 +141,11 @@ _INT_FIELDS = (
 
 def _parse(name: str, raw: str) -> Any:
     variable = ENV_PREFIX + name.upper()
-    if name == "api_keys":
-        return tuple(k for k in raw.split(",") if k.strip())
-    if name in ("allow_anonymous", "warmup"):
+    if name in ("api_keys", "admin_keys"):
+        return tuple(split_entries(raw))
+    if name == "keys_file":
+        return Path(raw) if raw.strip() else None
+    if name in ("allow_anonymous", "warmup", "share_caches"):
         value = raw.strip().lower()
         if value in _TRUE:
             return True

@@ -1,4 +1,9 @@
-"""Receiving an upload: bounded reading, checks before any model work, client-safe error messages."""
+"""Receiving an upload: bounded reading, checks before any model work, client-safe error messages.
+
+Work on an upload is bounded before it is refused: bytes while receiving (`max_upload_bytes`), pages
+before extraction (`max_pages`), characters before tokenization (`max_document_chars`), and tokenization
+itself stops as soon as the text has passed the model's context window.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from starlette.datastructures import UploadFile
 
 from ..config import CompressionConfig
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
-from .errors import ServiceError, from_core
+from .errors import ServiceError, StorageError, from_core
+from .schemas import FORM_FIELD_BYTES
 from .settings import Settings, parse_keep
 
 if TYPE_CHECKING:
@@ -24,6 +30,9 @@ if TYPE_CHECKING:
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
 _FIELDS = ("method", "keep", "password")
+
+TOKENIZE_PIECE_CHARS = 16_384
+"""Text is tokenized in pieces of about this many characters, so that counting stops early."""
 
 
 def display_name(raw: str | None) -> str:
@@ -49,16 +58,17 @@ class StagedUpload:
 
 def _copy_limited(source: IO[bytes], target: Path, limit: int) -> int:
     size = 0
-    with open(target, "wb") as out:
-        while block := source.read(1 << 20):
-            size += len(block)
-            if size > limit:
-                raise ServiceError(
-                    413,
-                    "file_too_large",
-                    f"the upload is larger than the server's limit of {_mib(limit)}",
-                )
-            out.write(block)
+    try:
+        with open(target, "wb") as out:
+            while block := source.read(1 << 20):
+                size += len(block)
+                if size > limit:
+                    raise ServiceError(
+                        413, "file_too_large", f"the upload is larger than the server's limit of {_mib(limit)}",
+                    )
+                out.write(block)
+    except OSError as exc:
+        raise StorageError("store the upload while receiving it", exc) from exc
     return size
 
 
@@ -77,7 +87,7 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             "(e.g. curl -F file=@contract.pdf ...)",
         )
     try:
-        form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=4096)
+        form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=FORM_FIELD_BYTES)
     except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
         form = await request.form(max_files=1, max_fields=len(_FIELDS))
     try:
@@ -91,7 +101,10 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
                 raise ServiceError(422, "invalid_field", f"the field '{name}' must be text, not a file")
             fields[name] = value.strip() if isinstance(value, str) and name != "password" else value
         name = display_name(upload.filename)
-        directory = registry.staging_dir()
+        try:
+            directory = registry.staging_dir()
+        except OSError as exc:
+            raise StorageError("store the upload while receiving it", exc) from exc
         path = directory / name
         try:
             size = await run_in_threadpool(_copy_limited, upload.file, path, settings.max_upload_bytes)
@@ -159,15 +172,44 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
     if total_pages > settings.max_pages:
         raise _too_many_pages(total_pages, settings)
     document = replace(document, source=staged.name)
-    tokens = len(engine.prompt.document_ids(document.text))
-    if tokens > engine.max_document_tokens:
+    if len(document.text) > settings.max_document_chars:
         raise ServiceError(
-            413,
-            "document_too_long",
-            f"{staged.name} is {tokens} tokens, more than the model's context window of {engine.context_window} "
-            "tokens (questions need room too); split the document",
+            413, "too_many_characters", f"{staged.name} holds {len(document.text)} characters of text; this server "
+            f"reads at most {settings.max_document_chars}; split the document",
+        )
+    limit = engine.max_document_tokens
+    tokens = count_document_tokens(engine, document.text, limit)
+    if tokens > limit:
+        raise ServiceError(
+            413, "document_too_long",
+            f"{staged.name} is more than {limit} tokens: it does not fit the model's context window of "
+            f"{engine.context_window} tokens (questions need room too); split the document",
         )
     return document, tokens
+
+
+def count_document_tokens(engine: InfoKVEngine, text: str, limit: int) -> int:
+    """The exact token count of `text` as a document prefix when it is at most `limit`; otherwise a count
+    above `limit`, found after tokenizing about `limit` tokens of the text, never all of a huge one.
+
+    Pieces are cut at whitespace, where a cut changes the count by a couple of tokens at most; counting
+    stops only once the sum passes `limit` by more than the cuts could explain.
+    """
+    tokenizer = engine.prompt.tokenizer
+    body = text.strip()
+    counted = engine.prompt.head_tokens
+    start = pieces = 0
+    while start < len(body):
+        end = min(len(body), start + TOKENIZE_PIECE_CHARS)
+        if end < len(body):
+            cut = max(body.rfind(" ", start, end), body.rfind("\n", start, end))
+            end = cut if cut > start else end
+        counted += len(tokenizer(body[start:end], add_special_tokens=False)["input_ids"])
+        pieces += 1
+        if counted > limit + 2 * pieces:
+            return counted
+        start = end
+    return len(engine.prompt.document_ids(text))  # short enough to tokenize whole: the exact count
 
 
 def _client_message(exc: DocumentError, staged: StagedUpload) -> str:

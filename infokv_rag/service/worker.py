@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..config import CompressionConfig
 from ..errors import InfoKVError
+from .errors import StorageError
 from .registry import DocumentRecord, Registry
 from .scheduling import FairLock
 
@@ -310,6 +311,15 @@ class ModelWorker:
         record = job.record
         if job.cancelled.is_set() or record.deleted:
             return
+        try:
+            if self.settings.share_caches and self.registry.share(record):
+                return  # an identical upload's cache serves it: no prefill
+            self._prefill_and_save(job)
+        except StorageError as exc:
+            self.registry.fail(record, exc.code, exc.message)
+
+    def _prefill_and_save(self, job: IngestJob) -> None:
+        record = job.record
         document = job.document
         try:
             if document is None:
@@ -325,6 +335,8 @@ class ModelWorker:
                     raise _Cancelled
 
             compressed = self.engine.ingest_document(document, job.config, progress=progress)
+        except StorageError:
+            raise  # `_ingest` records it as the document's failure
         except _Cancelled:
             self.counters["prefills_cancelled"] += 1
             return  # deleted (its files are gone) or shutting down (read again after the restart)
@@ -344,7 +356,9 @@ class ModelWorker:
         self.counters["prefill_tokens"] += compressed.stats.document_tokens
         try:
             self.registry.finish(record, compressed)
-        except Exception as exc:  # noqa: BLE001
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the cache store wraps the OS error; say what to do
             if record.deleted:
                 return
             log.exception("saving the cache of %s failed", record.id)

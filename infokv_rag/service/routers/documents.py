@@ -21,8 +21,8 @@ from ..answers import (
     sse_events,
     start_answer,
 )
-from ..dependencies import ServiceDep, find_document, require_api_key
-from ..errors import ServiceError
+from ..dependencies import CallerDep, ServiceDep, authenticate, find_document, visible_documents
+from ..errors import ServiceError, StorageError
 from ..registry import DocumentRecord, new_document_id
 from ..schemas import (
     AskRequest,
@@ -39,7 +39,7 @@ from ..schemas import (
 from ..uploads import compression_config, parse_upload, receive_upload
 from ..worker import GenerationJob, IngestJob, QueueFull
 
-router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(authenticate)])
 
 
 def document_info(record: DocumentRecord) -> DocumentInfo:
@@ -51,6 +51,7 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
         )
     return DocumentInfo(
         id=record.id,
+        owner=record.owner,
         filename=record.filename,
         status=record.status,
         progress=progress,
@@ -84,11 +85,13 @@ _UPLOAD_BODY = {
     status_code=202,
     response_model=DocumentInfo,
     summary="Upload a document (PDF or text); it is read and compressed in the background",
-    responses=error_responses(401, 413, 415, 422, 503),
+    responses=error_responses(401, 413, 415, 422, 503, 507),
     openapi_extra={"requestBody": _UPLOAD_BODY},
 )
-async def upload_document(request: Request, response: Response, service: ServiceDep) -> DocumentInfo:
-    """Returns 202 with the document's id at once; poll `GET /v1/documents/{id}` until `ready`."""
+async def upload_document(request: Request, response: Response, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
+    """Returns 202 with the document's id at once; poll `GET /v1/documents/{id}` until `ready`.
+
+    The document belongs to the caller's tenant: no other tenant can see, ask about or delete it."""
     assert service.engine is not None and service.worker is not None
     settings = service.settings
     staged = await receive_upload(request, service.registry, settings)
@@ -97,16 +100,9 @@ async def upload_document(request: Request, response: Response, service: Service
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
         record = DocumentRecord(
-            id=new_document_id(),
-            filename=staged.name,
-            status="queued",
-            method=config.method,
-            keep=config.keep,
-            created_at=now,
-            updated_at=now,
-            size_bytes=staged.size,
-            pages=len(document.pages),
-            skipped_pages=list(document.skipped_pages),
+            id=new_document_id(), owner=caller.tenant, sha256=document.sha256, filename=staged.name,
+            status="queued", method=config.method, keep=config.keep, created_at=now, updated_at=now,
+            size_bytes=staged.size, pages=len(document.pages), skipped_pages=list(document.skipped_pages),
             tokens=tokens,
         )
         record.progress_total = tokens
@@ -116,17 +112,20 @@ async def upload_document(request: Request, response: Response, service: Service
     try:
         service.worker.submit_ingestion(IngestJob(record, config, document))
     except QueueFull as exc:
-        await run_in_threadpool(service.registry.delete, record.id)
-        raise ServiceError(
-            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "10"}
-        ) from exc
+        try:
+            await run_in_threadpool(service.registry.delete, record)
+        except StorageError:
+            pass  # it stays listed (failed, delete_incomplete): the client can see it and delete it again
+        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
+                           headers={"Retry-After": "10"}) from exc
     response.headers["Location"] = f"/v1/documents/{record.id}"
     return document_info(record)
 
 
-@router.get("/documents", response_model=DocumentList, summary="List documents", responses=error_responses(401))
-async def list_documents(service: ServiceDep) -> DocumentList:
-    return DocumentList(data=[document_info(record) for record in service.registry.list()])
+@router.get("/documents", response_model=DocumentList, summary="List the caller's documents",
+            responses=error_responses(401))
+async def list_documents(service: ServiceDep, caller: CallerDep) -> DocumentList:
+    return DocumentList(data=[document_info(record) for record in visible_documents(service, caller)])
 
 
 @router.get(
@@ -135,21 +134,22 @@ async def list_documents(service: ServiceDep) -> DocumentList:
     summary="A document's status (queued, processing with progress, ready, failed with the reason) and sizes",
     responses=error_responses(401, 404),
 )
-async def get_document(document_id: str, service: ServiceDep) -> DocumentInfo:
-    return document_info(find_document(service, document_id))
+async def get_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
+    return document_info(find_document(service, caller, document_id))
 
 
 @router.delete(
     "/documents/{document_id}",
     response_model=DocumentDeleted,
     summary="Delete a document and its cache (stops reading it if still in progress)",
-    responses=error_responses(401, 404),
+    responses=error_responses(401, 404, 507),
 )
-async def delete_document(document_id: str, service: ServiceDep) -> DocumentDeleted:
-    record = find_document(service, document_id)
+async def delete_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentDeleted:
+    """Answers only once the files are gone; otherwise 507, and the document stays listed (see reason_code)."""
+    record = find_document(service, caller, document_id)
     assert service.worker is not None
     service.worker.cancel_ingestion(record.id)
-    await run_in_threadpool(service.registry.delete, record.id)
+    await run_in_threadpool(service.registry.delete, record)
     return DocumentDeleted(id=record.id)
 
 
@@ -179,8 +179,9 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
         'events ({"text": ...}) then one `done` event (the JSON answer) or an `error` event.'
     ),
 )
-async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
-    record = find_document(service, document_id)
+async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep,  # type: ignore[no-untyped-def]
+              caller: CallerDep):
+    record = find_document(service, caller, document_id)
     check_question(service, len(body.question))
     options = generation_options(service, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
     document = await ready_document(service, record)

@@ -26,7 +26,7 @@ from ..answers import (
     sse_events,
     start_answer,
 )
-from ..dependencies import Service, ServiceDep, find_document, require_api_key
+from ..dependencies import CallerDep, Service, ServiceDep, authenticate, find_document
 from ..errors import ServiceError
 from ..schemas import (
     ChatChoice,
@@ -42,7 +42,7 @@ from ..schemas import (
 )
 from ..worker import GenerationJob
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
 
 CONVERSATION_CHAR_FACTOR = 4
 """A conversation may hold this many times the question limit in characters, over all messages."""
@@ -110,9 +110,10 @@ def _check_model(service: Service, model: str) -> None:
         "`chat.completion.chunk` objects ending in `data: [DONE]`."
     ),
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep):  # type: ignore[no-untyped-def]
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,  # type: ignore[no-untyped-def]
+                           caller: CallerDep):
     _check_model(service, body.model)
-    record = find_document(service, body.document_id)
+    record = find_document(service, caller, body.document_id)
     turns = _turns(body)
     check_question(
         service,

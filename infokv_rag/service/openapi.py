@@ -1,0 +1,55 @@
+"""The OpenAPI schema with this server's own limits written in.
+
+The request models carry hard bounds (see `schemas`); the limits an operator configures (`Settings`) are
+lower, and a generated client or a schema-driven test must see the same limits the server enforces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .schemas import SEED_MAX, SEED_MIN
+from .settings import Settings
+
+Schema = dict[str, Any]
+
+
+def _bound(properties: Schema, name: str, keyword: str, value: int) -> None:
+    """Sets `keyword` on the property's non-null alternatives (an optional field is `anyOf: [T, null]`)."""
+    prop = properties[name]
+    for alternative in prop.get("anyOf", [prop]):
+        if alternative.get("type") != "null":
+            alternative[keyword] = value
+
+
+def apply_limits(schema: Schema, settings: Settings) -> Schema:
+    components = schema["components"]["schemas"]
+    ask = components["AskRequest"]["properties"]
+    _bound(ask, "max_tokens", "maximum", settings.max_new_tokens)
+    _bound(ask, "question", "maxLength", settings.max_question_chars)
+    chat = components["ChatCompletionRequest"]["properties"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        _bound(chat, name, "maximum", settings.max_new_tokens)
+    for properties in (ask, chat):
+        # FastAPI's OpenAPI models hold bounds as floats, which rounds 2**63 - 1 up to 2**63: restore them.
+        _bound(properties, "seed", "minimum", SEED_MIN)
+        _bound(properties, "seed", "maximum", SEED_MAX)
+    upload = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    upload["properties"]["file"]["description"] += (
+        f" At most {settings.max_upload_bytes} bytes, {settings.max_pages} pages and "
+        f"{settings.max_document_chars} characters of text, and it must fit the model's context window."
+    )
+    return schema
+
+
+def openapi_with_limits(generate: Callable[[], Schema], settings: Settings) -> Callable[[], Schema]:
+    """Wraps FastAPI's `app.openapi` (which caches its result): the limits are applied once."""
+    applied: list[Schema] = []
+
+    def openapi() -> Schema:
+        if not applied:
+            applied.append(apply_limits(generate(), settings))
+        return applied[0]
+
+    return openapi

@@ -1,0 +1,86 @@
+"""What the service tests share: error checks, uploads and polling (in-process TestClient or a live httpx
+client: both have the same request methods), and making a directory read-only for real."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+LEAKS = ("Traceback", 'File "', "/tmp/", "/uploads/", "site-packages")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    """A typed JSON error with this status and code, and nothing of the server's insides in it."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["code"] == code, body
+    assert body["error"]["message"] and body["error"]["type"]
+    for leak in LEAKS:
+        assert leak not in response.text, response.text
+    return body["error"]
+
+
+def upload(client: httpx.Client, headers: dict[str, str], name: str, data: bytes, **fields: str) -> httpx.Response:
+    return client.post("/v1/documents", files={"file": (name, data)}, data=fields, headers=headers)
+
+
+def wait_settled(client: httpx.Client, doc_id: str, headers: dict[str, str], timeout: float = 120) -> dict[str, Any]:
+    """The document's info once it is ready or failed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.get(f"/v1/documents/{doc_id}", headers=headers).json()
+        if info.get("status") in ("ready", "failed"):
+            return info
+        assert time.monotonic() < deadline, f"document {doc_id} not settled after {timeout} s: {info}"
+        time.sleep(0.05)
+
+
+def upload_ready(client: httpx.Client, headers: dict[str, str], name: str, data: bytes, **fields: str) -> str:
+    created = upload(client, headers, name, data, **fields)
+    assert created.status_code == 202, created.text
+    info = wait_settled(client, created.json()["id"], headers)
+    assert info["status"] == "ready", info
+    return str(info["id"])
+
+
+def set_read_only(path: Path, read_only: bool = True) -> None:
+    """Makes a directory really read-only (no entry may be created, renamed or removed in it), or undoes it.
+
+    Permissions do not bind root, so as root the directory is made immutable (`chattr +i`) instead; where
+    neither works the test is skipped with the reason.
+    """
+    if os.geteuid() != 0:
+        path.chmod(0o555 if read_only else 0o755)
+        return
+    chattr = shutil.which("chattr")
+    done = chattr is not None and subprocess.run([chattr, "+i" if read_only else "-i", str(path)],
+                                                 capture_output=True).returncode == 0
+    if not done:
+        if read_only:
+            pytest.skip("running as root, and `chattr +i` is not available here: cannot make a directory read-only")
+        raise OSError(f"cannot make {path} writable again")
+
+
+@contextlib.contextmanager
+def read_only(path: Path, already: bool = False) -> Iterator[None]:
+    """Read-only for the `with` block (`already`: it was made read-only before; only undo it after)."""
+    if not already:
+        set_read_only(path)
+    try:
+        yield
+    finally:
+        set_read_only(path, False)

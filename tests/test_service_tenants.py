@@ -1,0 +1,420 @@
+"""Tenants, bounds, credentials and storage truth of the service, in-process on a random 3-layer model.
+
+Each test builds the app with `create_app(settings, engine=random_engine)` and drives it with Starlette's
+TestClient (the lifespan runs: the model worker reads uploads for real, only the model is tiny).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.service.app import create_app  # noqa: E402
+from infokv_rag.service.settings import Settings  # noqa: E402
+from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
+
+from .service_helpers import (  # noqa: E402
+    assert_error,
+    bearer,
+    read_only,
+    set_read_only,
+    upload,
+    upload_ready,
+    wait_settled,
+)
+
+KEY_A1, KEY_A2, KEY_B = "key-tenant-a-0001", "key-tenant-a-0002", "key-tenant-b-0001"
+KEY_BARE, KEY_ADMIN = "key-bare-tenant-01", "key-admin-ops-0001"
+A1, A2, B, BARE, ADMIN = (bearer(k) for k in (KEY_A1, KEY_A2, KEY_B, KEY_BARE, KEY_ADMIN))
+SECRET = b"Memo for tenant A. The vault code is 9988776. The office closes at five."
+OTHER = b"Memo for tenant B. The parking lot opens at seven. Visitors sign in at the desk."
+UNKNOWN = "doc_" + "z" * 22
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def settings_for(data_dir: Path, **overrides: Any) -> Settings:
+    base: dict[str, Any] = dict(
+        api_keys=(f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE),
+        admin_keys=(f"ops:{KEY_ADMIN}",), data_dir=data_dir, model="random", warmup=False,
+        max_new_tokens=8, default_max_tokens=4, default_method="snapkv",
+    )
+    return Settings(**{**base, **overrides})
+
+
+@contextlib.contextmanager
+def running(engine: Any, data_dir: Path, **overrides: Any) -> Iterator[TestClient]:
+    with TestClient(create_app(settings_for(data_dir, **overrides), engine=engine)) as client:
+        yield client
+
+
+@pytest.fixture
+def client(random_engine: Any, tmp_path: Path) -> Iterator[TestClient]:
+    with running(random_engine, tmp_path / "data") as http:
+        yield http
+
+
+def ask(client: TestClient, headers: dict[str, str], doc_id: str, **body: Any) -> Any:
+    return client.post(f"/v1/documents/{doc_id}/ask", json={"question": "What is the code?", "max_tokens": 2, **body},
+                       headers=headers)
+
+
+def ids(client: TestClient, headers: dict[str, str]) -> set[str]:
+    response = client.get("/v1/documents", headers=headers)
+    assert response.status_code == 200, response.text
+    return {d["id"] for d in response.json()["data"]}
+
+
+def _same_answer(first: Any, second: Any) -> None:
+    """Two responses a client cannot tell apart (status, headers that matter, body)."""
+    assert first.status_code == second.status_code
+    assert first.json() == second.json()
+    assert first.headers.get("content-type") == second.headers.get("content-type")
+
+
+# Tenants -----------------------------------------------------------------------------------------
+
+
+def test_tenants_see_only_their_own_documents(client: TestClient) -> None:
+    doc_a = upload_ready(client, A1, "vault.txt", SECRET)
+    doc_b = upload_ready(client, B, "parking.txt", OTHER)
+    assert client.get(f"/v1/documents/{doc_a}", headers=A1).json()["owner"] == "tenantA"
+    assert ids(client, A1) == ids(client, A2) == {doc_a}  # two keys of one tenant
+    assert ids(client, B) == {doc_b}
+    assert ids(client, BARE) == set()  # a bare key is its own tenant
+    assert ids(client, ADMIN) == {doc_a, doc_b}  # an admin key sees every tenant's documents
+    assert client.get(f"/v1/documents/{doc_b}", headers=ADMIN).json()["owner"] == "tenantB"
+    assert ask(client, A2, doc_a).status_code == 200
+
+    # Another tenant's id answers exactly like an unknown id, on every route.
+    chat = {"model": "random", "messages": [{"role": "user", "content": "The code?"}], "max_tokens": 2}
+    for headers in (B, BARE):
+        _same_answer(client.get(f"/v1/documents/{doc_a}", headers=headers),
+                     client.get(f"/v1/documents/{UNKNOWN}", headers=headers))
+        _same_answer(ask(client, headers, doc_a), ask(client, headers, UNKNOWN))
+        _same_answer(client.post("/v1/chat/completions", json={**chat, "document_id": doc_a}, headers=headers),
+                     client.post("/v1/chat/completions", json={**chat, "document_id": UNKNOWN}, headers=headers))
+        _same_answer(client.delete(f"/v1/documents/{doc_a}", headers=headers),
+                     client.delete(f"/v1/documents/{UNKNOWN}", headers=headers))
+        assert_error(client.get(f"/v1/documents/{doc_a}", headers=headers), 404, "document_not_found")
+        listing = client.get("/v1/documents", headers=headers).text
+        assert doc_a not in listing and "9988776" not in listing
+    # The refused deletes changed nothing; the owner deletes it.
+    assert ids(client, A1) == {doc_a} and ask(client, A1, doc_a).status_code == 200
+    assert client.delete(f"/v1/documents/{doc_a}", headers=A2).status_code == 200
+    assert ids(client, ADMIN) == {doc_b}
+
+
+def test_documents_from_before_tenants_belong_to_no_tenant(random_engine: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        legacy = upload_ready(client, A1, "old.txt", SECRET)
+    # What a version without tenants wrote: meta.json has no "owner" (nor "sha256").
+    meta_path = data / "documents" / legacy / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.pop("owner"), meta.pop("sha256")
+    meta_path.write_text(json.dumps(meta))
+    with running(random_engine, data) as client:
+        for headers in (A1, B, BARE):
+            assert ids(client, headers) == set()
+            assert_error(client.get(f"/v1/documents/{legacy}", headers=headers), 404, "document_not_found")
+        info = client.get(f"/v1/documents/{legacy}", headers=ADMIN).json()
+        assert info["owner"] is None and info["status"] == "ready"
+        assert ask(client, ADMIN, legacy).status_code == 200
+        assert client.delete(f"/v1/documents/{legacy}", headers=ADMIN).status_code == 200
+    assert not (data / "documents" / legacy).exists()
+
+
+def _tensors(data: Path, doc_id: str) -> Path:
+    return data / "documents" / doc_id / "cache" / "tensors.safetensors"
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
+    random_engine: Any, tmp_path: Path, share: bool
+) -> None:
+    data = tmp_path / "data"
+    with running(random_engine, data, share_caches=share) as client:
+        doc_a = upload_ready(client, A1, "same.txt", SECRET)
+        doc_b = upload_ready(client, B, "same.txt", SECRET)
+        counters = client.get("/healthz").json()["counters"]
+        assert doc_a != doc_b
+        linked = os.path.samefile(_tensors(data, doc_a), _tensors(data, doc_b))
+        if share:
+            assert (counters["prefills"], counters["cache_shares"], linked) == (1, 1, True)
+        else:
+            assert (counters["prefills"], counters["cache_shares"], linked) == (2, 0, False)
+        info_b = client.get(f"/v1/documents/{doc_b}", headers=B).json()
+        assert info_b["owner"] == "tenantB" and info_b["tokens"] > 0 and info_b["cache_bytes"] > 0
+        # Each copy is its tenant's alone: deleting one leaves the other answering.
+        assert client.delete(f"/v1/documents/{doc_a}", headers=A1).status_code == 200
+        assert ask(client, B, doc_b).status_code == 200
+        assert ids(client, A1) == set() and ids(client, B) == {doc_b}
+
+
+def test_keys_and_tenants_are_validated() -> None:
+    tenants = {c.tenant for c in settings_for(Path("/nonexistent")).keyring.credentials}
+    bare = next(t for t in tenants if t.startswith("key-"))
+    assert tenants == {"tenantA", "tenantB", "ops", bare}
+    assert KEY_BARE not in bare and re.fullmatch(r"key-[0-9a-f]{12}", bare)
+    with pytest.raises(ConfigError, match="tenant 'tenantA' is shorter than 8"):
+        Settings(api_keys=("tenantA:short",))
+    with pytest.raises(ConfigError, match="tenant name"):
+        Settings(api_keys=("bad tenant!:long-enough-key",))
+    with pytest.raises(ConfigError, match="the same API key"):
+        Settings(api_keys=(f"tenantA:{KEY_A1}", f"tenantB:{KEY_A1}"))
+    with pytest.raises(ConfigError, match="the same API key"):
+        Settings(api_keys=(f"tenantA:{KEY_A1}",), admin_keys=(f"tenantA:{KEY_A1}",))
+
+
+def test_keys_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"# tenants\ntenantA:{KEY_A1}\n\ntenantB:{KEY_B}   # B's key\nops:{KEY_ADMIN} admin\n")
+    env = {"INFOKV_KEYS_FILE": str(keys), "INFOKV_API_KEYS": KEY_BARE}
+    ring = Settings.from_env(env).keyring
+    assert {(c.tenant, c.admin) for c in ring.credentials if not c.tenant.startswith("key-")} == {
+        ("tenantA", False), ("tenantB", False), ("ops", True)}
+    assert ring.find(KEY_ADMIN).admin and not ring.find(KEY_B).admin and ring.find(KEY_BARE)
+    keys.write_text(f"tenantA:{KEY_A1} superuser\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        Settings(keys_file=keys)
+    with pytest.raises(ConfigError, match="cannot read the keys file"):
+        Settings(keys_file=tmp_path / "missing")
+
+
+def test_readme_example_keys_start_a_server() -> None:
+    """Every INFOKV_*KEYS=... in the README is a configuration the server accepts."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.findall(r"INFOKV_(API_KEYS|ADMIN_KEYS)=(\S+)", readme)
+    assert found, "the README shows no example keys"
+    for name, value in found:
+        Settings.from_env({f"INFOKV_{name}": value}).check_startable()
+
+
+# Credentials -------------------------------------------------------------------------------------
+
+
+def test_every_credential_presented_must_be_valid(client: TestClient) -> None:
+    listing = "/v1/documents"
+    assert client.get(listing, headers={"X-API-Key": KEY_A1}).status_code == 200
+    assert client.get(listing, headers={**A1, "X-API-Key": KEY_A2}).status_code == 200  # one tenant, two keys
+    cases = {
+        "valid X-API-Key, invalid Bearer": ({"X-API-Key": KEY_A1, "Authorization": "Bearer wrong-key-000000"},
+                                            "invalid_api_key"),
+        "valid Bearer, invalid X-API-Key": ({**A1, "X-API-Key": "wrong-key-000000"}, "invalid_api_key"),
+        "valid X-API-Key, Basic scheme": ({"X-API-Key": KEY_A1, "Authorization": f"Basic {KEY_A1}"},
+                                          "invalid_api_key"),
+        "empty Bearer": ({"Authorization": "Bearer "}, "invalid_api_key"),
+        "empty X-API-Key": ({"X-API-Key": ""}, "invalid_api_key"),
+        "two tenants' keys": ({**A1, "X-API-Key": KEY_B}, "conflicting_api_keys"),
+        "a tenant's and an admin's key": ({**A1, "X-API-Key": KEY_ADMIN}, "conflicting_api_keys"),
+        "no key": ({}, "missing_api_key"),
+    }
+    for name, (headers, code) in cases.items():
+        response = client.get(listing, headers=headers)
+        assert response.status_code == 401, name
+        assert_error(response, 401, code)
+        assert response.headers["www-authenticate"].startswith("Bearer")
+
+
+# Bounds ------------------------------------------------------------------------------------------
+
+
+def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None:
+    doc = upload_ready(client, A1, "vault.txt", SECRET)
+    for bad in ({"seed": 2**70}, {"seed": -(2**70)}, {"max_tokens": 10**12}, {"max_tokens": 0},
+                {"temperature": 2.5}, {"top_p": 0}, {"top_p": 1.5}, {"stop": ["a"] * 5}, {"stop": "x" * 65}):
+        assert_error(ask(client, A1, doc, **bad), 422, "invalid_request")
+    assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's own limit
+    for literal in ("NaN", "Infinity", "-Infinity"):  # Python's JSON reader accepts these
+        raw = f'{{"question": "q", "temperature": {literal}}}'.encode()
+        response = client.post(f"/v1/documents/{doc}/ask", content=raw,
+                               headers={**A1, "content-type": "application/json"})
+        assert_error(response, 422, "invalid_request")
+    assert ask(client, A1, doc, seed=2**63 - 1, temperature=0.5).status_code == 200
+    assert ask(client, A1, doc, seed=-(2**63), temperature=0.5).status_code == 200
+    chat = {"model": "random", "messages": [{"role": "user", "content": "q"}], "document_id": doc}
+    for bad in ({"seed": 2**64}, {"max_tokens": 2**40}, {"max_completion_tokens": -1}, {"temperature": -0.1},
+                {"n": 2}):
+        assert_error(client.post("/v1/chat/completions", json={**chat, **bad}, headers=A1), 422, "invalid_request")
+    for keep in ("inf", "nan", "-1", "1e400", "0"):
+        assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")
+
+
+def _numeric_properties(schema: dict[str, Any], node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[-1]
+            yield from _numeric_properties(schema, schema["components"]["schemas"][name], f"{path}->{name}")
+            return
+        if node.get("type") in ("integer", "number"):
+            yield path, node
+        for key, value in node.items():
+            yield from _numeric_properties(schema, value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _numeric_properties(schema, value, f"{path}[{index}]")
+
+
+def test_every_numeric_request_field_is_bounded_in_the_schema(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    found = []
+    for route, item in schema["paths"].items():
+        for method, operation in item.items():
+            body = operation.get("requestBody", {}).get("content", {})
+            for content in body.values():
+                for where, prop in _numeric_properties(schema, content["schema"], f"{method} {route}"):
+                    found.append(where)
+                    assert "minimum" in prop or "exclusiveMinimum" in prop, where
+                    assert "maximum" in prop or "exclusiveMaximum" in prop, where
+    assert any("seed" in f for f in found) and any("keep" in f for f in found) and any("top_p" in f for f in found)
+    ask_body = schema["components"]["schemas"]["AskRequest"]["properties"]
+    assert ask_body["max_tokens"]["anyOf"][0]["maximum"] == 8  # the server's max_new_tokens
+    assert ask_body["seed"]["anyOf"][0]["maximum"] == 2**63 - 1  # exact, not rounded through a float
+
+
+# Bounded work ------------------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """Wraps the engine's tokenizer and counts the characters it was given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.chars = 0
+
+    def __call__(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        self.chars += len(text)
+        return self.inner(text, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_over_long_text_is_refused_after_bounded_work(
+    random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = CountingTokenizer(random_engine.prompt.tokenizer)
+    monkeypatch.setattr(random_engine.prompt, "tokenizer", counting)
+    sentence = "The supplier shall deliver the goods within thirty days of the order date. "
+    with running(random_engine, tmp_path / "data", max_document_chars=1_500_000) as client:
+        # Over the character limit: refused before any tokenization.
+        error = assert_error(upload(client, A1, "huge.txt", (sentence * 21_000).encode()), 413, "too_many_characters")
+        assert "1500000" in error["message"] and counting.chars == 0
+        # Under it but far over the context window (4096 tokens): tokenization stops soon after the window.
+        error = assert_error(upload(client, A1, "long.txt", (sentence * 19_000).encode()), 413, "document_too_long")
+        assert "context window of 4096" in error["message"]
+        assert counting.chars < 40_000, counting.chars  # of 1.4 million characters
+        assert ids(client, A1) == set()
+
+
+def test_bounded_token_count_is_exact_up_to_the_limit(random_engine: Any) -> None:
+    """Counting in pieces never refuses a document that fits, nor accepts one that does not."""
+    words = ("alpha", "notice", "period", "days", "12,500", "EUR", "\n\n", "penalty:", "ninety")
+    text = " ".join(words[(i * 7) % len(words)] for i in range(12_000))
+    exact = len(random_engine.prompt.document_ids(text))
+    assert count_document_tokens(random_engine, text, exact) == exact
+    assert count_document_tokens(random_engine, text, exact + 100) == exact
+    assert count_document_tokens(random_engine, text, exact - 1) > exact - 1
+    assert count_document_tokens(random_engine, text, exact // 4) > exact // 4
+
+
+# Storage truth -----------------------------------------------------------------------------------
+
+
+def test_refuses_to_start_on_a_data_directory_it_cannot_use(random_engine: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError) as failure:
+        create_app(settings_for(blocker / "data"), engine=random_engine)
+    assert str(blocker / "data") in str(failure.value) and "Not a directory" in str(failure.value)
+
+    read_only_dir = tmp_path / "read-only"
+    read_only_dir.mkdir()
+    with read_only(read_only_dir), pytest.raises(ConfigError) as failure:
+        create_app(settings_for(read_only_dir), engine=random_engine)
+    assert str(read_only_dir) in str(failure.value)
+    assert re.search(r"Permission denied|Operation not permitted|Read-only", str(failure.value)), failure.value
+
+    with running(random_engine, tmp_path / "shared"), pytest.raises(ConfigError, match="another server process"):
+        create_app(settings_for(tmp_path / "shared"), engine=random_engine)
+    with running(random_engine, tmp_path / "shared") as client:  # the lock is released at shutdown
+        assert client.get("/healthz").status_code == 200
+
+
+def test_write_failures_are_507_and_keep_nothing(client: TestClient, tmp_path: Path) -> None:
+    documents = tmp_path / "data" / "documents"
+    with read_only(documents):
+        error = assert_error(upload(client, A1, "memo.txt", SECRET), 507, "storage_error")
+        assert "could not save the upload" in error["message"] and "nothing was kept" in error["message"]
+    with read_only(tmp_path / "data" / "uploads"):
+        assert_error(upload(client, A1, "memo.txt", SECRET), 507, "storage_error")
+    assert ids(client, A1) == set() and list(documents.iterdir()) == []
+    assert list((tmp_path / "data" / "uploads").iterdir()) == []
+    assert upload_ready(client, A1, "memo.txt", SECRET)  # and it works again once the disk does
+
+
+def test_delete_answers_success_only_when_the_files_are_gone(random_engine: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    documents = data / "documents"
+    with running(random_engine, data) as client:
+        doc = upload_ready(client, A1, "memo.txt", SECRET)
+        # The directory cannot be renamed aside: nothing changes, and the document keeps answering.
+        with read_only(documents):
+            error = assert_error(client.delete(f"/v1/documents/{doc}", headers=A1), 507, "storage_error")
+            assert "unchanged" in error["message"]
+        assert client.get(f"/v1/documents/{doc}", headers=A1).json()["status"] == "ready"
+        assert ask(client, A1, doc).status_code == 200
+        # Renamed aside, but its cache files cannot be removed: listed as failed, delete_incomplete.
+        set_read_only(documents / doc / "cache")
+        try:
+            error = assert_error(client.delete(f"/v1/documents/{doc}", headers=A1), 507, "storage_error")
+        finally:
+            set_read_only(documents / f".deleting-{doc}" / "cache", False)  # the delete renamed it aside
+        assert "send DELETE again" in error["message"]
+        info = client.get(f"/v1/documents/{doc}", headers=A1).json()
+        assert (info["status"], info["reason_code"]) == ("failed", "delete_incomplete")
+        assert_error(ask(client, A1, doc), 409, "document_failed")
+        assert not (documents / doc).exists() and (documents / f".deleting-{doc}" / "meta.json").exists()
+        # Once the disk allows it, DELETE again succeeds, and only then: the files are gone.
+        assert client.delete(f"/v1/documents/{doc}", headers=A1).status_code == 200
+        assert list(documents.iterdir()) == []
+        assert_error(client.get(f"/v1/documents/{doc}", headers=A1), 404, "document_not_found")
+
+        other = upload_ready(client, B, "memo.txt", OTHER)
+        set_read_only(documents / other / "cache")
+        try:
+            assert_error(client.delete(f"/v1/documents/{other}", headers=B), 507, "storage_error")
+        except BaseException:
+            set_read_only(documents / f".deleting-{other}" / "cache", False)
+            raise
+    # A restart while the files still cannot be removed shows the document as it is ...
+    with read_only(documents / f".deleting-{other}" / "cache", already=True), running(random_engine, data) as client:
+        info = client.get(f"/v1/documents/{other}", headers=B).json()
+        assert (info["status"], info["reason_code"]) == ("failed", "delete_incomplete")
+    # ... and the first restart that can remove them finishes the delete.
+    with running(random_engine, data) as client:
+        assert_error(client.get(f"/v1/documents/{other}", headers=B), 404, "document_not_found")
+    assert list(documents.iterdir()) == []
+
+
+def test_text_encodings_are_stored_as_written(client: TestClient, tmp_path: Path) -> None:
+    text = "合同：通知期限为九十天。如果供应商延迟交货，每天罚款五百欧元。"
+    doc = upload_ready(client, A1, "gb.txt", text.encode("gb18030"))
+    saved = json.loads((tmp_path / "data" / "documents" / doc / "document.json").read_text(encoding="utf-8"))
+    assert saved["text"] == text
+    mystery = b"Notice: " + bytes([0xC3, 0x80, 0xFE, 0xA1, 0x81, 0x30, 0xE9, 0xFF]) * 3
+    error = assert_error(upload(client, A1, "mystery.txt", mystery), 415, "unsupported_format")
+    assert "UTF-8" in error["message"]
+    assert wait_settled(client, doc, A1)["status"] == "ready"
