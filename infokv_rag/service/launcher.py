@@ -115,6 +115,14 @@ class ServerProcess:
             process.kill()
             return process.wait(5)
 
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash or the OOM killer would: no shutdown code runs."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        process.send_signal(signal.SIGKILL)
+        return process.wait(30)
+
     def __enter__(self) -> ServerProcess:
         return self.start() if self.process is None else self
 

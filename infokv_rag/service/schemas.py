@@ -46,7 +46,8 @@ class ErrorResponse(BaseModel):
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
-        400: "Invalid request (e.g. the question does not fit the model's context window)",
+        400: "Invalid request (a question that does not fit the model's context window; a malformed multipart "
+             "body, or too many or too large form fields)",
         401: "Missing, invalid or conflicting API key (every key presented must be valid)",
         404: "No such document",
         409: "The document is not ready (still being read, or failed)",
@@ -124,6 +125,8 @@ class DocumentDeleted(BaseModel):
 
 class UploadForm(BaseModel):
     """The multipart/form-data body of an upload (documented here; parsed by hand after the API-key check)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     file: bytes = Field(description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
                         "Western single-byte, or a detected legacy encoding such as GB18030).",
