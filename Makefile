@@ -82,7 +82,7 @@ clean:
 # `make test` needs Debian's chromium + chromium-driver for tests/test_service.py's browser test.
 # Idempotent: nothing happens when both are installed. Installs with apt-get as root (or sudo -n);
 # where neither is possible it says so, and that one test skips with the reason.
-.PHONY: browser bench-load
+.PHONY: browser bench-load soak
 browser:
 	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
@@ -100,4 +100,9 @@ test: browser
 # 8 clients, 3 documents, 60 s on the tiny model; e.g. `make bench-load LOAD_ARGS="--duration 20"`.
 bench-load: models
 	$(PY) benchmarks/load.py $(LOAD_ARGS)
+
+# 8 clients, 2 tenants, 10 minutes of mixed uploads, asks, deletes and cross-tenant probes (tiny model);
+# e.g. `make soak SOAK_ARGS="--minutes 1"`.
+soak: models
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 # --- end of service block -------------------------------------------------------------------------

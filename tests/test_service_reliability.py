@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections import Counter
@@ -27,14 +26,13 @@ pytest.importorskip("schemathesis")
 
 import hypothesis  # noqa: E402
 import schemathesis  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
-
-from fastapi.testclient import TestClient  # noqa: E402
 
 from infokv_rag.evaluation import make_fact_document  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402

@@ -45,11 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def settings_for(data_dir: Path, **overrides: Any) -> Settings:
-    base: dict[str, Any] = dict(
-        api_keys=(f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE),
-        admin_keys=(f"ops:{KEY_ADMIN}",), data_dir=data_dir, model="random", warmup=False,
-        max_new_tokens=8, default_max_tokens=4, default_method="snapkv",
-    )
+    base: dict[str, Any] = {
+        "api_keys": (f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE),
+        "admin_keys": (f"ops:{KEY_ADMIN}",), "data_dir": data_dir, "model": "random", "warmup": False,
+        "max_new_tokens": 8, "default_max_tokens": 4, "default_method": "snapkv",
+    }
     return Settings(**{**base, **overrides})
 
 
@@ -250,6 +250,7 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         assert_error(client.post("/v1/chat/completions", json={**chat, **bad}, headers=A1), 422, "invalid_request")
     for keep in ("inf", "nan", "-1", "1e400", "0"):
         assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")
+    assert_error(upload(client, A1, "a.txt", SECRET, colour="blue"), 422, "unknown_field")
 
 
 def _numeric_properties(schema: dict[str, Any], node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

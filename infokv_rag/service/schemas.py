@@ -29,7 +29,8 @@ Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-Method = Literal[method_names()]  # type: ignore[valid-type]  # the registry's names, known only at run time
+MethodName = Annotated[str, Field(json_schema_extra={"enum": list(method_names())})]
+"""A method of the registry (`infokv_rag.scorers.method_names`); an unknown one is refused with its choices."""
 
 # Errors ------------------------------------------------------------------------------------------
 
@@ -131,7 +132,7 @@ class UploadForm(BaseModel):
     file: bytes = Field(description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
                         "Western single-byte, or a detected legacy encoding such as GB18030).",
                         json_schema_extra={"format": "binary"})
-    method: Method | None = Field(None, description="Compression method. Default: the server's.")
+    method: MethodName | None = Field(None, description="Compression method. Default: the server's.")
     keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
         None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count).")
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.

@@ -78,7 +78,7 @@ def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEY
 
 def split_entries(raw: str) -> list[str]:
     """Entries of a comma- or newline-separated list; `#` starts a comment in files."""
-    entries = []
+    entries: list[str] = []
     for line in raw.splitlines():
         line = line.split("#", 1)[0]
         entries.extend(part.strip() for part in line.split(",") if part.strip())

@@ -91,13 +91,13 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
     except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
         form = await request.form(max_files=1, max_fields=len(_FIELDS))
     try:
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise ServiceError(422, "missing_file", "no file: send the document in the multipart field 'file'")
         unknown = sorted(set(form.keys()) - {"file", *_FIELDS})
         if unknown:
             raise ServiceError(422, "unknown_field", f"unknown form field {unknown[0][:40]!r}; an upload has the "
                                f"fields file, {', '.join(_FIELDS)}")
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise ServiceError(422, "missing_file", "no file: send the document in the multipart field 'file'")
         fields: dict[str, str | None] = {}
         for name in _FIELDS:
             value = form.get(name)
