@@ -100,7 +100,7 @@ class Soak:
         try:
             while time.monotonic() < deadline:
                 time.sleep(rng.uniform(0, 2 * self.args.think))
-                operation = rng.choices(names, weights)[0]
+                operation = self._feasible(rng.choices(names, weights)[0], tenant)
                 started = time.perf_counter()
                 try:
                     status, error, leak = actions[operation]()
@@ -113,6 +113,18 @@ class Soak:
                     self.outcomes.append(outcome)
         finally:
             http.close()
+
+    def _feasible(self, operation: str, tenant: Tenant) -> str:
+        """What the client does instead when the drawn operation has nothing to act on."""
+        with tenant.lock:
+            ready, known = len(tenant.documents), len(tenant.documents) + len(tenant.pending)
+        if operation == "upload" and known >= self.args.documents_per_tenant:
+            return "delete"  # keeps the store's size bounded: memory must be flat, not the store growing
+        if operation == "ask" and not ready:
+            return "upload" if known < self.args.documents_per_tenant else "get"
+        if operation == "get" and not known:
+            return "list"
+        return operation
 
     @staticmethod
     def _foreign(text: str, others: list[Tenant]) -> str | None:
@@ -139,10 +151,6 @@ class Soak:
     # Operations: each returns (status, error, leak) ------------------------------------------------
 
     def upload(self, http: httpx.Client, tenant: Tenant, rng: random.Random) -> tuple[int, str | None, str | None]:
-        with tenant.lock:
-            full = len(tenant.documents) + len(tenant.pending) >= self.args.documents_per_tenant
-        if full:  # keeps the store's size bounded: memory must be flat, not the store growing
-            return self.delete(http, tenant, [], rng)
         secret = f"SOAK-{tenant.name}-{secrets.token_hex(4)}"
         text = make_fact_document(seed=rng.randrange(10**6), target_words=self.args.words, facts=1).text
         body = f"{text}\n\nThe access code of this document is {secret}.\n"
@@ -159,7 +167,7 @@ class Soak:
             rng: random.Random) -> tuple[int, str | None, str | None]:
         doc_id = self._pick(tenant, rng)
         if doc_id is None:
-            return self.upload(http, tenant, rng)
+            return 0, None, None
         request = {"question": "What is the access code of this document?", "max_tokens": self.args.max_tokens}
         if rng.random() < 0.5:
             response = http.post(f"/v1/documents/{doc_id}/ask", json=request)
@@ -194,7 +202,7 @@ class Soak:
             pending = sorted(tenant.pending)
         doc_id = rng.choice(pending) if pending else self._pick(tenant, rng)
         if doc_id is None:
-            return self.list(http, tenant, others)
+            return 0, None, None
         response = http.get(f"/v1/documents/{doc_id}")
         error = self._status(response, {200})
         if response.status_code == 200:
