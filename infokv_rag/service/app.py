@@ -157,8 +157,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         try:
             if service.engine is None:
                 log.info("loading model %s", settings.model)
-                service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model,
-                                                         settings.device)
+                service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model, settings.device)
             if settings.warmup:
                 await run_in_threadpool(_warm_up, service.engine)
             pending = await run_in_threadpool(service.registry.open)
@@ -167,8 +166,9 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             service.worker = worker
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
-                worker.submit_ingestion(IngestJob(record, compression_config(settings, record.method, record.keep)),
-                                        force=True)
+                worker.submit_ingestion(
+                    IngestJob(record, compression_config(settings, record.method, record.keep)), force=True
+                )
             service.started_at = time.time()
             yield
         finally:
@@ -185,7 +185,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             "saved. Then ask any number of questions: each costs only its own tokens. Authenticate with "
             "`Authorization: Bearer <key>` or `X-API-Key: <key>`; every key presented must be valid. Each key "
             "belongs to a tenant, and a tenant sees only its own documents. Errors are JSON: "
-            "`{\"error\": {\"message\", \"type\", \"code\"}}`."
+            '`{"error": {"message", "type", "code"}}`.'
         ),
         lifespan=lifespan,
     )

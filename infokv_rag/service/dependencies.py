@@ -84,8 +84,9 @@ async def authenticate(
         raise _unauthorized("invalid_api_key", "the API key is not valid")
     principals = {credential.principal for credential in found if credential is not None}
     if len(principals) > 1:
-        raise _unauthorized("conflicting_api_keys", "the request carries API keys of different tenants or roles; "
-                            "send one key")
+        raise _unauthorized(
+            "conflicting_api_keys", "the request carries API keys of different tenants or roles; send one key"
+        )
     return principals.pop()
 
 

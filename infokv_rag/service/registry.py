@@ -258,6 +258,14 @@ class Registry:
     def _write_meta(self, record: DocumentRecord) -> None:
         write_atomic(self.directory(record.id) / META, json.dumps(record.to_meta(), indent=1).encode("utf-8"))
 
+    def _save_status(self, record: DocumentRecord) -> None:
+        """Stamps the record as changed now and writes its meta file; `StorageError` when the disk refuses."""
+        record.updated_at = time.time()
+        try:
+            self._write_meta(record)
+        except OSError as exc:
+            raise StorageError("save the document's status", exc) from exc
+
     # Records -------------------------------------------------------------------------------------
 
     def open(self) -> list[DocumentRecord]:
@@ -361,11 +369,7 @@ class Registry:
                 return False
             for name, value in changes.items():
                 setattr(record, name, value)
-            record.updated_at = time.time()
-            try:
-                self._write_meta(record)
-            except OSError as exc:
-                raise StorageError("save the document's status", exc) from exc
+            self._save_status(record)
             return True
 
     def fail(self, record: DocumentRecord, code: str, reason: str) -> None:
@@ -396,11 +400,7 @@ class Registry:
             record.compression_ratio = round(stats.compression_ratio, 6)
             record.prefill_seconds = round(stats.prefill_seconds + stats.scoring_seconds + stats.compression_seconds, 3)
             record.progress_done = record.progress_total = stats.document_tokens
-            record.updated_at = time.time()
-            try:
-                self._write_meta(record)
-            except OSError as exc:
-                raise StorageError("save the document's status", exc) from exc
+            self._save_status(record)
         self.remember_loaded(record, document, "prefill")
         return True
 
@@ -410,9 +410,18 @@ class Registry:
         The files are hard links where the filesystem allows (the cache is never modified in place: a
         new save replaces the directory), so sharing costs no space.
         """
-        donor = next((other for other in self.list() if other is not record and other.status == "ready"
-                      and other.sha256 == record.sha256 and other.method == record.method
-                      and other.keep == record.keep), None)
+        donor = next(
+            (
+                other
+                for other in self.list()
+                if other is not record
+                and other.status == "ready"
+                and other.sha256 == record.sha256
+                and other.method == record.method
+                and other.keep == record.keep
+            ),
+            None,
+        )
         if donor is None or record.sha256 is None:
             return False
         with donor.io_lock, record.io_lock:
@@ -430,11 +439,7 @@ class Registry:
                 setattr(record, name, getattr(donor, name))
             record.status, record.prefill_seconds = "ready", 0.0
             record.progress_done = record.progress_total = record.tokens
-            record.updated_at = time.time()
-            try:
-                self._write_meta(record)
-            except OSError as exc:
-                raise StorageError("save the document's status", exc) from exc
+            self._save_status(record)
         with self._lock:
             self.counters["cache_shares"] += 1
         return True
@@ -462,8 +467,11 @@ class Registry:
                 _remove_tree(trash)
             except OSError as exc:
                 self._mark_delete_incomplete(record, exc)
-                raise StorageError("remove all of the document's files", exc,
-                                   "it is listed as failed (delete_incomplete); send DELETE again") from exc
+                raise StorageError(
+                    "remove all of the document's files",
+                    exc,
+                    "it is listed as failed (delete_incomplete); send DELETE again",
+                ) from exc
         with self._lock:
             self._records.pop(record.id, None)
 
@@ -472,8 +480,10 @@ class Registry:
         # In memory only: the document's files now lie under .deleting-<id>, which says the same on restart.
         record.status = "failed"
         record.reason_code = DELETE_INCOMPLETE
-        record.reason = (f"deleting this document did not finish ({exc.strerror or exc}); some of its files "
-                         "remain: send DELETE again")
+        record.reason = (
+            f"deleting this document did not finish ({exc.strerror or exc}); some of its files "
+            "remain: send DELETE again"
+        )
         record.cache_origin = None
 
     # Caches in memory ----------------------------------------------------------------------------

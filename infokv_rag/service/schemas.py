@@ -48,7 +48,7 @@ class ErrorResponse(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Invalid request (a question that does not fit the model's context window; a malformed multipart "
-             "body, or too many or too large form fields)",
+        "body, or too many or too large form fields)",
         401: "Missing, invalid or conflicting API key (every key presented must be valid)",
         404: "No such document",
         409: "The document is not ready (still being read, or failed)",
@@ -56,8 +56,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         415: "Not a PDF or text file",
         422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
         503: "Busy: too many queued requests; retry later (see Retry-After)",
-        507: "The server's storage refused a write or a removal (`storage_error`); the message says what "
-             "was kept",
+        507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
     }
     return {code: {"model": ErrorResponse, "description": descriptions[code]} for code in codes}
 
@@ -85,14 +84,18 @@ class Progress(BaseModel):
 class DocumentInfo(BaseModel):
     id: str
     object: Literal["document"] = "document"
-    owner: str | None = Field(description="The tenant that uploaded it (None: uploaded before tenants existed, "
-                              "or to an open service).")
+    owner: str | None = Field(
+        description="The tenant that uploaded it (None: uploaded before tenants existed, or to an open service)."
+    )
     filename: str
     status: DocumentStatus
     progress: Progress | None = Field(None, description="Prefill progress while processing (and once ready).")
     reason: str | None = Field(None, description="Why reading the document failed (status failed).")
-    reason_code: str | None = Field(None, description="Machine-readable cause of `failed`, e.g. no_text, "
-                                    "storage_error, delete_incomplete (a DELETE that must be sent again).")
+    reason_code: str | None = Field(
+        None,
+        description="Machine-readable cause of `failed`, e.g. no_text, "
+        "storage_error, delete_incomplete (a DELETE that must be sent again).",
+    )
     created_at: int
     updated_at: int
     method: str
@@ -129,15 +132,19 @@ class UploadForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    file: bytes = Field(description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
-                        "Western single-byte, or a detected legacy encoding such as GB18030).",
-                        json_schema_extra={"format": "binary"})
+    file: bytes = Field(
+        description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
+        "Western single-byte, or a detected legacy encoding such as GB18030).",
+        json_schema_extra={"format": "binary"},
+    )
     method: MethodName | None = Field(None, description="Compression method. Default: the server's.")
     keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
-        None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count).")
+        None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count)."
+    )
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
     password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(
-        None, description="Password of an encrypted PDF.")
+        None, description="Password of an encrypted PDF."
+    )
 
 
 # Asking ------------------------------------------------------------------------------------------
@@ -152,9 +159,12 @@ class AskRequest(BaseModel):
     top_p: TopP = 1.0
     stop: Stop = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters.")
     seed: Seed | None = Field(None, description="Seed for sampling (temperature > 0), a 64-bit integer.")
-    stream: bool = Field(False, description="Stream the answer as Server-Sent Events: `token` events "
-                         "({\"text\": ...}), then one `done` event (the full answer, as without streaming), "
-                         "or an `error` event.")
+    stream: bool = Field(
+        False,
+        description="Stream the answer as Server-Sent Events: `token` events "
+        '({"text": ...}), then one `done` event (the full answer, as without streaming), '
+        "or an `error` event.",
+    )
 
 
 class AskUsage(BaseModel):

@@ -71,8 +71,10 @@ def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEY
         raise ConfigError(f"{where}: tenant name {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
     if len(key) < MIN_KEY_CHARS:
         # The message names the tenant, never the key.
-        raise ConfigError(f"{where}: the API key of tenant {tenant!r} is shorter than {MIN_KEY_CHARS} characters; "
-                          f"API keys must be at least {MIN_KEY_CHARS} characters long; {KEY_ADVICE}")
+        raise ConfigError(
+            f"{where}: the API key of tenant {tenant!r} is shorter than {MIN_KEY_CHARS} characters; "
+            f"API keys must be at least {MIN_KEY_CHARS} characters long; {KEY_ADVICE}"
+        )
     return Credential(tenant=tenant, digest=key_digest(key), admin=admin)
 
 
@@ -104,8 +106,7 @@ def read_keys_file(path: Path) -> tuple[list[str], list[str]]:
         if not fields:
             continue
         if len(fields) > 2 or (len(fields) == 2 and fields[1] != "admin"):
-            raise ConfigError(f"{path}, line {number}: expected 'tenant:key' or 'key', optionally followed by "
-                              "'admin'")
+            raise ConfigError(f"{path}, line {number}: expected 'tenant:key' or 'key', optionally followed by 'admin'")
         (admins if len(fields) == 2 else keys).append(fields[0])
     return keys, admins
 
@@ -119,14 +120,20 @@ class KeyRing:
         for credential in self.credentials:
             other = seen.get(credential.digest)
             if other is not None and other != credential:
-                raise ConfigError(f"the same API key is configured for tenant {other.tenant!r} and tenant "
-                                  f"{credential.tenant!r} (or as admin and non-admin); give each key one role")
+                raise ConfigError(
+                    f"the same API key is configured for tenant {other.tenant!r} and tenant "
+                    f"{credential.tenant!r} (or as admin and non-admin); give each key one role"
+                )
             seen[credential.digest] = credential
 
     @classmethod
     def from_entries(cls, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> KeyRing:
-        return cls([*(parse_entry(e) for e in keys),
-                    *(parse_entry(e, admin=True, where="INFOKV_ADMIN_KEYS") for e in admin_keys)])
+        return cls(
+            [
+                *(parse_entry(e) for e in keys),
+                *(parse_entry(e, admin=True, where="INFOKV_ADMIN_KEYS") for e in admin_keys),
+            ]
+        )
 
     def __bool__(self) -> bool:
         return bool(self.credentials)

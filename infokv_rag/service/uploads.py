@@ -64,7 +64,9 @@ def _copy_limited(source: IO[bytes], target: Path, limit: int) -> int:
                 size += len(block)
                 if size > limit:
                     raise ServiceError(
-                        413, "file_too_large", f"the upload is larger than the server's limit of {_mib(limit)}",
+                        413,
+                        "file_too_large",
+                        f"the upload is larger than the server's limit of {_mib(limit)}",
                     )
                 out.write(block)
     except OSError as exc:
@@ -96,8 +98,11 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             raise ServiceError(422, "missing_file", "no file: send the document in the multipart field 'file'")
         unknown = sorted(set(form.keys()) - {"file", *_FIELDS})
         if unknown:
-            raise ServiceError(422, "unknown_field", f"unknown form field {unknown[0][:40]!r}; an upload has the "
-                               f"fields file, {', '.join(_FIELDS)}")
+            raise ServiceError(
+                422,
+                "unknown_field",
+                f"unknown form field {unknown[0][:40]!r}; an upload has the fields file, {', '.join(_FIELDS)}",
+            )
         fields: dict[str, str | None] = {}
         for name in _FIELDS:
             value = form.get(name)
@@ -178,14 +183,17 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
     document = replace(document, source=staged.name)
     if len(document.text) > settings.max_document_chars:
         raise ServiceError(
-            413, "too_many_characters", f"{staged.name} holds {len(document.text)} characters of text; this server "
+            413,
+            "too_many_characters",
+            f"{staged.name} holds {len(document.text)} characters of text; this server "
             f"reads at most {settings.max_document_chars}; split the document",
         )
     limit = engine.max_document_tokens
     tokens = count_document_tokens(engine, document.text, limit)
     if tokens > limit:
         raise ServiceError(
-            413, "document_too_long",
+            413,
+            "document_too_long",
             f"{staged.name} is more than {limit} tokens: it does not fit the model's context window of "
             f"{engine.context_window} tokens (questions need room too); split the document",
         )

@@ -17,7 +17,7 @@ if _MARKER:
 
     from infokv_rag import store
 
-    _write_synced = store._write_synced
+    _write_synced = store.write_synced  # the store's own name for `infokv_rag.files.write_synced`
 
     def _paused_write(path: Path, data: bytes) -> None:
         _write_synced(path, data)
@@ -25,4 +25,4 @@ if _MARKER:
             Path(_MARKER).touch()
             time.sleep(3600)
 
-    store._write_synced = _paused_write
+    store.write_synced = _paused_write

@@ -100,9 +100,18 @@ async def upload_document(request: Request, response: Response, service: Service
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
         record = DocumentRecord(
-            id=new_document_id(), owner=caller.tenant, sha256=document.sha256, filename=staged.name,
-            status="queued", method=config.method, keep=config.keep, created_at=now, updated_at=now,
-            size_bytes=staged.size, pages=len(document.pages), skipped_pages=list(document.skipped_pages),
+            id=new_document_id(),
+            owner=caller.tenant,
+            sha256=document.sha256,
+            filename=staged.name,
+            status="queued",
+            method=config.method,
+            keep=config.keep,
+            created_at=now,
+            updated_at=now,
+            size_bytes=staged.size,
+            pages=len(document.pages),
+            skipped_pages=list(document.skipped_pages),
             tokens=tokens,
         )
         record.progress_total = tokens
@@ -116,14 +125,16 @@ async def upload_document(request: Request, response: Response, service: Service
             await run_in_threadpool(service.registry.delete, record)
         except StorageError:
             pass  # it stays listed (failed, delete_incomplete): the client can see it and delete it again
-        raise ServiceError(503, "busy", f"the server is busy ({exc}); retry shortly",
-                           headers={"Retry-After": "10"}) from exc
+        raise ServiceError(
+            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "10"}
+        ) from exc
     response.headers["Location"] = f"/v1/documents/{record.id}"
     return document_info(record)
 
 
-@router.get("/documents", response_model=DocumentList, summary="List the caller's documents",
-            responses=error_responses(401))
+@router.get(
+    "/documents", response_model=DocumentList, summary="List the caller's documents", responses=error_responses(401)
+)
 async def list_documents(service: ServiceDep, caller: CallerDep) -> DocumentList:
     return DocumentList(data=[document_info(record) for record in visible_documents(service, caller)])
 
@@ -179,8 +190,13 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
         'events ({"text": ...}) then one `done` event (the JSON answer) or an `error` event.'
     ),
 )
-async def ask(document_id: str, body: AskRequest, request: Request, service: ServiceDep,  # type: ignore[no-untyped-def]
-              caller: CallerDep):
+async def ask(
+    document_id: str,
+    body: AskRequest,
+    request: Request,
+    service: ServiceDep,
+    caller: CallerDep,
+) -> AskResponse | StreamingResponse:  # the response_model documents the JSON answer
     record = find_document(service, caller, document_id)
     check_question(service, len(body.question))
     options = generation_options(service, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)

@@ -110,8 +110,12 @@ def _check_model(service: Service, model: str) -> None:
         "`chat.completion.chunk` objects ending in `data: [DONE]`."
     ),
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,  # type: ignore[no-untyped-def]
-                           caller: CallerDep):
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    service: ServiceDep,
+    caller: CallerDep,
+) -> ChatCompletion | StreamingResponse:  # the response_model documents the JSON answer
     _check_model(service, body.model)
     record = find_document(service, caller, body.document_id)
     turns = _turns(body)
