@@ -150,5 +150,12 @@ class KVCache:
         """Tokens held over all layers (per KV head)."""
         return sum(self.lengths)
 
+    def rollback(self, lengths: list[int]) -> None:
+        """Drops every entry appended after the cache had these per-layer `lengths`."""
+        for layer, length in zip(self.layers, lengths, strict=True):
+            if length > layer.length:
+                raise ValueError(f"cannot roll a layer of {layer.length} entries back to {length}")
+            layer.length = length
+
     def freeze(self, document_tokens: int, sink_tokens: int) -> DocumentCache:
         return DocumentCache([layer.freeze() for layer in self.layers], document_tokens, sink_tokens)

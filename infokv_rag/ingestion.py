@@ -1,9 +1,11 @@
 """Reading one document: chunked prefill, the signals its method needs, scoring and compression.
 
 Per chunk: the forward pass captures attention and layer change (`SignalCapture`), the final hidden
-states give the information signal, and when the resident cache exceeds the budget (always after the
-last chunk) every layer is scored by the method's scorer and cut to its budget. So the resident cache
-never exceeds budget + chunk.
+states give the information signal, a reconstruction pass (when the method reads it) scores the chunk's
+tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
+(always after the last chunk) every layer is scored by the method's scorer and cut to its budget. So a
+layer never holds more than budget + chunk tokens; with global layer budgets the layers together never
+hold more than layers x (budget + chunk).
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ from torch import Tensor
 from .cache import DocumentCache, KVCache, gather_tokens
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
+from .reconstruction import reconstruction_attention
 from .scorers.base import Scorer, normalize
-from .selection import adaptive_budgets, protected_mask, select_tokens
-from .signals import EVOLUTION, INFORMATION, InformationSettings, LayerSignals, SignalCapture
+from .selection import adaptive_budgets, global_budgets, protected_mask, select_tokens
+from .signals import (
+    EVOLUTION,
+    INFORMATION,
+    RECONSTRUCTION_ATTENTION,
+    InformationSettings,
+    LayerBudgetSettings,
+    LayerSignals,
+    SignalCapture,
+)
 
 if TYPE_CHECKING:
     from .engine import InfoKVEngine
@@ -40,6 +51,7 @@ class DocumentStats:
     full_cache_bytes: int
     prefill_seconds: float
     scoring_seconds: float
+    """Computing the method's signals beyond the prefill (a reconstruction pass among them) and its scores."""
     compression_seconds: float
     method: str
     keep: float | int
@@ -90,6 +102,13 @@ class Ingestion:
         if EVOLUTION in self.scorer.signals:
             self.evolution = torch.zeros(self.runner.num_layers, self.n, device=ids.device)
         self.accumulated: list[Tensor | None] = [None] * self.runner.num_layers
+        """Per layer (kv_heads, length) attention summed over every query, aligned with the resident tokens."""
+        self.reconstruction: list[Tensor] | None = None
+        """Per layer (kv_heads, length) reconstruction attention, aligned with the resident tokens."""
+        if RECONSTRUCTION_ATTENTION in self.scorer.signals:
+            self.reconstruction = [ids.new_empty(self.runner.kv_heads, 0, dtype=torch.float32)] * self.runner.num_layers
+        settings = config.settings
+        self.global_budgets = isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "global"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
         self.peak_resident = 0
 
@@ -156,8 +175,16 @@ class Ingestion:
             for layer, change in capture.layer_change.items():
                 self.evolution[layer, start:end] = change
         self._accumulate(capture, cache)
+        if self.reconstruction is not None:
+            chunk = reconstruction_attention(self.runner, self.engine.prompt, cache, self.ids, start, end, self.sinks)
+            self.reconstruction = [torch.cat(pair, dim=1) for pair in zip(self.reconstruction, chunk, strict=True)]
         final = end == self.n
-        if final or max(cache.lengths) > self.budget:
+        over = (
+            sum(cache.lengths) > self.budget * len(cache.lengths)
+            if self.global_budgets
+            else max(cache.lengths) > self.budget
+        )
+        if final or over:
             self._compress(cache, capture, end, final)
         compression = self.timings["compression"] - compression_before
         self.timings["scoring"] += time.perf_counter() - clock - compression
@@ -199,7 +226,7 @@ class Ingestion:
     def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
         evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
         mean_evolution = evolution.mean(dim=0) if evolution is not None else None
-        scores = []
+        scores, comparable = [], []
         for index, layer in enumerate(cache.layers):
             signals = LayerSignals(
                 layer=index,
@@ -210,15 +237,20 @@ class Ingestion:
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],
+                reconstruction_attention=self.reconstruction[index] if self.reconstruction is not None else None,
                 information=self.information[:tokens_read] if self.information is not None else None,
                 evolution=evolution[index] if evolution is not None else None,
                 mean_evolution=mean_evolution,
                 seed=self.config.seed,
             )
             scores.append(self.scorer.score(signals))
+            if self.global_budgets:
+                comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
-        if self.config.adaptive_budget and self.config.method_spec.compresses:
-            minimum = min(self.sinks + self.config.window, self.budget)
+        minimum = min(self.sinks + self.config.window, self.budget)
+        if self.global_budgets:
+            budgets = global_budgets(comparable, self.budget * len(scores), minimum)
+        elif self.config.adaptive_budget and self.config.method_spec.compresses:
             normalized = [normalize(s, "minmax") for s in scores]
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)
         else:
@@ -234,4 +266,6 @@ class Ingestion:
             accumulated = self.accumulated[index]
             if accumulated is not None:
                 self.accumulated[index] = gather_tokens(accumulated, keep)
+            if self.reconstruction is not None:
+                self.reconstruction[index] = gather_tokens(self.reconstruction[index], keep)
         self.timings["compression"] += time.perf_counter() - clock

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import KVCache
-from .signals import SignalCapture
+from .signals import ForwardCapture
 
 ATTENTION_NAME = "infokv_sdpa"
 
@@ -47,7 +47,7 @@ def _attention(
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=q_len == kv_len and q_len > 1, scale=scaling, enable_gqa=True
     )
-    capture: SignalCapture | None = kwargs.get("infokv_capture")
+    capture: ForwardCapture | None = kwargs.get("infokv_capture")
     if capture is not None:
         capture.record_attention(cast(int, module.layer_idx), query[0], key[0], scaling or query.shape[-1] ** -0.5)
     return output.transpose(1, 2).contiguous(), None
@@ -89,7 +89,7 @@ class ModelRunner:
         input_ids: Tensor,
         positions: Tensor,
         cache: KVCache,
-        capture: SignalCapture | None = None,
+        capture: ForwardCapture | None = None,
         token_scores: Tensor | None = None,
     ) -> Tensor:
         """input_ids, positions: (q,) -> final normalised hidden states (q, hidden).

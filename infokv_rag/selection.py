@@ -65,3 +65,30 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
         remaining -= granted
         active = [i for i in active if budgets[i] < lengths[i]]
     return budgets
+
+
+def global_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int]:
+    """Splits `total` tokens over layers by one threshold on scores comparable across layers (KVzip).
+
+    scores: per layer (kv_heads, length_l). A layer gets the mean over its heads of how many of its
+    scores pass the threshold that keeps `total` tokens per KV head overall, at least `minimum` and at
+    most its length; the sum is exactly `min(total, sum of lengths)`.
+    """
+    lengths = [layer.shape[1] for layer in scores]
+    total = min(total, sum(lengths))
+    floors = [min(minimum, length) for length in lengths]
+    if sum(floors) > total:
+        raise ValueError(f"{len(scores)} layers of at least {minimum} tokens do not fit in {total}")
+    heads = scores[0].shape[0]
+    pooled = torch.cat([layer.float().reshape(-1) for layer in scores])
+    threshold = pooled.topk(min(total * heads, pooled.numel())).values[-1] if total else torch.inf
+    wanted = [float((layer.float() >= threshold).sum()) / heads for layer in scores]
+    budgets = [max(floor, min(length, round(w))) for floor, length, w in zip(floors, lengths, wanted, strict=True)]
+    # Rounding and the floors move the sum off `total`: settle the difference one token at a time on
+    # the layer whose share is furthest from what it wanted, within its bounds.
+    while (excess := sum(budgets) - total) != 0:
+        step = -1 if excess > 0 else 1
+        movable = [i for i, budget in enumerate(budgets) if floors[i] <= budget + step <= lengths[i]]
+        pick = max(movable, key=lambda i: step * (wanted[i] - budgets[i]))
+        budgets[pick] += step
+    return budgets

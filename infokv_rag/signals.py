@@ -8,6 +8,9 @@ A scorer declares the names it needs (`Scorer.signals`); ingestion produces only
   information            (tokens_read,) entropy or surprisal per position, from the final hidden states
                          and the LM head (`InformationSettings` says which)
   evolution              (tokens_read,) each layer's relative change of the residual stream R^l
+  reconstruction_attention (kv_heads, length) the most attention each resident token received while the
+                         model repeated the document back, chunk by chunk (KVzip; `reconstruction.py`):
+                         an extra pass over each chunk
 Positions, keys, sentences and the seed are always there.
 
 A new signal is a name here, a field of `LayerSignals` and its producer in `ingestion.py` (captured
@@ -18,7 +21,7 @@ scorers that do not name it are untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -32,7 +35,10 @@ LAST_QUERY_ATTENTION = "last_query_attention"
 ACCUMULATED_ATTENTION = "accumulated_attention"
 INFORMATION = "information"
 EVOLUTION = "evolution"
-SIGNALS = frozenset({WINDOW_ATTENTION, LAST_QUERY_ATTENTION, ACCUMULATED_ATTENTION, INFORMATION, EVOLUTION})
+RECONSTRUCTION_ATTENTION = "reconstruction_attention"
+SIGNALS = frozenset(
+    {WINDOW_ATTENTION, LAST_QUERY_ATTENTION, ACCUMULATED_ATTENTION, INFORMATION, EVOLUTION, RECONSTRUCTION_ATTENTION}
+)
 
 Information = Literal["entropy", "surprisal"]
 
@@ -59,6 +65,29 @@ class InformationSettings(MethodSettings):
         for name in ("entropy_top_k", "entropy_vocabulary"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+LayerBudgets = Literal["uniform", "global"]
+
+
+@dataclass(frozen=True)
+class LayerBudgetSettings(MethodSettings):
+    """The settings of a method whose scores can be compared across layers, so that layers may differ."""
+
+    layer_budgets: LayerBudgets = "uniform"
+    """"uniform": every layer keeps the same number of tokens; "global": one threshold over every
+    layer's `Scorer.comparable_scores` decides, so layers whose tokens matter more keep more (KVzip),
+    the total staying (layers x budget)."""
+
+
+class ForwardCapture(Protocol):
+    """What the model runner feeds during a forward pass."""
+
+    def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
+        """queries: (heads, q, head_dim) of the tokens being run; keys: (kv_heads, resident + q, head_dim)."""
+
+    def record_layer_change(self, layer: int, before: Tensor, after: Tensor) -> None:
+        """before, after: (q, hidden) residual stream around one decoder layer."""
 
 
 class SignalCapture:
@@ -96,7 +125,8 @@ class LayerSignals:
 
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
     head_dim); sentences: (tokens_read,) int64 index of the sentence each position belongs to;
-    window_attention, last_query_attention: (heads, length); accumulated_attention: (kv_heads, length);
+    window_attention, last_query_attention: (heads, length); accumulated_attention,
+    reconstruction_attention: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
     or the surprisal of token t + 1; evolution: (tokens_read,) this layer's R^l; mean_evolution:
     (tokens_read,) R averaged over layers.
@@ -110,6 +140,7 @@ class LayerSignals:
     window_attention: Tensor | None = None
     last_query_attention: Tensor | None = None
     accumulated_attention: Tensor | None = None
+    reconstruction_attention: Tensor | None = None
     information: Tensor | None = None
     evolution: Tensor | None = None
     mean_evolution: Tensor | None = None

@@ -15,10 +15,15 @@ TEXT = " ".join(CORPUS * 12)
 
 def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> None:
     for method in method_names():
-        doc = random_engine.ingest_text(TEXT, CompressionConfig(method=method, keep=0.25))
+        config = CompressionConfig(method=method, keep=0.25)
+        doc = random_engine.ingest_text(TEXT, config)
         n = doc.stats.document_tokens
         expected = n if method == "full" else round(0.25 * n)
-        assert doc.stats.kept_tokens_per_layer == [expected] * 3, method
+        if getattr(config.settings, "layer_budgets", "uniform") == "global":
+            assert doc.stats.kept_tokens == 3 * expected, method
+            assert min(doc.stats.kept_tokens_per_layer) >= 36
+        else:
+            assert doc.stats.kept_tokens_per_layer == [expected] * 3, method
         for layer in doc.cache.layers:
             positions = layer.positions
             assert bool((positions[:, 1:] > positions[:, :-1]).all()), "kept tokens stay in original order"
@@ -72,6 +77,23 @@ def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) 
     budget = config.budget_for(n)
     assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
     assert doc.stats.kept_tokens_per_layer == [budget] * 3
+
+
+@pytest.mark.parametrize("method", ["kvzip", "infokv_quality"])
+def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
+    random_engine: InfoKVEngine, method: str
+) -> None:
+    config = CompressionConfig(method=method, keep=0.2, chunk_size=64)
+    doc = random_engine.ingest_text(TEXT, config)
+    n = doc.stats.document_tokens
+    budget = config.budget_for(n, random_engine.prompt.head_tokens)
+    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
+    assert doc.stats.kept_tokens == 3 * budget
+    assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "layers keep what their scores earn"
+    for layer in doc.cache.layers:
+        assert bool((layer.positions[:, 1:] > layer.positions[:, :-1]).all())
+        assert bool((layer.positions[:, -32:] == torch.arange(n - 32, n)).all())
+    assert doc.ask("What is the notice period?", max_new_tokens=6)
 
 
 def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:

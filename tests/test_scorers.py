@@ -25,6 +25,7 @@ from infokv_rag.signals import (
     EVOLUTION,
     INFORMATION,
     LAST_QUERY_ATTENTION,
+    RECONSTRUCTION_ATTENTION,
     SIGNALS,
     WINDOW_ATTENTION,
     LayerSignals,
@@ -33,9 +34,11 @@ from infokv_rag.signals import (
 EXPECTED_SIGNALS: dict[str, frozenset[str]] = {
     "full": frozenset(),
     "h2o": frozenset({ACCUMULATED_ATTENTION}),
+    "kvzip": frozenset({RECONSTRUCTION_ATTENTION}),
     "infokv": frozenset({INFORMATION, WINDOW_ATTENTION}),
     "infokv_evolution": frozenset({EVOLUTION}),
     "infokv_information": frozenset({INFORMATION}),
+    "infokv_quality": frozenset({INFORMATION, RECONSTRUCTION_ATTENTION}),
     "knorm": frozenset(),
     "random": frozenset(),
     "snapkv": frozenset({WINDOW_ATTENTION}),
@@ -57,7 +60,12 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=generator)
 
-    old = torch.stack([torch.randperm(TOKENS_READ - SINKS - WINDOW, generator=generator)[: length - SINKS - WINDOW] for _ in range(KV_HEADS)])
+    old = torch.stack(
+        [
+            torch.randperm(TOKENS_READ - SINKS - WINDOW, generator=generator)[: length - SINKS - WINDOW]
+            for _ in range(KV_HEADS)
+        ]
+    )
     positions = torch.cat(
         [
             torch.arange(SINKS).expand(KV_HEADS, -1),
@@ -71,6 +79,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         WINDOW_ATTENTION: rand(HEADS, length).softmax(dim=-1),
         LAST_QUERY_ATTENTION: rand(HEADS, length).softmax(dim=-1),
         ACCUMULATED_ATTENTION: rand(KV_HEADS, length) * 10,
+        RECONSTRUCTION_ATTENTION: rand(KV_HEADS, length),
         INFORMATION: rand(TOKENS_READ) * 5,
         EVOLUTION: evolution,
     }
@@ -169,8 +178,30 @@ def test_infokv_reads_only_the_signals_its_weights_use() -> None:
     assert scorer_of("infokv", tau=0.0, lam=0.0).signals == {EVOLUTION}
 
 
+def test_infokv_attention_from_reconstruction() -> None:
+    assert scorer_of("infokv", attention="reconstruction").signals == {INFORMATION, RECONSTRUCTION_ATTENTION}
+    # Global layer budgets rank layers by the reconstruction attention even when A has no weight.
+    budgets_only = scorer_of("infokv", attention="reconstruction", layer_budgets="global", lam=0.0)
+    assert budgets_only.signals == {INFORMATION, RECONSTRUCTION_ATTENTION}
+    signals = synthetic_signals(SIGNALS)
+    attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank")
+    assert torch.equal(attention_only.score(signals), scorer_of("kvzip").score(signals).argsort().argsort() / 69)
+    with pytest.raises(ConfigError, match='layer_budgets="global" needs attention="reconstruction"'):
+        CompressionConfig(method="infokv", settings={"layer_budgets": "global"})
+
+
+@pytest.mark.parametrize("name", ["kvzip", "infokv_quality"])
+def test_global_methods_give_scores_comparable_across_layers(name: str) -> None:
+    signals = synthetic_signals(scorer_of(name).signals)
+    assert CompressionConfig(method=name).settings.layer_budgets == "global"
+    assert torch.equal(scorer_of(name).comparable_scores(signals), signals.reconstruction_attention)
+
+
 def test_the_ablations_score_like_infokv_with_fixed_weights() -> None:
-    for name, weights in (("infokv_information", {"tau": 1.0, "lam": 0.0}), ("infokv_evolution", {"tau": 0.0, "lam": 0.0})):
+    for name, weights in (
+        ("infokv_information", {"tau": 1.0, "lam": 0.0}),
+        ("infokv_evolution", {"tau": 0.0, "lam": 0.0}),
+    ):
         signals = synthetic_signals(SIGNALS)
         assert torch.equal(scorer_of(name).score(signals), scorer_of("infokv", **weights).score(signals))
 

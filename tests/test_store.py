@@ -112,6 +112,15 @@ def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> N
     assert loaded.document.page_of(loaded.document.text.index("Page two")) == 2
 
 
+@pytest.mark.parametrize("method", ["kvzip", "infokv_quality"])
+def test_a_cache_with_global_layer_budgets_round_trips(random_engine: InfoKVEngine, tmp_path: Path, method: str) -> None:
+    doc = random_engine.ingest_text(TEXT_A, CompressionConfig(method=method, keep=0.25, chunk_size=64))
+    loaded = random_engine.load(doc.save(tmp_path / method))
+    assert_same_document(loaded, doc)
+    assert loaded.config.settings.layer_budgets == "global"
+    assert loaded.ask(QUESTION, max_new_tokens=NEW_TOKENS) == doc.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+
+
 def test_save_replaces_an_existing_cache(random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path) -> None:
     doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
     target = doc_a.save(tmp_path / "c")

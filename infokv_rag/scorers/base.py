@@ -39,6 +39,13 @@ class Scorer(Generic[S]):
         """Returns (kv_heads, length) scores for the resident tokens of one layer."""
         raise NotImplementedError
 
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        """(kv_heads, length) scores on one scale for every layer, for `layer_budgets="global"`.
+
+        Only methods whose settings derive from `LayerBudgetSettings` are asked, and only when global.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no scores comparable across layers")
+
 
 @dataclass(frozen=True)
 class Method(Generic[S]):

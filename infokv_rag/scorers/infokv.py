@@ -4,7 +4,9 @@ E is the information signal, predictive entropy or surprisal (credited to the to
 "incoming", or to the token whose distribution it is, "outgoing"); R is the relative change the layer
 makes to the token's residual stream (this layer's, or the mean over layers); A is the pooled
 observation-window attention reduced over each KV group, optionally averaged with attention accumulated
-over all queries. N normalises within one (layer, KV head).
+over all queries, or (`attention="reconstruction"`) the attention each token receives while the model
+repeats the document (KVzip's signal, an extra pass per chunk: it sees the whole document where the
+window sees its end). N normalises within one (layer, KV head).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from ..signals import (
     ACCUMULATED_ATTENTION,
     EVOLUTION,
     INFORMATION,
+    RECONSTRUCTION_ATTENTION,
     WINDOW_ATTENTION,
     InformationSettings,
+    LayerBudgetSettings,
     LayerSignals,
 )
 from .base import Method, Scorer, check_pooling_kernel, normalize, pool, reduce_groups
@@ -32,12 +36,17 @@ EvolutionMode = Literal["per_layer", "mean"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
 Aggregation = Literal["token", "sentence"]
+Attention = Literal["window", "reconstruction"]
 
 
 @dataclass(frozen=True)
-class InfoKVSignalSettings(InformationSettings):
+class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     """Every InfoKV knob but the two weights, which the single-signal ablations fix."""
 
+    attention: Attention = "window"
+    """Where A comes from: "window", the observation window's attention (pooled with `pooling_kernel`), or
+    "reconstruction", the most attention each token received while the model repeated the document (about
+    one more prefill); `layer_budgets="global"` needs "reconstruction", whose scale is shared by all layers."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
     normalization: Normalization = "minmax"
@@ -51,6 +60,10 @@ class InfoKVSignalSettings(InformationSettings):
     def validate(self) -> None:
         super().validate()
         check_pooling_kernel(self.pooling_kernel)
+        if self.layer_budgets == "global" and self.attention != "reconstruction":
+            raise ConfigError(
+                'layer_budgets="global" needs attention="reconstruction" (window scores differ in scale per layer)'
+            )
 
     def weighted(self, tau: float, lam: float) -> InfoKVSettings:
         return InfoKVSettings(**dataclasses.asdict(self), tau=tau, lam=lam)
@@ -77,19 +90,30 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         if settings.lam < 1:
             needs |= {INFORMATION} if settings.tau > 0 else set()
             needs |= {EVOLUTION} if settings.tau < 1 else set()
-        if settings.lam > 0:
-            needs |= {WINDOW_ATTENTION, ACCUMULATED_ATTENTION} if settings.accumulated_attention else {WINDOW_ATTENTION}
+        if settings.lam > 0 or settings.layer_budgets == "global":
+            needs |= {RECONSTRUCTION_ATTENTION} if settings.attention == "reconstruction" else {WINDOW_ATTENTION}
+        if settings.lam > 0 and settings.accumulated_attention:
+            needs |= {ACCUMULATED_ATTENTION}
         self.signals = frozenset(needs)
 
     def attention_term(self, signals: LayerSignals) -> Tensor:
         settings = self.settings
-        assert signals.window_attention is not None
-        pooled = pool(signals.window_attention, settings.pooling_kernel)
-        attention = normalize(reduce_groups(pooled, signals.kv_heads, settings.head_reduction), settings.normalization)
+        if settings.attention == "reconstruction":
+            attention = normalize(self.comparable_scores(signals), settings.normalization)
+        else:
+            assert signals.window_attention is not None
+            pooled = pool(signals.window_attention, settings.pooling_kernel)
+            reduced = reduce_groups(pooled, signals.kv_heads, settings.head_reduction)
+            attention = normalize(reduced, settings.normalization)
         if settings.accumulated_attention:
             assert signals.accumulated_attention is not None
             attention = 0.5 * (attention + normalize(signals.accumulated_attention, settings.normalization))
         return attention
+
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        """The reconstruction attention itself: probabilities, on one scale for every layer."""
+        assert signals.reconstruction_attention is not None
+        return signals.reconstruction_attention
 
     def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R)."""

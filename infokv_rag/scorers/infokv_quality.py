@@ -1,0 +1,28 @@
+"""infokv_quality: InfoKV's quality mode, the reconstruction attention as A, ranked per token, with one
+threshold over all layers; about one more prefill per chunk than `infokv`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..signals import LayerBudgets
+from .base import Method
+from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization
+
+
+@dataclass(frozen=True)
+class InfoKVQualitySettings(InfoKVSettings):
+    # Chosen on the dev documents of benchmarks/realdocs (README, "Real documents").
+    attention: Attention = "reconstruction"
+    layer_budgets: LayerBudgets = "global"
+    lam: float = 0.7
+    normalization: Normalization = "rank"
+    aggregation: Aggregation = "token"
+
+
+METHOD = Method(
+    "infokv_quality",
+    InfoKVQualitySettings,
+    InfoKVScorer,
+    'InfoKV with `attention="reconstruction"`, `lam=0.7`, rank-normalised per token, global layer budgets',
+)

@@ -1,0 +1,58 @@
+"""Context reconstruction (KVzip scores) on the random model: exact against eager attention, side-effect free."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from infokv_rag import InfoKVEngine
+from infokv_rag.reconstruction import reconstruction_attention, repeat_prompt_ids
+from infokv_rag.selection import global_budgets
+
+TEXT = "The supplier shall deliver the goods within thirty days of the order date. " * 6
+
+
+def _prefill(engine: InfoKVEngine, ids: torch.Tensor):
+    cache = engine.runner.new_cache()
+    engine.runner.forward(ids, torch.arange(len(ids)), cache)
+    return cache
+
+
+def test_reconstruction_scores_equal_eager_attention_of_the_repeated_document(random_engine, random_model_dir):
+    ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
+    n, head = len(ids), random_engine.prompt.head_tokens
+    scores = reconstruction_attention(
+        random_engine.runner, random_engine.prompt, _prefill(random_engine, ids), ids, 0, n, head
+    )
+    # One chunk: KVzip's key subset (sinks, chunk, repeated tokens) is the whole sequence, so its
+    # scores are the plain causal attention of the repeated tokens over the document's keys.
+    repeated = repeat_prompt_ids(random_engine.prompt, None) + ids[head:].tolist()
+    eager = AutoModelForCausalLM.from_pretrained(random_model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = eager(torch.cat([ids, torch.tensor(repeated)])[None], output_attentions=True).attentions
+    kv_heads = random_engine.runner.kv_heads
+    for layer, probabilities in enumerate(attentions):
+        rows = probabilities[0, :, n:, head:n]  # (heads, repeated, document tokens after the head)
+        expected = rows.reshape(kv_heads, -1, *rows.shape[1:]).amax(dim=(1, 2))
+        torch.testing.assert_close(scores[layer][:, head:], expected, atol=1e-5, rtol=1e-4)
+        assert bool((scores[layer][:, :head] == 1).all())
+
+
+def test_reconstruction_leaves_the_cache_as_it_found_it(random_engine):
+    ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
+    cache = _prefill(random_engine, ids)
+    before = [(layer.live("keys").clone(), layer.live("positions").clone()) for layer in cache.layers]
+    half = len(ids) // 2
+    reconstruction_attention(random_engine.runner, random_engine.prompt, cache, ids, half, len(ids), 4)
+    for layer, (keys, positions) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.live("keys"), keys) and torch.equal(layer.live("positions"), positions)
+
+
+def test_global_budgets_follow_the_scores_and_keep_the_total():
+    high, low = torch.full((2, 100), 0.9), torch.full((2, 100), 0.1)
+    budgets = global_budgets([high, low, high], total=3 * 40, minimum=10)
+    assert sum(budgets) == 120
+    assert budgets[1] == 10 and budgets[0] == budgets[2] == 55
+    mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    assert sum(global_budgets(mixed, total=4 * 20, minimum=8)) == 80
+    assert global_budgets(mixed, total=10_000, minimum=8) == [50] * 4
