@@ -27,14 +27,17 @@ from pathlib import Path
 
 import torch
 
-from variants import compress_variants, teacher_forced_logits
-
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Document, document_from_text, load_document
 from infokv_rag.evaluation import answer_matches, make_fact_document
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
+
+if __package__:  # imported as benchmarks.quality (e.g. by benchmarks/realdocs_quality.py)
+    from .variants import compress_variants, teacher_forced_logits
+else:  # run as a script: python benchmarks/quality.py
+    from variants import compress_variants, teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention")
