@@ -40,7 +40,7 @@ else:  # run as a script: python benchmarks/quality.py
     from variants import compress_variants, teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parent.parent
-KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention")
+KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention", "kvzip")
 KVPRESS_SANITY = "kvpress:none"
 SPLIT_SEEDS = {"dev": range(0, 1000), "test": range(1000, 2000)}
 ABLATIONS: dict[str, dict[str, object]] = {
