@@ -478,9 +478,8 @@ def run_peer(
         for result in pending
     ]
     progress(f"kvpress peer: {len(pending)} documents, presses {presses} at keeps {keeps} ({bench.elapsed()})")
-    peer = run_kvpress_peer(
-        python, kvpress_job(bench.engine, tasks, full_answers, presses, keeps, bench.max_new_tokens), stem
-    )
+    job = kvpress_job(bench.engine, tasks, full_answers, presses, keeps, bench.max_new_tokens)
+    peer: dict[str, Any] = run_kvpress_peer(python, job, stem)
     by_id = {result.doc.doc_id: result for result in pending}
     for output in peer["rows"]:
         result = by_id[output["document"]]
