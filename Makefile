@@ -14,7 +14,7 @@ KVPRESS_PIP := $(KVPRESS_VENV)/bin/python -m pip
 KVPRESS_LOCK := benchmarks/kvpress-requirements.txt
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
 
-.PHONY: install models demo lint test test-fast bench bench-quality bench-latency bench-overhead kvpress-env clean
+.PHONY: install models demo lint test test-fast bench bench-quality bench-realdocs bench-latency bench-overhead kvpress-env clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ bench: bench-latency bench-overhead bench-quality
 
 bench-quality: models kvpress-env
 	$(PY) benchmarks/quality.py
+
+# Real contracts and manuals, held-out split, default rows and kvpress peers; e.g. REALDOCS_ARGS="--no-kvpress".
+bench-realdocs: models kvpress-env
+	$(PY) -m benchmarks.realdocs_quality --split test $(REALDOCS_ARGS)
 
 bench-latency: models
 	$(PY) benchmarks/latency.py

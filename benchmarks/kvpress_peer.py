@@ -1,4 +1,5 @@
-"""NVIDIA kvpress presses on the quality benchmark's exact prompts (started by benchmarks/quality.py).
+"""NVIDIA kvpress presses on the quality benchmarks' exact prompts (started by benchmarks/quality.py and
+benchmarks/realdocs_quality.py).
 
 Runs inside `.venv-kvpress` (`make kvpress-env`): kvpress 0.5.5 needs transformers<5.3 while the project
 needs >=5.24, so this script imports only torch, transformers and kvpress, never infokv_rag.
@@ -16,6 +17,12 @@ KL(p_nopress || p_press) over the rows the quality benchmark uses (from len(suff
 one row per (document, question, press, keep) with the answer ids and KL, plus press "none" (no
 compression) as a sanity row.
 
+KVzipPress (press "kvzip") is the exception to the shortcuts below: it scores by reconstructing the
+context after the prefill, so it runs its own hooked prefill and reconstruction, once per document for
+all keep ratios (its scores do not depend on the ratio; `KVzipAtKeeps`), and it masks the evicted keys of
+each head instead of removing them (kvpress's attention patch), so its cache keeps every token; its masks
+are installed only while its own rows are answered.
+
 Two shortcuts keep this within minutes on 2 CPU cores, and `--check` tests both on the first document:
 - One prefill per document. A press compresses a layer's cache in a forward hook after that layer
   attended over the whole prefix, so no press changes the prefill's hidden states. One plain prefill
@@ -25,6 +32,8 @@ Two shortcuts keep this within minutes on 2 CPU cores, and `--check` tests both 
   ratio, so their caches stack into one batch, copied once per question; masked pads align the
   questions' ends. The check compares these answers and logits with those of one press and one
   question at a time, which need no pads and no mask, as in kvpress's pipeline.
+For kvzip the check compares the masks of the one reconstruction with KVzipPress's own at each keep
+ratio, and batched answers under the masks with one-question answers.
 """
 
 from __future__ import annotations
@@ -34,14 +43,15 @@ import json
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
 import torch
+from kvpress import BasePress, ExpectedAttentionPress, KnormPress, KVzipPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from transformers import AutoModelForCausalLM, DynamicCache
-
-from kvpress import BasePress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress
 
 PRESSES: dict[str, type[BasePress]] = {
     "snapkv": SnapKVPress,
@@ -51,6 +61,12 @@ PRESSES: dict[str, type[BasePress]] = {
     "expected_attention": ExpectedAttentionPress,
 }
 NO_PRESS = "none"
+KVZIP = "kvzip"
+"""KVzipPress: scores by context reconstruction after the prefill (a second pass), so it cannot be replayed
+from a plain prefill's hook calls, and it masks evicted keys per head (module.masked_key_indices) instead
+of removing them: its rows compare answers, not bytes."""
+Masks = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""Per attention layer, KVzipPress's masked key indices (batch, head, position) for a batch of one."""
 
 
 def log(message: str) -> None:
@@ -76,7 +92,9 @@ def prefill(model: Any, ids: list[int]) -> Prefill:
     """Runs the prefix through the decoder as kvpress's pipeline does (no LM head) and records the hook calls."""
     calls: list[tuple[dict[str, Any], Any]] = []
     hooks = [
-        module.register_forward_hook(lambda _m, _a, kwargs, output: calls.append((dict(kwargs), output)), with_kwargs=True)
+        module.register_forward_hook(
+            lambda _m, _a, kwargs, output: calls.append((dict(kwargs), output)), with_kwargs=True
+        )
         for module in attention_layers(model)
     ]
     try:
@@ -96,7 +114,7 @@ def replay(model: Any, press: BasePress, full: Prefill) -> DynamicCache:
     # The context manager does the press's per-model setup (post_init_from_model, rotary_emb on each
     # attention module); its hooks never fire because no forward runs inside it.
     with press(model):
-        for module, (kwargs, output) in zip(attention_layers(model), full.calls):
+        for module, (kwargs, output) in zip(attention_layers(model), full.calls, strict=True):
             press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
     return cache
 
@@ -108,6 +126,58 @@ def hooked_prefill(model: Any, press: BasePress, ids: list[int]) -> DynamicCache
     with press(model):
         model.model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache)
     return cache
+
+
+@dataclass
+class KVzipAtKeeps(KVzipPress):
+    """KVzipPress that reconstructs once and then runs its own `compress_post` at each keep ratio (< 1).
+
+    The reconstruction's scores do not depend on the ratio (only which of them are cut does), so one
+    pass serves every keep; `masks[keep]` are the indices KVzipPress(compression_ratio=1 - keep) masks
+    (`--check` compares them).
+    """
+
+    keeps: tuple[float, ...] = ()
+    masks: dict[float, Masks] = field(default_factory=dict)
+
+    def compress_post(self, model: Any) -> None:
+        for keep in self.keeps:
+            self.compression_ratio = 1 - keep
+            super().compress_post(model)
+            self.masks[keep] = [module.masked_key_indices for module in attention_layers(model)]
+
+
+@torch.inference_mode()
+def kvzip_prefill(model: Any, ids: list[int], keeps: list[float]) -> tuple[DynamicCache, dict[float, Masks | None]]:
+    """KVzipPress's prefill + one reconstruction: the full cache and, per keep, each layer's masked keys
+    (None at keep 1: nothing is masked)."""
+    compressing = tuple(keep for keep in keeps if keep < 1)
+    press = KVzipAtKeeps(compression_ratio=1 - min(compressing, default=1.0), keeps=compressing)
+    cache = hooked_prefill(model, press, ids)
+    for module in attention_layers(model):
+        module.masked_key_indices = None  # compress_post leaves the last keep's masks installed
+    return cache, {keep: press.masks.get(keep) for keep in keeps}
+
+
+@contextmanager
+def masked_keys(model: Any, masks: Masks | None, rows: int) -> Iterator[None]:
+    """Installs KVzip's per-head masks for a batch of `rows` copies of one cache (answer() copies the
+    cache per question), or none; and removes them afterwards so that no other cache is masked."""
+    modules = attention_layers(model)
+    for index, module in enumerate(modules):
+        module.masked_key_indices = None
+        if masks is not None:
+            _, heads, positions = masks[index]
+            module.masked_key_indices = (
+                torch.arange(rows, device=positions.device).repeat_interleave(len(positions)),
+                heads.repeat(rows),
+                positions.repeat(rows),
+            )
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.masked_key_indices = None
 
 
 def stack(caches: list[DynamicCache]) -> DynamicCache:
@@ -173,8 +243,10 @@ def answer(
     batch = len(questions) * variants
     # Every row gets its own copy of its variant's cache, so questions never see each other.
     cache = DynamicCache(
-        ddp_cache_data=[(layer.keys.repeat(len(questions), 1, 1, 1), layer.values.repeat(len(questions), 1, 1, 1))
-                        for layer in cache.layers]
+        ddp_cache_data=[
+            (layer.keys.repeat(len(questions), 1, 1, 1), layer.values.repeat(len(questions), 1, 1, 1))
+            for layer in cache.layers
+        ]
     )
     mask = torch.cat([torch.ones(batch, m, dtype=torch.long, device=device), per_row(masks)], dim=1)
     logits = forward(model, cache, per_row(ids), per_row(positions), mask, reference_len + 1)
@@ -213,6 +285,7 @@ def compressed_caches(model: Any, full: Prefill, job: dict[str, Any]) -> dict[tu
         (name, keep): replay(model, PRESSES[name](compression_ratio=1 - keep), full)
         for keep in job["keeps"]
         for name in job["presses"]
+        if name != KVZIP
     }
 
 
@@ -224,30 +297,47 @@ def batches(caches: dict[tuple[str, float], DynamicCache]) -> list[tuple[list[tu
     return [(variants, stack([caches[v] for v in variants])) for variants in groups.values()]
 
 
-def run_document(model: Any, document: dict[str, Any], job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_document(
+    model: Any, document: dict[str, Any], job: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """All presses, keeps and questions of one document -> (output rows, timing record)."""
     prefix, questions = document["prefix_ids"], document["questions"]
     n = len(prefix)
     clock = time.perf_counter()
     full = prefill(model, prefix)
-    timing: dict[str, Any] = {"document": document["name"], "prefix_tokens": n, "prefill_s": time.perf_counter() - clock}
+    timing: dict[str, Any] = {
+        "document": document["name"],
+        "prefix_tokens": n,
+        "prefill_s": time.perf_counter() - clock,
+    }
     clock = time.perf_counter()
     caches = compressed_caches(model, full, job)
     timing["compress_s"] = time.perf_counter() - clock
     timing["cache_tokens"] = {f"{name}@{keep}": cache.get_seq_length() for (name, keep), cache in caches.items()}
-    groups = [([(NO_PRESS, 1.0)], full.cache), *batches(caches)]
+    groups: list[tuple[list[tuple[str, float]], DynamicCache, Masks | None]] = [
+        ([(NO_PRESS, 1.0)], full.cache, None),
+        *((variants, cache, None) for variants, cache in batches(caches)),
+    ]
     del caches, full  # the recorded calls hold every layer's hidden states: not needed any more
+    if KVZIP in job["presses"]:
+        clock = time.perf_counter()
+        cache, kvzip_masks = kvzip_prefill(model, prefix, job["keeps"])
+        groups += [([(KVZIP, keep)], cache, masks) for keep, masks in kvzip_masks.items()]
+        timing["kvzip_s"] = time.perf_counter() - clock
     clock = time.perf_counter()
     rows: list[dict[str, Any]] = []
     plain: list[list[tuple[list[int], torch.Tensor]]] = []
-    for variants, cache in groups:
-        per_question = answer(model, cache, n, questions, job)
+    for variants, cache, masks in groups:
+        with masked_keys(model, masks, len(questions)):
+            per_question = answer(model, cache, n, questions, job)
         # The first group is the uncompressed cache: its teacher-forced logits are every KL's reference.
         plain = plain or per_question
-        for index, (reference, answers) in enumerate(zip(plain, per_question)):
-            for (name, keep), (ids, logits) in zip(variants, answers):
+        for index, (reference, answers) in enumerate(zip(plain, per_question, strict=True)):
+            for (name, keep), (ids, logits) in zip(variants, answers, strict=True):
                 kl = mean_kl(reference[0][1], logits)
-                rows.append({"document": document["name"], "question": index, "press": name, "keep": keep, "ids": ids, "kl": kl})
+                rows.append(
+                    {"document": document["name"], "question": index, "press": name, "keep": keep, "ids": ids, "kl": kl}
+                )
     timing["answer_s"] = time.perf_counter() - clock
     return rows, timing
 
@@ -263,24 +353,63 @@ def check(model: Any, job: dict[str, Any]) -> bool:
         per_question = answer(model, cache, len(prefix), questions, job)
         batched.update({variant: [answers[v] for answers in per_question] for v, variant in enumerate(variants)})
     passed = True
-    print("| press | keep | tokens kept | replay vs hooked prefill: max abs diff K / V | "
-          "batched vs alone: same answers | max abs diff of logits |")
+    print(
+        "| press | keep | tokens kept | replay vs hooked prefill: max abs diff K / V | "
+        "batched vs alone: same answers | max abs diff of logits |"
+    )
     print("|---|---|---|---|---|---|")
     for (name, keep), replayed in caches.items():
         hooked = hooked_prefill(model, PRESSES[name](compression_ratio=1 - keep), prefix)
-        pairs = list(zip(replayed.layers, hooked.layers))
+        pairs = list(zip(replayed.layers, hooked.layers, strict=True))
         if all(a.keys.shape == b.keys.shape for a, b in pairs):
             key_diff = max(float((a.keys - b.keys).abs().max()) for a, b in pairs)
             value_diff = max(float((a.values - b.values).abs().max()) for a, b in pairs)
         else:
             key_diff = value_diff = float("inf")
         alone = [answer(model, replayed, len(prefix), [q], job)[0][0] for q in questions]
-        same = sum(a[0] == b[0] for a, b in zip(alone, batched[(name, keep)]))
-        logit_diff = max(float((a[1] - b[1]).abs().max()) for a, b in zip(alone, batched[(name, keep)]))
+        same = sum(a[0] == b[0] for a, b in zip(alone, batched[(name, keep)], strict=True))
+        logit_diff = max(float((a[1] - b[1]).abs().max()) for a, b in zip(alone, batched[(name, keep)], strict=True))
         passed &= key_diff <= 1e-5 and value_diff <= 1e-5 and same == len(questions)
-        print(f"| {name} | {keep} | {replayed.get_seq_length()} of {len(prefix)} | {key_diff:.2g} / {value_diff:.2g} | "
-              f"{same} of {len(questions)} | {logit_diff:.2g} |")
+        print(
+            f"| {name} | {keep} | {replayed.get_seq_length()} of {len(prefix)} | {key_diff:.2g} / {value_diff:.2g} | "
+            f"{same} of {len(questions)} | {logit_diff:.2g} |"
+        )
+    if KVZIP in job["presses"]:
+        passed &= check_kvzip(model, prefix, questions, job)
     print("check " + ("passed" if passed else "FAILED"))
+    return passed
+
+
+def check_kvzip(model: Any, prefix: list[int], questions: list[dict[str, Any]], job: dict[str, Any]) -> bool:
+    """One reconstruction's masks vs KVzipPress's own at each keep; batched vs one-question answers under them."""
+    cache, all_masks = kvzip_prefill(model, prefix, job["keeps"])
+    passed = True
+    for keep, masks in all_masks.items():
+        if masks is None:
+            continue
+        with KVzipPress(compression_ratio=1 - keep)(model):
+            model.model(input_ids=torch.tensor([prefix], device=model.device), past_key_values=DynamicCache())
+        own = [module.masked_key_indices for module in attention_layers(model)]
+        same_masks = all(
+            set(zip(*(t.tolist() for t in ours), strict=True)) == set(zip(*(t.tolist() for t in theirs), strict=True))
+            for ours, theirs in zip(masks, own, strict=True)
+        )
+        with masked_keys(model, masks, len(questions)):
+            batched = [answers[0] for answers in answer(model, cache, len(prefix), questions, job)]
+        alone = []
+        for q in questions:
+            with masked_keys(model, masks, 1):
+                alone.append(answer(model, cache, len(prefix), [q], job)[0][0])
+        same = sum(a[0] == b[0] for a, b in zip(alone, batched, strict=True))
+        logit_diff = max(float((a[1] - b[1]).abs().max()) for a, b in zip(alone, batched, strict=True))
+        kv_heads = cache.layers[0].keys.shape[1]
+        kept = len(prefix) - sum(len(positions) for _, _, positions in masks) / (len(masks) * kv_heads)
+        passed &= same_masks and same == len(questions)
+        masks_match = "masks equal KVzipPress's own" if same_masks else "masks DIFFER from KVzipPress's own"
+        print(
+            f"| {KVZIP} | {keep} | {kept:.0f} of {len(prefix)} (mean per head; masked) | {masks_match} | "
+            f"{same} of {len(questions)} | {logit_diff:.2g} |"
+        )
     return passed
 
 
@@ -294,15 +423,19 @@ def main() -> int:
         parser.error("give an output path, or --check")
     with open(args.job) as handle:
         job = json.load(handle)
-    unknown = set(job["presses"]) - set(PRESSES)
+    unknown = set(job["presses"]) - set(PRESSES) - {KVZIP}
     if unknown:
-        parser.error(f"unknown presses {sorted(unknown)}; known: {sorted(PRESSES)}")
+        parser.error(f"unknown presses {sorted(unknown)}; known: {sorted([*PRESSES, KVZIP])}")
     clock = time.perf_counter()
     # sdpa returns no attention weights, so the attention-based presses compute their own from the
     # hidden states, exactly as they do in kvpress's pipeline with the default attention.
-    model = AutoModelForCausalLM.from_pretrained(
-        job["model_dir"], dtype=getattr(torch, job["dtype"]), attn_implementation="sdpa"
-    ).to(job["device"]).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            job["model_dir"], dtype=getattr(torch, job["dtype"]), attn_implementation="sdpa"
+        )
+        .to(job["device"])
+        .eval()
+    )
     log(f"model loaded in {time.perf_counter() - clock:.0f}s (torch threads: {torch.get_num_threads()})")
     if args.check:
         return 0 if check(model, job) else 1
@@ -311,9 +444,11 @@ def main() -> int:
         document_rows, timing = run_document(model, document, job)
         rows += document_rows
         timings.append(timing)
-        log(f"[{index + 1}/{len(job['documents'])}] {document['name']}: {timing['prefix_tokens']} tokens, "
+        log(
+            f"[{index + 1}/{len(job['documents'])}] {document['name']}: {timing['prefix_tokens']} tokens, "
             f"{len(document['questions'])} questions; prefill {timing['prefill_s']:.0f}s, "
-            f"compress {timing['compress_s']:.0f}s, answers {timing['answer_s']:.0f}s")
+            f"compress {timing['compress_s']:.0f}s, answers {timing['answer_s']:.0f}s"
+        )
     versions = {package: version(package) for package in ("kvpress", "transformers", "torch")}
     with open(args.out, "w") as handle:
         json.dump({"versions": versions, "timings": timings, "rows": rows}, handle)

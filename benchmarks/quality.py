@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from variants import compress_variants, teacher_forced_logits
-
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Document, document_from_text, load_document
 from infokv_rag.evaluation import answer_matches, make_fact_document
@@ -36,8 +34,13 @@ from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
+if __package__:  # imported as benchmarks.quality (e.g. by benchmarks/realdocs_quality.py)
+    from .variants import compress_variants, teacher_forced_logits
+else:  # run as a script: python benchmarks/quality.py
+    from variants import compress_variants, teacher_forced_logits
+
 ROOT = Path(__file__).resolve().parent.parent
-KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention")
+KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention", "kvzip")
 KVPRESS_SANITY = "kvpress:none"
 SPLIT_SEEDS = {"dev": range(0, 1000), "test": range(1000, 2000)}
 ABLATIONS: dict[str, dict[str, object]] = {

@@ -89,15 +89,27 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "infokv-rag") / "realdocs"
 
 
-def load_realdocs(split: str | None = None, cache_dir: Path | None = None) -> list[RealDoc]:
-    """The documents of `split` ("dev", "test", or None for all), each rendered to a PDF."""
+def load_realdocs(
+    split: str | None = None, cache_dir: Path | None = None, doc_ids: Sequence[str] | None = None
+) -> list[RealDoc]:
+    """The documents of `split` ("dev", "test", or None for all), each rendered to a PDF.
+
+    `doc_ids` keeps only those documents (in manifest order; the others are neither fetched nor
+    rendered); an id that is not in the split raises ValueError.
+    """
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, not {split!r}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    entries = [entry for entry in _manifest() if split is None or entry["split"] == split]
+    if doc_ids is not None:
+        known = [entry["id"] for entry in entries]
+        unknown = [doc_id for doc_id in doc_ids if doc_id not in known]
+        if unknown:
+            where = f"the {split} split" if split else "the corpus"
+            raise ValueError(f"no document {', '.join(unknown)} in {where}; its documents: {', '.join(known)}")
+        entries = [entry for entry in entries if entry["id"] in doc_ids]
     docs: list[RealDoc] = []
-    for entry in _manifest():
-        if split is not None and entry["split"] != split:
-            continue
+    for entry in entries:
         text = _entry_text(entry, cache)
         docs.append(
             RealDoc(

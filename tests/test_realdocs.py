@@ -1,0 +1,63 @@
+"""The real-document corpus (benchmarks/realdocs): its manifest is well formed and its committed texts
+hold every question's answer. Reads JSON and text only: no model, no network, no PDF rendering."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from benchmarks.realdocs import (
+    KINDS,
+    QUESTIONS_FILE,
+    SPLITS,
+    answer_matches,
+    document_text,
+    load_realdocs,
+    normalize_answer,
+)
+
+MANIFEST: list[dict[str, Any]] = json.loads(QUESTIONS_FILE.read_text(encoding="utf-8"))["documents"]
+COMMITTED = [entry for entry in MANIFEST if "file" in entry["source"]]
+
+
+def test_manifest_is_well_formed() -> None:
+    ids = [entry["id"] for entry in MANIFEST]
+    assert len(ids) == len(set(ids)), f"repeated document ids: {[i for i, n in Counter(ids).items() if n > 1]}"
+    for entry in MANIFEST:
+        assert entry["split"] in SPLITS and entry["kind"] in KINDS, entry["id"]
+        assert entry["title"].strip() and entry["questions"], entry["id"]
+        assert ("file" in entry["source"]) != ("pypi" in entry["source"]), f"{entry['id']}: one source"
+        questions = [q["question"] for q in entry["questions"]]
+        assert len(questions) == len(set(questions)), f"{entry['id']}: a question is repeated"
+        for question in entry["questions"]:
+            assert question["question"].strip(), entry["id"]
+            answers = question["answers"]
+            assert answers and all(normalize_answer(a) for a in answers), (entry["id"], question["question"])
+
+
+def test_split_is_fixed() -> None:
+    """The held-out set is what results are reported on: moving a document between splits is a decision."""
+    documents = Counter(entry["split"] for entry in MANIFEST)
+    questions: Counter[str] = Counter()
+    for entry in MANIFEST:
+        questions[entry["split"]] += len(entry["questions"])
+    assert (documents["dev"], questions["dev"]) == (5, 47)
+    assert (documents["test"], questions["test"]) == (7, 68)
+
+
+@pytest.mark.parametrize("entry", COMMITTED, ids=[entry["id"] for entry in COMMITTED])
+def test_committed_text_holds_every_answer(entry: dict[str, Any]) -> None:
+    text = document_text(entry["id"])
+    missing = [q["question"] for q in entry["questions"] if not answer_matches(text, q["answers"])]
+    assert not missing, f"{entry['id']}: no accepted answer in the text for {missing}"
+
+
+def test_load_realdocs_selects_documents_by_id(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="no document nosuch in the dev split"):
+        load_realdocs("dev", cache_dir=tmp_path, doc_ids=["nosuch"])
+    test_only = next(entry["id"] for entry in MANIFEST if entry["split"] == "test")
+    with pytest.raises(ValueError, match=test_only):
+        load_realdocs("dev", cache_dir=tmp_path, doc_ids=[test_only])

@@ -1,0 +1,232 @@
+"""benchmarks/realdocs_quality.py: row specs, the metric arithmetic on hand-made records, and one small run
+on the tiny model (skipped where it is not installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.realdocs_quality import (
+    DEFAULT_ROWS,
+    FULL,
+    NO_DOCUMENT,
+    Ingest,
+    PeerRow,
+    QuestionResult,
+    RowSpecError,
+    default_rows,
+    parse_args,
+    parse_row,
+    parse_rows,
+    peer_rows,
+    row_metrics,
+    run,
+    table,
+)
+from infokv_rag import InfoKVEngine
+from infokv_rag.errors import ModelError
+from infokv_rag.models import resolve_model_dir
+from infokv_rag.scorers import method_names
+
+# --- row specs ------------------------------------------------------------------------------------------
+
+
+def test_row_spec_keep_ratio_and_token_count() -> None:
+    row = parse_row("infokv@0.25")
+    assert (row.label, row.config.method, row.config.keep) == ("infokv@0.25", "infokv", 0.25)
+    assert isinstance(row.config.keep, float)
+    tokens = parse_row("snapkv@512").config.keep
+    assert tokens == 512 and isinstance(tokens, int)
+
+
+def test_row_spec_settings_are_json_or_strings_and_shared_fields_go_to_the_config() -> None:
+    row = parse_row("infokv@0.5[tau=0.5, information=entropy,adaptive_budget=true,window=16]")
+    assert row.label == "infokv@0.5[tau=0.5, information=entropy,adaptive_budget=true,window=16]"
+    settings = row.config.to_dict()["settings"]
+    assert settings["tau"] == 0.5 and settings["information"] == "entropy"
+    assert row.config.adaptive_budget is True and row.config.window == 16
+    assert row.identity()["config"]["settings"]["tau"] == 0.5 and row.identity()["document"] == "own"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("infokv", "expected METHOD@KEEP"),
+        ("infokv@0.25[tau=0.5", "expected METHOD@KEEP"),
+        ("nosuch@0.25", "unknown method 'nosuch'; methods: .*infokv"),
+        ("full@1.0", "always run"),
+        ("infokv@1.5", "keep ratio must be in"),
+        ("infokv@abc", "keep must be a ratio"),
+        ("infokv@0.25[nosuch=1]", "has no setting nosuch; it takes .*tau"),
+        ("infokv@0.25[tau]", "'tau' is not key=value"),
+        ("infokv@0.25[tau=1,tau=0.5]", "'tau' is given twice"),
+        ("infokv@0.25[information=nosuch]", "information must be one of"),
+        ("snapkv@0.25[window=-1]", "window must be >= 0"),
+    ],
+)
+def test_row_spec_errors_name_the_row_and_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(RowSpecError, match=message) as caught:
+        parse_row(spec)
+    assert str(caught.value).startswith(f"row {spec!r}: ")
+
+
+def test_rows_given_twice_and_the_command_line() -> None:
+    with pytest.raises(RowSpecError, match="more than once: snapkv@0.25"):
+        parse_rows(["snapkv@0.25", "infokv@0.25", "snapkv@0.25"])
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "nosuch@0.25", "--no-kvpress"])
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--fresh", "infokv@0.25"])
+    args = parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--fresh", "snapkv@0.25", NO_DOCUMENT])
+    assert args.labels == [FULL, NO_DOCUMENT, "snapkv@0.25"] and args.peer_rows == []
+
+
+def test_default_rows_are_the_registered_ones() -> None:
+    rows = default_rows()
+    assert rows == [spec for spec in DEFAULT_ROWS if spec.split("@")[0] in method_names()]
+    assert "infokv@0.25" in rows
+    parse_rows(rows)
+
+
+def test_peer_rows_take_the_ratio_keeps_of_the_engine_rows() -> None:
+    rows = parse_rows(["infokv@0.5", "snapkv@0.25", "knorm@512", "tova@1.0"])
+    assert [row.label for row in peer_rows(["kvzip", "snapkv"], rows)] == [
+        "kvpress:none",
+        "kvpress:kvzip@0.25",
+        "kvpress:snapkv@0.25",
+        "kvpress:kvzip@0.5",
+        "kvpress:snapkv@0.5",
+    ]
+    assert PeerRow("none", 1.0).identity() == {"kvpress": "none", "keep": 1.0}
+
+
+# --- metric arithmetic ----------------------------------------------------------------------------------
+
+ROW = "m@0.25"
+
+
+def result(kind: str, full: str, blank: str, row: str, kl: float) -> QuestionResult:
+    """A question whose accepted answer is "42 days"."""
+    return QuestionResult("doc", kind, "q", ("42 days",), {FULL: full, NO_DOCUMENT: blank, ROW: row}, {ROW: kl})
+
+
+RESULTS = [
+    # dependent (full right, blank wrong); the row keeps it and agrees up to white space
+    result("contract", "42 days.", "30 days", " 42 days. ", 0.1),
+    # dependent, lost
+    result("contract", "It is 42 days", "none", "30 days", 0.5),
+    # not dependent: the blank document answers it too; the row is wrong
+    result("manual", "42 days", "42 days", "7 days", 0.9),
+    # not dependent: the full cache is wrong; the row is right anyway
+    result("manual", "7 days", "7 days", "42 Days", 0.2),
+    # dependent, kept, different words
+    result("manual", "42 days", "I do not know", "After 42 days.", 0.3),
+]
+
+
+def test_dependent_share_accuracy_agreement_and_kl() -> None:
+    assert [r.dependent for r in RESULTS] == [True, True, False, False, True]
+    metrics = row_metrics(ROW, RESULTS)
+    assert (metrics["questions"], metrics["correct"], metrics["accuracy"]) == (5, 3, 0.6)
+    assert (metrics["dependent"], metrics["kept"], metrics["share"]) == (3, 2, pytest.approx(2 / 3))
+    assert metrics["by_kind"] == {
+        "contract": {"dependent": 2, "kept": 1, "share": 0.5},
+        "manual": {"dependent": 1, "kept": 1, "share": 1.0},
+    }
+    assert metrics["agreement"] == 0.2
+    assert metrics["kl"] == pytest.approx((0.1 + 0.5 + 0.9 + 0.2 + 0.3) / 5)
+    assert "bytes_ratio" not in metrics
+
+
+def test_reference_rows_by_definition() -> None:
+    full, blank = row_metrics(FULL, RESULTS), row_metrics(NO_DOCUMENT, RESULTS)
+    assert (full["share"], full["agreement"], full["kl"], full["accuracy"]) == (1.0, 1.0, 0.0, 0.8)
+    assert (blank["kept"], blank["share"], blank["accuracy"]) == (0, 0.0, 0.2)
+
+
+def test_ratios_are_sums_over_documents() -> None:
+    ingests = [
+        Ingest(
+            seconds=3.0, full_seconds=2.0, cache_bytes=100, full_cache_bytes=400, split={"prefill": 2.0, "scoring": 1.0}
+        ),
+        Ingest(
+            seconds=9.0, full_seconds=4.0, cache_bytes=300, full_cache_bytes=600, split={"prefill": 5.0, "scoring": 4.0}
+        ),
+    ]
+    metrics = row_metrics(ROW, RESULTS, ingests)
+    # Not the mean of the per-document ratios (0.375 and 1.875).
+    assert metrics["bytes_ratio"] == pytest.approx(0.4)
+    assert metrics["ingest_ratio"] == pytest.approx(2.0)
+    assert metrics["ingest_split"] == {"prefill": 7.0, "scoring": 5.0}
+
+
+def test_ingest_record_measures_bytes_against_the_full_cache_of_the_document() -> None:
+    stats = {"cache_bytes": 10, "full_cache_bytes": 10, "prefill_seconds": 0.5, "scoring_seconds": 0.0, "keep": 1}
+    blank = {"seconds": 0.5, "full_seconds": 4.0, "stats": stats}
+    full = {"seconds": 4.0, "full_seconds": 4.0, "stats": {**stats, "cache_bytes": 1000}}
+    ingest = Ingest.from_records(blank, full)
+    assert (ingest.cache_bytes, ingest.full_cache_bytes, ingest.full_seconds) == (10, 1000, 4.0)
+    assert ingest.split == {"prefill": 0.5, "scoring": 0.0}
+
+
+def test_table_shows_counts_per_row_and_kind() -> None:
+    markdown = table({label: row_metrics(label, RESULTS) for label in (FULL, NO_DOCUMENT, ROW)})
+    lines = markdown.splitlines()
+    assert len(lines) == 5 and lines[0].startswith("| row |")
+    assert lines[4].startswith(f"| {ROW} | 5 | 0.600 | 2/3 (67%) | 1/2 (50%) | 1/1 (100%) | 0.200 | 0.400 | - | - |")
+
+
+# --- one small run on the tiny model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(request: pytest.FixtureRequest) -> InfoKVEngine:
+    try:
+        resolve_model_dir("tiny")
+    except ModelError as error:
+        pytest.skip(f"the tiny model is not installed: {error}")
+    engine: InfoKVEngine = request.getfixturevalue("tiny_engine")
+    return engine
+
+
+@pytest.mark.tiny
+def test_small_run_writes_the_reports_and_reuses_its_cache(
+    tiny: InfoKVEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", "tiny", "--split", "dev", "--docs", "mnda-quillfeather-marrowgate", "--questions", "2"]
+    argv += ["--rows", "infokv@0.25", "--no-kvpress", "--max-new-tokens", "16"]
+    argv += ["--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
+    assert run(parse_args(argv), engine=tiny) == 0
+    first = capsys.readouterr()
+    rows = [FULL, NO_DOCUMENT, "infokv@0.25"]
+    for row in rows:
+        assert f"\n| {row} | 2 |" in first.out
+    out = tmp_path / "out"
+    markdown = (out / "realdocs-dev.md").read_text()
+    assert (
+        markdown.startswith("`python -m benchmarks.realdocs_quality --model tiny")
+        and "2 questions over 1 documents" in markdown
+    )
+    report = json.loads((out / "realdocs-dev.json").read_text())
+    assert list(report["rows"]) == rows
+    assert report["facts"]["documents"][0]["doc_id"] == "mnda-quillfeather-marrowgate"
+    assert report["facts"]["questions"] == 2 and report["facts"]["rows"]["no document"]["document"] == "blank"
+    full, compressed = report["rows"][FULL], report["rows"]["infokv@0.25"]
+    assert (full["bytes_ratio"], full["ingest_ratio"], full["agreement"]) == (1.0, 1.0, 1.0)
+    assert 0.1 < compressed["bytes_ratio"] < 0.5 and compressed["ingest_ratio"] > 0
+    assert {"prefill", "scoring", "compression"} <= set(compressed["ingest_split"])
+    assert report["rows"][NO_DOCUMENT]["bytes_ratio"] < 0.1 and report["rows"][NO_DOCUMENT]["kl"] > 0
+    answers = json.loads((out / "realdocs-dev-answers.json").read_text())
+    assert len(answers) == 2 and set(answers[0]["rows"]) == {"infokv@0.25"}
+    assert answers[0]["full"]["answer"] and {"answer", "correct", "agrees", "kl"} <= set(
+        answers[0]["rows"]["infokv@0.25"]
+    )
+    assert "full: ingested" in first.err
+
+    # Again: every row comes from the cache, with the same answers.
+    assert run(parse_args(argv), engine=tiny) == 0
+    second = capsys.readouterr()
+    assert second.err.count(": cached") == 3 and "ingested" not in second.err
+    assert json.loads((out / "realdocs-dev-answers.json").read_text()) == answers
