@@ -27,6 +27,7 @@ from infokv_rag import CacheStore, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar
 from infokv_rag.documents import load_document
 from infokv_rag.models import cache_root
+from infokv_rag.scorers import method_names
 
 SAMPLE = Path(__file__).resolve().parent / "sample"
 PDF = SAMPLE / "apache-license-2.0.pdf"
@@ -64,6 +65,9 @@ def megabytes(n: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--method", default="infokv", choices=method_names(), help="compression method (default: infokv)"
+    )
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--store", default=None, help="cache store (default: $INFOKV_CACHE_DIR/documents)")
@@ -81,7 +85,7 @@ def main() -> int:
 
     document = load_document(PDF)
     print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")
-    config = CompressionConfig(method="infokv", keep=args.keep)
+    config = CompressionConfig(method=args.method, keep=args.keep)
     store = CacheStore(args.store or cache_root() / "documents")
     progress = ProgressBar(f"reading {PDF.name}", enabled=True)
     started = time.perf_counter()
@@ -99,7 +103,8 @@ def main() -> int:
     print(
         f"cache size: {megabytes(stats.cache_bytes)} compressed vs {megabytes(stats.full_cache_bytes)} full "
         f"({stats.cache_bytes:,} vs {stats.full_cache_bytes:,} bytes, ratio {stats.compression_ratio:.3f}); "
-        f"{stats.document_tokens:,} document tokens, {stats.kept_tokens_per_layer[0]:,} kept per layer "
+        f"{stats.document_tokens:,} document tokens, {stats.kept_tokens / len(stats.kept_tokens_per_layer):,.0f} kept "
+        f"per layer on average "
         f"(method {stats.method}, keep {stats.keep})"
     )
 
@@ -148,7 +153,8 @@ def main() -> int:
         print(f"A{number} (full cache): {answer}   [{'yes' if ok else 'NO'}]")
     print(
         f"\nsummary: {correct}/{len(questions)} right from the compressed cache "
-        f"({stats.compression_ratio:.0%} of the full cache's bytes), {full_correct}/{len(questions)} from the full cache"
+        f"({stats.compression_ratio:.0%} of the full cache's bytes), "
+        f"{full_correct}/{len(questions)} from the full cache"
     )
     return 1 if args.strict and correct < len(questions) else 0
 
