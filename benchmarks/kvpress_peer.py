@@ -380,6 +380,7 @@ def check(model: Any, job: dict[str, Any]) -> bool:
     return passed
 
 
+@torch.inference_mode()
 def check_kvzip(model: Any, prefix: list[int], questions: list[dict[str, Any]], job: dict[str, Any]) -> bool:
     """One reconstruction's masks vs KVzipPress's own at each keep; batched vs one-question answers under them."""
     cache, all_masks = kvzip_prefill(model, prefix, job["keeps"])
@@ -387,8 +388,7 @@ def check_kvzip(model: Any, prefix: list[int], questions: list[dict[str, Any]], 
     for keep, masks in all_masks.items():
         if masks is None:
             continue
-        with KVzipPress(compression_ratio=1 - keep)(model):
-            model.model(input_ids=torch.tensor([prefix], device=model.device), past_key_values=DynamicCache())
+        hooked_prefill(model, KVzipPress(compression_ratio=1 - keep), prefix)
         own = [module.masked_key_indices for module in attention_layers(model)]
         same_masks = all(
             set(zip(*(t.tolist() for t in ours), strict=True)) == set(zip(*(t.tolist() for t in theirs), strict=True))

@@ -11,8 +11,9 @@ Per row: the share of the document-dependent questions it still answers (overall
 over all questions, exact agreement with the full cache's answer, mean KL(full || row) of next-token
 distributions teacher-forced on the full cache's answer, cache bytes and ingestion seconds relative to
 `full` (with the time split from `doc.stats`). `kvpress:PRESS@KEEP` rows are NVIDIA kvpress's presses on
-the same prompt token ids and questions (benchmarks/kvpress_peer.py in `.venv-kvpress`; no bytes or
-times: KVzipPress masks keys instead of dropping them); `kvpress:none` is its uncompressed sanity row.
+the same prompt token ids and questions (benchmarks/kvpress_peer.py in `.venv-kvpress`; their KL is against
+kvpress's own uncompressed cache, `kvpress:none`, a sanity row that should agree with `full`; no bytes or
+times: KVzipPress masks keys instead of dropping them).
 
 Results are cached on disk per (model fingerprint, document sha256, row's resolved config,
 max_new_tokens), one entry per question, so iterating on one method recomputes only that method's rows:

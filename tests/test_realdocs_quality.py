@@ -196,7 +196,7 @@ def test_small_run_writes_the_reports_and_reuses_its_cache(
     tiny: InfoKVEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--model", "tiny", "--split", "dev", "--docs", "mnda-quillfeather-marrowgate", "--questions", "2"]
-    argv += ["--rows", "infokv@0.25", "--no-kvpress", "--max-new-tokens", "16"]
+    argv += ["--rows", "infokv@0.25", "--no-kvpress", "--max-new-tokens", "8"]
     argv += ["--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
     assert run(parse_args(argv), engine=tiny) == 0
     first = capsys.readouterr()
