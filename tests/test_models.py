@@ -6,6 +6,7 @@ mock transport inside the process.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -410,3 +411,9 @@ def test_adapters_take_device_and_dtype(random_model_dir: Path, fresh_adapters: 
         ChatInfoKV(model="tiny", dtype="int8")
     with pytest.raises(ValidationError, match="unknown dtype"):
         InfoKV(model="tiny", dtype="int8")
+
+
+def test_readme_lists_the_supported_architectures() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("**Architectures.**")[1].split("\n## ")[0]
+    assert re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE) == list(SUPPORTED_ARCHITECTURES)
