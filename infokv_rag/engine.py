@@ -78,8 +78,8 @@ class InfoKVEngine:
         """
         from transformers import AutoModelForCausalLM
 
+        place, precision = resolve_placement(device, dtype)  # a bad option fails before anything downloads
         source = resolve_model(name_or_path, revision)
-        place, precision = resolve_placement(device, dtype)
         config, tokenizer = load_checked(source.directory, source.name)
         model: Any = AutoModelForCausalLM.from_pretrained(source.weights_directory(), config=config, dtype=precision)
         model = model.to(place)

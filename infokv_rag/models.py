@@ -1,9 +1,11 @@
-"""Model registry and the converted-weights cache.
+"""Model registry, the converted-weights cache, Hugging Face hub ids, and model fingerprints.
 
 Packaged GGUF weights are dequantised by transformers once (40-90 s) and stored as safetensors plus
 tokenizer files under the cache directory, so later loads take seconds. Every converted directory
 carries a fingerprint (hash of the source weights, tokenizer files and chat template) that persisted
-document caches are checked against.
+document caches are checked against. Hub ids resolve through huggingface_hub into its own cache
+(downloaded when online, read from the cache when HF_HUB_OFFLINE=1); their fingerprint covers the repo
+id, the resolved commit and the weights' hashes. A model already in memory is fingerprinted by its weights.
 """
 
 from __future__ import annotations
