@@ -156,14 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from .service.app import serve
 
-        serve(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            data_dir=args.data_dir,
-            device=args.device,
-            dtype=args.dtype,
-        )
+        serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype)
         return 0
 
     # Everything cheap is checked before the model loads (seconds): options, then the document.
