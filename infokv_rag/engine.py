@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,15 @@ import torch
 from torch import Tensor
 
 from . import store
+from .architectures import check_loaded_model, check_tokenizer, load_checked
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document
 from .errors import ContextLengthError
 from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
-from .models import model_fingerprint, resolve_model_dir
+from .models import loaded_model_fingerprint, resolve_model
+from .placement import resolve_placement
 from .prompt import PromptFormat
 
 QUESTION_RESERVE = 64
@@ -29,33 +32,73 @@ QUESTION_RESERVE = 64
 class InfoKVEngine:
     """A causal LM that reads documents into compressed caches and answers questions against them."""
 
-    def __init__(self, model: Any, tokenizer: Any, model_dir: Path, name: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        fingerprint: Callable[[], str],
+        model_dir: Path | None = None,
+    ) -> None:
+        """Use `from_pretrained` or `from_model`. `fingerprint` computes, on first use, the hash that saved
+        caches are checked against; `model_dir` is where the weights were read from (None: a model in memory)."""
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.name = name
         self.runner = ModelRunner(model)
         self.prompt = PromptFormat(tokenizer)
-        self.fingerprint = model_fingerprint(model_dir)
+        self._fingerprint = fingerprint
         # One forward pass at a time; separate answers interleave step by step. The service swaps in a fair lock.
         self.lock: AbstractContextManager[Any] = threading.RLock()
         self.stop_ids = self._collect_stop_ids()
         """Token ids that end an answer (the model's end-of-turn and end-of-text ids)."""
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identifies the model to saved caches (computed on first save or load: it may hash the weights)."""
+        return self._fingerprint()
+
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str = "default", device: str | torch.device | None = None, dtype: torch.dtype | None = None
+        cls,
+        name_or_path: str = "default",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        *,
+        revision: str | None = None,
     ) -> InfoKVEngine:
-        """Loads `default`, `tiny`, a local HF directory or a `.gguf` file (converted once, then cached)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Loads `default`, `tiny`, a local HF directory, a `.gguf` file (converted once, then cached) or a
+        Hugging Face hub id (`org/name`, at `revision` or `org/name@revision`; downloaded into the HF cache,
+        or read from it when HF_HUB_OFFLINE=1).
 
-        model_dir = resolve_model_dir(name_or_path)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        model = model.to(device)
-        return cls(model, tokenizer, model_dir, name_or_path)
+        `device` defaults to CUDA when available, else CPU; `dtype` (a torch dtype or a name: bf16, fp16,
+        fp32) to bfloat16 on CUDA (float16 where unsupported) and float32 elsewhere. An unsupported
+        architecture or a tokenizer without a chat template is refused before the weights load.
+        """
+        from transformers import AutoModelForCausalLM
+
+        place, precision = resolve_placement(device, dtype)  # a bad option fails before anything downloads
+        source = resolve_model(name_or_path, revision)
+        config, tokenizer = load_checked(source.directory, source.name)
+        model: Any = AutoModelForCausalLM.from_pretrained(source.weights_directory(), config=config, dtype=precision)
+        model = model.to(place)
+        return cls(model, tokenizer, source.name, source.fingerprint, model_dir=source.directory)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, name: str | None = None) -> InfoKVEngine:
+        """An engine over a transformers causal LM already in memory, on whatever single device and in
+        whatever dtype it is. The same checks as `from_pretrained` apply (supported architecture, a chat
+        template). The model is put in eval mode without gradients, and its attention is routed through
+        infokv-rag's hook (other callers, e.g. `model.generate`, fall through to transformers' SDPA).
+
+        `name` (default: the model's `name_or_path`) labels it in saved caches and answers; saved caches
+        are checked against a hash of its weights as they are in memory (computed on first save or load).
+        """
+        label = name or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+        check_loaded_model(model, label)
+        check_tokenizer(tokenizer, label)
+        return cls(model, tokenizer, label, functools.partial(loaded_model_fingerprint, model, tokenizer))
 
     def _collect_stop_ids(self) -> frozenset[int]:
         ids: set[int] = set()

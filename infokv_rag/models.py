@@ -1,9 +1,11 @@
-"""Model registry and the converted-weights cache.
+"""Model registry, the converted-weights cache, Hugging Face hub ids, and model fingerprints.
 
 Packaged GGUF weights are dequantised by transformers once (40-90 s) and stored as safetensors plus
 tokenizer files under the cache directory, so later loads take seconds. Every converted directory
 carries a fingerprint (hash of the source weights, tokenizer files and chat template) that persisted
-document caches are checked against.
+document caches are checked against. Hub ids resolve through huggingface_hub into its own cache
+(downloaded when online, read from the cache when HF_HUB_OFFLINE=1); their fingerprint covers the repo
+id, the resolved commit and the weights' hashes. A model already in memory is fingerprinted by its weights.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,7 +173,44 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
-    """Returns a local HF-format directory for a registry name, a `.gguf` file or an HF directory."""
+    """A local HF-format directory for a registry name, a `.gguf` file, a local directory or a hub id."""
+    return resolve_model(name_or_path).weights_directory()
+
+
+def resolve_model(name_or_path: str, revision: str | None = None) -> ModelSource:
+    """Where a model's files are: a registry name (`default`, `tiny`), a `.gguf` file (converted once), a
+    local HF directory, or a Hugging Face hub id (`org/name`, optionally `org/name@revision`).
+
+    For a hub id only the config and tokenizer files are fetched here (so that an unsupported model is
+    refused before gigabytes of weights are); `ModelSource.weights_directory` fetches the weights.
+    """
+    local = _resolve_local(name_or_path)
+    if local is not None:
+        if revision is not None:
+            raise ModelError(f"revision {revision!r} applies to hub ids only, not to {name_or_path!r}")
+        return ModelSource(name=name_or_path, directory=local)
+    repo_id, _, pinned = name_or_path.partition("@")
+    if pinned and revision is not None and pinned != revision:
+        raise ModelError(f"{name_or_path!r} names revision {pinned!r} but revision={revision!r} was passed too")
+    revision = pinned or revision
+    if not HUB_ID.fullmatch(repo_id) or revision == "":
+        known = ", ".join(REGISTRY)
+        raise ModelError(
+            f"cannot resolve model {name_or_path!r}: not one of ({known}), not a .gguf file, not a local "
+            "directory with config.json and not a Hugging Face hub id (org/name or org/name@revision)"
+        )
+    label = f"{repo_id}@{revision}" if revision else repo_id
+    directory = hub_snapshot(repo_id, revision, METADATA_FILES, label)
+    if not (directory / "config.json").is_file():
+        raise ModelError(
+            f"{label} has no config.json: not a transformers model repository (for a GGUF repository, download "
+            "the .gguf file and pass its path)"
+        )
+    return ModelSource(name=label, directory=directory, hub=HubModel(repo_id, commit=directory.name))
+
+
+def _resolve_local(name_or_path: str) -> Path | None:
+    """The directory of a registry name, `.gguf` file or local directory; None for anything else."""
     spec = REGISTRY.get(name_or_path)
     if spec is not None:
         target = cache_root() / "models" / f"{spec.name}-{spec.sha256[:16]}"
@@ -188,13 +229,11 @@ def resolve_model_dir(name_or_path: str) -> Path:
         if not (target / FINGERPRINT_FILE).is_file():
             convert_gguf(path.resolve(), target, weights_sha256)
         return target
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a directory without config.json: not a Hugging Face model directory")
         return path
-    known = ", ".join(REGISTRY)
-    raise ModelError(
-        f"cannot resolve model {name_or_path!r}: not one of ({known}), not a .gguf file and not a local "
-        "directory with config.json (models are never downloaded from a hub)"
-    )
+    return None
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -206,4 +245,148 @@ def model_fingerprint(model_dir: Path) -> str:
     for weights in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         _sha256_file(weights, digest)
     digest.update(_tokenizer_fingerprint(model_dir).encode())
+    return digest.hexdigest()
+
+
+# Hugging Face hub ------------------------------------------------------------------------------------
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""`org/name`; a bare name is never looked up on the hub (a mistyped `tiny` must not become a download)."""
+
+METADATA_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+"""Config, generation config, tokenizer files and chat template: fetched before the weights."""
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HubModel:
+    repo_id: str
+    commit: str
+    """The commit the revision resolved to (the snapshot directory's name)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: its name, its directory (config and tokenizer present) and, for a hub id, its commit."""
+
+    name: str
+    directory: Path
+    hub: HubModel | None = None
+
+    def weights_directory(self) -> Path:
+        """The directory with the weights too (for a hub id: downloaded now, or found in the HF cache)."""
+        if self.hub is None:
+            return self.directory
+        index = self.directory / WEIGHTS_INDEX
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+        directory = hub_snapshot(self.hub.repo_id, self.hub.commit, files or [SINGLE_WEIGHTS], self.name)
+        missing = [name for name in files or [SINGLE_WEIGHTS] if not (directory / name).is_file()]
+        if missing:
+            raise ModelError(
+                f"{self.name} has no {', '.join(missing)} at commit {self.hub.commit[:12]}: infokv-rag loads "
+                "safetensors weights only (model.safetensors or a model.safetensors.index.json and its shards)"
+            )
+        return directory
+
+    def fingerprint(self) -> str:
+        """What saved caches are checked against: for a hub model, repo id + commit + weights hash +
+        tokenizer files; otherwise `model_fingerprint` of the directory."""
+        if self.hub is None:
+            return model_fingerprint(self.directory)
+        weights = [f"{path.name}={_blob_sha256(path)}" for path in sorted(self.directory.glob("*.safetensors"))]
+        material = [f"hub:{self.hub.repo_id}@{self.hub.commit}", *weights, _tokenizer_fingerprint(self.directory)]
+        return hashlib.sha256("\n".join(material).encode()).hexdigest()
+
+
+def _blob_sha256(path: Path) -> str:
+    """sha256 of a weights file. The HF cache stores an LFS file as blobs/<its sha256>, so the name of the
+    blob a snapshot entry links to is its hash; a plain file (a cache without symlinks) is read."""
+    target = path.resolve().name
+    if path.is_symlink() and re.fullmatch(r"[0-9a-f]{64}", target):
+        return target
+    return _sha256_file(path).hexdigest()
+
+
+def _truthy(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now: huggingface_hub reads it once, at import."""
+    from huggingface_hub import constants
+
+    return _truthy("HF_HUB_OFFLINE") or _truthy("TRANSFORMERS_OFFLINE") or constants.is_offline_mode()
+
+
+def hub_cache_dir() -> Path:
+    """The HF hub cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub), read now."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.path.expandvars(os.environ[variable])).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], label: str) -> Path:
+    """The snapshot directory of `repo_id` at `revision` holding the files that match `patterns`:
+    downloaded into the HF cache when online, found there when offline. Errors name the id and the cause."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline, cache = hub_offline(), hub_cache_dir()
+    try:
+        path = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=patterns
+        )
+    except GatedRepoError as exc:  # a subclass of RepositoryNotFoundError: first
+        raise ModelError(
+            f"{label} is a gated model on the Hugging Face hub: accept its terms at https://huggingface.co/{repo_id} "
+            "and log in (`hf auth login`, or set HF_TOKEN) with that account"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelError(
+            f"{label} is missing: the Hugging Face hub has no model {repo_id!r} (or it is private and your token "
+            "cannot see it), and there is no local directory of that name; check the id"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise ModelError(f"{label}: the model exists on the Hugging Face hub but has no revision {revision!r}") from exc
+    except LocalEntryNotFoundError as exc:
+        at = f" at revision {revision!r}" if revision else ""
+        if offline:
+            raise ModelError(
+                f"{label} is not in the local Hugging Face cache ({cache}){at}, or only in part, and HF_HUB_OFFLINE=1 "
+                "forbids downloading it: download it once online (unset HF_HUB_OFFLINE), or set HF_HOME / "
+                "HF_HUB_CACHE to a cache that holds it"
+            ) from exc
+        raise ModelError(
+            f"{label} could not be downloaded (the Hugging Face hub is unreachable) and is not in the local "
+            f"cache ({cache}){at}: check the network or proxy, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+        ) from exc
+    except HfHubHTTPError as exc:
+        raise ModelError(f"{label} could not be fetched from the Hugging Face hub: {exc}") from exc
+    except HFValidationError as exc:
+        raise ModelError(f"{label} is not a valid Hugging Face hub id: {exc}") from exc
+    return Path(path)
+
+
+def loaded_model_fingerprint(model: Any, tokenizer: Any) -> str:
+    """Hash of a model in memory: its architecture, every weight as it is (so the same weights in another
+    dtype are another model to saved caches) and its tokenizer with the chat template."""
+    digest = hashlib.sha256(f"loaded:{model.config.model_type}".encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"\n{name}:{data.dtype}:{tuple(tensor.shape)}\n".encode())
+        digest.update(data.view(torch.uint8).numpy())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    digest.update(f"\n{vocabulary}\n{tokenizer.chat_template}".encode())
     return digest.hexdigest()

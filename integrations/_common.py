@@ -23,6 +23,7 @@ from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
 from infokv_rag.errors import EmptyDocumentError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
+from infokv_rag.placement import dtype_name
 from infokv_rag.prompt import Turn
 from infokv_rag.store import MANIFEST
 
@@ -33,26 +34,27 @@ DocumentSource = Union[str, "os.PathLike[str]", CompressedDocument, Document]
 
 # Engines -------------------------------------------------------------------------------------------
 
-_ENGINES: dict[tuple[str, str | None], InfoKVEngine] = {}
+_ENGINES: dict[tuple[str, str | None, str | None], InfoKVEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def get_engine(model: str = DEFAULT_MODEL, device: str | None = None) -> InfoKVEngine:
-    """The engine for `model`, loaded on first use and shared by every adapter in the process."""
-    key = (model, device)
+def get_engine(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> InfoKVEngine:
+    """The engine for `model` on `device` in `dtype` (None: the defaults), loaded on first use and shared by
+    every adapter in the process."""
+    key = (model, device, dtype_name(dtype))
     engine = _ENGINES.get(key)
     if engine is None:
         with _ENGINES_LOCK:  # one load per model, even when several threads ask at once
             engine = _ENGINES.get(key)
             if engine is None:
-                engine = InfoKVEngine.from_pretrained(model, device=device)
+                engine = InfoKVEngine.from_pretrained(model, device=device, dtype=key[2])
                 _ENGINES[key] = engine
     return engine
 
 
 def loaded_models() -> list[str]:
     """Names of the models loaded so far (for tests and diagnostics)."""
-    return sorted({name for name, _ in _ENGINES})
+    return sorted({name for name, _, _ in _ENGINES})
 
 
 # Documents -----------------------------------------------------------------------------------------
@@ -66,6 +68,11 @@ def coerce_config(config: CompressionConfig | dict[str, Any] | None) -> Compress
     if isinstance(config, CompressionConfig):
         return config
     return CompressionConfig(**config)
+
+
+def coerce_dtype(value: Any) -> str | None:
+    """An adapter's `dtype` field: a name (bf16, fp16, fp32, auto) or a torch dtype -> the canonical name."""
+    return dtype_name(None if value is None else str(value))
 
 
 def optional_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig | None:
@@ -102,6 +109,7 @@ def open_document(
     model: str | None = None,
     config: CompressionConfig | dict[str, Any] | None = None,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> CompressedDocument:
     """The compressed document for a source, ingested (or loaded) once per model and config.
 
@@ -124,10 +132,10 @@ def open_document(
     config = coerce_config(config)
     model = model or DEFAULT_MODEL
     kind, *identity = _source_key(source, text)
-    key = (model, device, config, kind, *identity)
+    key = (model, device, dtype_name(dtype), config, kind, *identity)
 
     def ingest() -> CompressedDocument:
-        engine = get_engine(model, device)
+        engine = get_engine(model, device, dtype)
         if text is not None:
             return engine.ingest_text(text, config)
         if isinstance(source, Document):
@@ -147,6 +155,7 @@ class AdapterFields(Protocol):
     document_text: str | None
     compression: CompressionConfig | None
     device: str | None
+    dtype: str | None
     max_tokens: int
     temperature: float
     top_p: float
@@ -177,6 +186,7 @@ def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> Compre
         model=kwargs.get("model") or adapter.model,
         config=kwargs.get("compression", adapter.compression),
         device=adapter.device,
+        dtype=adapter.dtype,
     )
 
 

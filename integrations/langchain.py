@@ -56,6 +56,7 @@ from ._common import (
     answer_info,
     call_options,
     check_turns,
+    coerce_dtype,
     open_call_document,
     optional_config,
 )
@@ -123,7 +124,8 @@ class _InfoKVFields(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: str | None = None
-    """`default`, `tiny`, a local HF directory or a .gguf file; None: the document's model, else default."""
+    """`default`, `tiny`, a local HF directory, a .gguf file or a hub id (`org/name[@revision]`); None: the
+    document's model, else default."""
     document: Any = None
     """A .pdf/.txt/.md path, a saved cache directory, a `CompressedDocument` or a `Document`."""
     document_text: str | None = None
@@ -131,6 +133,9 @@ class _InfoKVFields(BaseModel):
     compression: CompressionConfig | None = None
     """How a document given as a file or text is compressed (default: InfoKV, keep 0.25)."""
     device: str | None = None
+    """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
+    dtype: str | None = None
+    """auto (None: bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32, or a torch dtype."""
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -144,6 +149,11 @@ class _InfoKVFields(BaseModel):
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> str | None:
+        return coerce_dtype(value)
 
     def _model_name(self, override: Any = None) -> str:
         if isinstance(override, str) and override:

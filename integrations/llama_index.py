@@ -51,6 +51,7 @@ from ._common import (
     answer_info,
     call_options,
     check_turns,
+    coerce_dtype,
     document_from_pages,
     open_call_document,
     optional_config,
@@ -96,11 +97,14 @@ class InfoKV(CustomLLM):
     `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`, `stop`.
     """
 
-    model: str | None = Field(default=None, description="default, tiny, a local HF directory or a .gguf file")
+    model: str | None = Field(
+        default=None, description="default, tiny, a local HF directory, a .gguf file or a hub id (org/name[@revision])"
+    )
     document: Any = Field(default=None, description="a .pdf/.txt/.md path, saved cache dir or CompressedDocument")
     document_text: str | None = Field(default=None, description="the document's text, when there is no file")
     compression: CompressionConfig | None = Field(default=None, description="how a file or text is compressed")
-    device: str | None = None
+    device: str | None = Field(default=None, description="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    dtype: str | None = Field(default=None, description="auto (bf16 on CUDA, fp32 elsewhere), bf16, fp16, fp32")
     max_tokens: int = Field(default=256, gt=0, description="most tokens generated per answer")
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -114,6 +118,11 @@ class InfoKV(CustomLLM):
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> str | None:
+        return coerce_dtype(value)
 
     @classmethod
     def class_name(cls) -> str:

@@ -1,9 +1,14 @@
-"""What several test modules share: the framework adapters' facts, and running an example as a user does."""
+"""What several test modules share: the framework adapters' facts, running an example as a user does, and
+a Hugging Face hub cache built from a local model."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from infokv_rag import CompressionConfig
@@ -56,3 +61,45 @@ def run_example(script: str, document: Path, question: str) -> list[str]:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.splitlines()
+
+
+# A Hugging Face hub cache, laid out as huggingface_hub lays it out -----------------------------------
+
+
+def _blob_name(path: Path) -> str:
+    """The name huggingface_hub gives a file's blob: its sha256 for an LFS file (the weights), the git blob
+    sha1 for a plain one (configs, tokenizer files)."""
+    if path.suffix == ".safetensors":
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def build_hub_cache(hub_cache: Path, repo_id: str, source: Path, refs: Sequence[str] = ("main",)) -> str:
+    """Lays a model directory out in a hub cache (`$HF_HOME/hub`) as a download of `repo_id` would:
+    models--org--name/blobs/<hash> (hard links to `source`'s files where possible), snapshots/<commit>/<file>
+    as relative symlinks to the blobs, and refs/<ref> holding the commit. Returns the commit (40 hex digits,
+    derived from `refs`, so two calls with other refs make two commits)."""
+    storage = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo_id}:{','.join(refs)}".encode()).hexdigest()
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (storage / "blobs").mkdir(exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or path.name == "infokv_model.json":  # infokv-rag's own record, not a model file
+            continue
+        blob = storage / "blobs" / _blob_name(path)
+        if not blob.exists():
+            try:
+                os.link(path, blob)
+            except OSError:
+                shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (storage / "refs" / ref).write_text(commit)
+    return commit

@@ -19,14 +19,22 @@ from infokv_rag.store import FORMAT_VERSION
 
 from . import pdf_factory as pdfs
 from .conftest import CORPUS
+from .helpers import build_hub_cache
 
 
 PAGES = ["Alpha page one.\nThe notice period is thirty days.", "Beta page two."]
 TEXT = " ".join(CORPUS * 2)
 
 
-def run_cli(*args: str, cache_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "INFOKV_CACHE_DIR": str(cache_dir), "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+def run_cli(
+    *args: str, cache_dir: Path, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "INFOKV_CACHE_DIR": str(cache_dir),
+        "PYTHONWARNINGS": "ignore::DeprecationWarning",
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "infokv_rag.cli", *args],
         capture_output=True,
@@ -186,6 +194,30 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     data[-1] ^= 0xFF
     tensors.write_bytes(bytes(data))
     assert_clean_failure(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache"), "sha256", "ingest again")
+
+
+def test_hub_id_device_and_dtype_offline(tmp_path: Path, random_model_dir: Path) -> None:
+    """`--model org/name` reads the HF cache (offline, laid out here), `--device` and `--dtype` choose the placement."""
+    repo = "infokv-test/random-llama"
+    commit = build_hub_cache(tmp_path / "hf" / "hub", repo, random_model_dir)
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    fetched = run_cli("fetch", repo, cache_dir=tmp_path / "cache", env=offline)
+    assert fetched.returncode == 0, fetched.stderr
+    assert f"snapshots/{commit}" in fetched.stderr
+    doc = _write(tmp_path / "contract.txt", TEXT.encode())
+    out_dir = tmp_path / "saved"
+    ingest = run_cli(
+        "ingest", str(doc), "--out", str(out_dir), "--model", repo, "--device", "cpu", "--dtype", "bf16", "--verbose",
+        cache_dir=tmp_path / "cache", env=offline,
+    )
+    assert ingest.returncode == 0, ingest.stderr
+    assert f"model {repo} loaded in" in ingest.stderr and "(cpu, bfloat16)" in ingest.stderr
+    assert json.loads(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache").stdout)["model"]["name"] == repo
+
+    missing = run_cli("ask", str(doc), "-q", "Q?", "--model", "infokv-test/absent", cache_dir=tmp_path, env=offline)
+    assert_clean_failure(missing, "infokv-test/absent", "not in the local hugging face cache", "HF_HUB_OFFLINE")
+    bad = run_cli("ask", str(doc), "-q", "Q?", "--dtype", "int4", cache_dir=tmp_path)
+    assert bad.returncode == 2 and "unknown dtype 'int4'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_progress_bar_formats(tmp_path: Path) -> None:

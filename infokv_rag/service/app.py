@@ -130,8 +130,9 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 
 
 def model_id(settings: Settings) -> str:
+    """The model's id in the API: a file's or directory's name, else the name given (`tiny`, `org/name`)."""
     name = settings.model
-    return Path(name).name if os.sep in name or name.endswith(".gguf") else name
+    return Path(name).name if name.endswith(".gguf") or Path(name).expanduser().is_dir() else name
 
 
 def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = None) -> FastAPI:
@@ -157,7 +158,9 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         try:
             if service.engine is None:
                 log.info("loading model %s", settings.model)
-                service.engine = await run_in_threadpool(InfoKVEngine.from_pretrained, settings.model, settings.device)
+                service.engine = await run_in_threadpool(
+                    InfoKVEngine.from_pretrained, settings.model, settings.device, settings.dtype
+                )
             if settings.warmup:
                 await run_in_threadpool(_warm_up, service.engine)
             pending = await run_in_threadpool(service.registry.open)

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import DEFAULT_METHOD
 from ..errors import ConfigError
+from ..placement import dtype_name
 from .tenants import KeyRing, read_keys_file, split_entries
 
 ENV_PREFIX = "INFOKV_"
@@ -33,8 +34,12 @@ class Settings:
     """
 
     model: str = "default"
+    """default, tiny, a local HF directory, a .gguf file or a Hugging Face hub id (org/name[@revision])."""
     data_dir: Path = field(default_factory=default_data_dir)
     device: str | None = None
+    """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
+    dtype: str | None = None
+    """auto (None: bfloat16 on CUDA, float16 where unsupported; float32 elsewhere), bf16, fp16 or fp32."""
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
     """Keys whose callers see every tenant's documents, and those persisted before tenants existed."""
@@ -75,6 +80,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
         for name in ("api_keys", "admin_keys"):
             object.__setattr__(self, name, tuple(k.strip() for k in getattr(self, name) if k and k.strip()))
         keys, admins = list(self.api_keys), list(self.admin_keys)
@@ -159,7 +165,7 @@ def _parse(name: str, raw: str) -> Any:
             raise ConfigError(f"{variable} must be an integer, got {raw!r}") from None
     if name == "default_keep":
         return parse_keep(raw)
-    return raw or None if name == "device" else raw
+    return raw or None if name in ("device", "dtype") else raw
 
 
 def parse_keep(raw: str | float | int) -> float | int:

@@ -1,0 +1,107 @@
+"""Which transformers models the engine can drive, checked before any weights load.
+
+`ModelRunner` runs the decoder layers itself (embeddings, rotary table, layers, final norm, LM head)
+over a ragged per-layer cache, with its own attention hook. That is exact only for decoders whose
+model-level forward does nothing else: no embedding or logit multipliers, no logit soft-capping, no
+sliding-window layers. The architectures below are the ones tests run through the runner, the hook
+and the ragged cache against the model's own forward (tests/test_models.py); real weights: `llama`
+(the tiny model) and `qwen2` (the default model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .errors import ModelError
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama 2 / 3.x, SmolLM2, the tiny model",
+    "qwen2": "Qwen2, Qwen2.5, the default model",
+    "qwen3": "Qwen3 dense",
+    "mistral": "Mistral v0.2 and later, without a sliding window",
+    "gemma": "Gemma, first generation",
+    "phi3": "Phi-3, Phi-4, without a sliding window",
+    "olmo2": "OLMo 2",
+}
+"""config.model_type -> the model families it covers."""
+
+
+def supported_list() -> str:
+    return "; ".join(f"{name} ({families})" for name, families in SUPPORTED_ARCHITECTURES.items())
+
+
+def check_config(config: Any, source: str, class_name: str | None = None) -> None:
+    """Refuses an architecture the runner does not drive exactly, naming the reason."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        names = class_name or ", ".join(getattr(config, "architectures", None) or []) or "class unknown"
+        raise ModelError(
+            f"{source} is a {model_type!r} model ({names}), which infokv-rag does not support: it drives the "
+            f"decoder layers itself, which is tested only for {supported_list()}"
+        )
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if layer_types is not None:
+        sliding = "sliding_attention" in layer_types
+    else:
+        sliding = bool(window) and (positions is None or window < positions)
+    if sliding:
+        raise ModelError(
+            f"{source} uses sliding-window attention (window {window}), which infokv-rag's attention hook and "
+            "compressed cache do not implement; use a variant without a sliding window"
+        )
+
+
+def check_tokenizer(tokenizer: Any, source: str) -> None:
+    """Refuses a tokenizer without a chat template: questions are asked as chat turns."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(
+            f"{source} has no chat template (a base model rather than an instruction-tuned one?): infokv-rag asks "
+            "questions as chat turns; use the model's instruct/chat variant, or set tokenizer.chat_template"
+        )
+
+
+def check_loaded_model(model: Any, source: str) -> None:
+    """Refuses a model in memory that the runner cannot drive: unsupported, incomplete or spread out."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ModelError(f"{source} is not a transformers model (it has no config): pass a *ForCausalLM model")
+    check_config(config, source, type(model).__name__)
+    backbone = getattr(model, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if getattr(model, "lm_head", None) is None or backbone is None or any(not hasattr(backbone, p) for p in parts):
+        raise ModelError(
+            f"{source} is a {type(model).__name__}, not a causal LM with a language-model head: pass the "
+            f"*ForCausalLM model (e.g. AutoModelForCausalLM.from_pretrained(...))"
+        )
+    devices = {parameter.device for parameter in model.parameters()}
+    if any(device.type == "meta" for device in devices):
+        raise ModelError(
+            f"{source} has weights that are not loaded (on the meta device, e.g. offloaded by a device_map): "
+            "load it fully onto one device"
+        )
+    if len(devices) > 1:
+        listed = ", ".join(sorted(str(device) for device in devices))
+        raise ModelError(f"{source} is spread over several devices ({listed}): move it onto one with model.to(device)")
+
+
+def load_checked(directory: Path, source: str) -> tuple[Any, Any]:
+    """(config, tokenizer) of a model directory, checked before its weights are read (or downloaded)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        # The model type first: transformers cannot even parse the config of an architecture it lacks.
+        if raw.get("model_type") not in SUPPORTED_ARCHITECTURES:
+            check_config(SimpleNamespace(**raw), source)
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ModelError(f"{source}: its config.json cannot be read ({exc})") from exc
+    check_config(config, source)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    check_tokenizer(tokenizer, source)
+    return config, tokenizer

@@ -1,0 +1,419 @@
+"""Models users bring: hub ids (offline, from a hub cache built here), models in memory, device and dtype,
+and the architectures the runner supports. Nothing here reaches a network: hub ids are read with
+HF_HUB_OFFLINE=1 from a cache laid out in a temporary HF_HOME, and the hub's error answers come from a
+mock transport inside the process.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from infokv_rag import CacheStoreError, CompressionConfig, ConfigError, InfoKVEngine, ModelError
+from infokv_rag.architectures import SUPPORTED_ARCHITECTURES
+from infokv_rag.models import resolve_model
+from infokv_rag.placement import dtype_name, resolve_placement
+
+from .conftest import CORPUS, build_tokenizer
+from .helpers import FACT_PAGES, build_hub_cache
+
+TEXT = " ".join(CORPUS * 6)
+QUESTION = "What is the notice period?"
+REPO = "infokv-test/random-llama"
+
+
+def _install_transport(monkeypatch: pytest.MonkeyPatch, handler: Callable[..., object]) -> None:
+    """Routes every request huggingface_hub makes to `handler` (restored after the test)."""
+    import httpx2
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT", None)
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", lambda: httpx2.Client(transport=httpx2.MockTransport(handler)))
+
+
+def _no_network(request: object) -> object:
+    raise AssertionError(f"a test reached for the network: {request}")
+
+
+@pytest.fixture
+def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HF_HOME, offline; any request huggingface_hub would still make fails the test."""
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+    _install_transport(monkeypatch, _no_network)
+    return home
+
+
+@pytest.fixture
+def hub_random(hf_home: Path, random_model_dir: Path) -> dict[str, str]:
+    """The random model published as REPO at two commits: main, and v2 (same files)."""
+    return {
+        "main": build_hub_cache(hf_home / "hub", REPO, random_model_dir, refs=("main",)),
+        "v2": build_hub_cache(hf_home / "hub", REPO, random_model_dir, refs=("v2",)),
+    }
+
+
+# Hub ids --------------------------------------------------------------------------------------------
+
+
+def test_hub_id_loads_offline_from_the_hf_cache(hub_random: dict[str, str], random_engine: InfoKVEngine) -> None:
+    engine = InfoKVEngine.from_pretrained(REPO, device="cpu")
+    assert engine.name == REPO
+    assert engine.model_dir is not None and engine.model_dir.name == hub_random["main"]
+    assert engine.model_dir.parent.parent.name == "models--infokv-test--random-llama"
+    config = CompressionConfig(keep=0.5)
+    expected = random_engine.ingest_text(TEXT, config).ask(QUESTION, max_new_tokens=10)
+    assert engine.ingest_text(TEXT, config).ask(QUESTION, max_new_tokens=10) == expected
+
+
+def test_cache_saved_under_one_revision_is_refused_under_another(hub_random: dict[str, str], tmp_path: Path) -> None:
+    main = InfoKVEngine.from_pretrained(REPO, device="cpu")
+    v2 = InfoKVEngine.from_pretrained(REPO, device="cpu", revision="v2")
+    assert v2.name == f"{REPO}@v2"
+    assert v2.model_dir is not None and v2.model_dir.name == hub_random["v2"]
+    saved = main.ingest_text(TEXT, CompressionConfig(keep=0.5)).save(tmp_path / "cache")
+    with pytest.raises(CacheStoreError, match=f"made by model '{REPO}'.*not by the loaded model '{REPO}@v2'"):
+        v2.load(saved)
+    # The same commit named by its hash (here in the id) is the same model.
+    same = InfoKVEngine.from_pretrained(f"{REPO}@{hub_random['main']}", device="cpu")
+    assert same.fingerprint == main.fingerprint
+    assert same.load(saved).ask(QUESTION, max_new_tokens=6) == main.load(saved).ask(QUESTION, max_new_tokens=6)
+
+
+def test_hub_fingerprint_covers_repo_id_commit_and_weights(
+    hub_random: dict[str, str], hf_home: Path, random_model_dir: Path, tmp_path: Path
+) -> None:
+    fingerprint = resolve_model(REPO).fingerprint()
+    assert resolve_model(REPO, revision="v2").fingerprint() != fingerprint, "another commit"
+    build_hub_cache(hf_home / "hub", "infokv-test/renamed", random_model_dir)
+    assert resolve_model("infokv-test/renamed").fingerprint() != fingerprint, "another repo id"
+    # Same repo id and commit, other weights (another cache): another fingerprint.
+    other = Path(shutil.copytree(random_model_dir, tmp_path / "other"))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    build_hub_cache(tmp_path / "other-hf" / "hub", REPO, other)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HOME", str(tmp_path / "other-hf"))
+        moved = resolve_model(REPO)
+        assert moved.hub == resolve_model(REPO).hub
+        assert moved.fingerprint() != fingerprint, "other weights"
+
+
+def test_offline_without_a_cached_copy_names_the_id(hf_home: Path) -> None:
+    with pytest.raises(ModelError, match=r"Qwen/Qwen2.5-7B-Instruct is not in the local Hugging Face cache") as error:
+        InfoKVEngine.from_pretrained("Qwen/Qwen2.5-7B-Instruct", device="cpu")
+    assert str(hf_home / "hub") in str(error.value) and "HF_HUB_OFFLINE" in str(error.value)
+
+
+def test_offline_unknown_revision_is_named(hub_random: dict[str, str]) -> None:
+    with pytest.raises(ModelError, match=rf"{REPO}@nope is not in the local .* at revision 'nope'"):
+        resolve_model(f"{REPO}@nope")
+
+
+@pytest.mark.parametrize(
+    ("repo", "status", "code", "message"),
+    [
+        ("infokv-test/gated", 403, "GatedRepo", "is a gated model on the Hugging Face hub: accept its terms"),
+        ("infokv-test/missing", 404, "RepoNotFound", "is missing: the Hugging Face hub has no model"),
+        ("infokv-test/no-revision", 404, "RevisionNotFound", "has no revision 'main'"),
+    ],
+)
+def test_hub_answers_become_clear_errors(
+    repo: str, status: int, code: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Online, the hub's answers (from a mock transport: no network) name the id and the cause."""
+    import httpx2
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    requests: list[str] = []
+
+    def hub(request: httpx2.Request) -> httpx2.Response:
+        requests.append(request.url.path)
+        return httpx2.Response(status, headers={"X-Error-Code": code}, request=request)
+
+    _install_transport(monkeypatch, hub)
+    revision = "main" if code == "RevisionNotFound" else None
+    with pytest.raises(ModelError, match=message) as error:
+        InfoKVEngine.from_pretrained(repo, device="cpu", revision=revision)
+    assert repo in str(error.value)
+    assert any(path.startswith(f"/api/models/{repo}/revision/") for path in requests), requests
+
+
+def test_unreachable_hub_without_a_cached_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx2
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def down(request: httpx2.Request) -> httpx2.Response:
+        raise httpx2.ConnectError("no route to host", request=request)
+
+    _install_transport(monkeypatch, down)
+    with pytest.raises(ModelError, match="infokv-test/anything could not be downloaded .* unreachable"):
+        resolve_model("infokv-test/anything")
+
+
+def test_names_that_are_not_hub_ids(hub_random: dict[str, str], random_model_dir: Path) -> None:
+    with pytest.raises(ModelError, match="cannot resolve model 'tinyy'.*org/name"):
+        resolve_model("tinyy")  # a bare name is never looked up on the hub
+    with pytest.raises(ModelError, match="names revision 'v2' but revision='v3'"):
+        resolve_model(f"{REPO}@v2", revision="v3")
+    with pytest.raises(ModelError, match="applies to hub ids only"):
+        resolve_model(str(random_model_dir), revision="main")
+    with pytest.raises(ModelError, match="directory without config.json"):
+        resolve_model(str(random_model_dir.parent))
+
+
+@pytest.mark.tiny
+def test_tiny_model_loads_by_hub_id_from_a_hub_layout_cache(hf_home: Path, tiny_engine: InfoKVEngine) -> None:
+    from infokv_rag.models import resolve_model_dir
+
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    commit = build_hub_cache(hf_home / "hub", repo, resolve_model_dir("tiny"))
+    engine = InfoKVEngine.from_pretrained(repo, device="cpu")
+    assert engine.name == repo and engine.model_dir is not None and engine.model_dir.name == commit
+    assert engine.runner.num_layers == 30 and engine.runner.dtype == torch.float32
+    text = "\n".join(FACT_PAGES)
+    config = CompressionConfig(method="full")
+    question = "Who is the account manager?"
+    expected = tiny_engine.ingest_text(text, config).ask(question, max_new_tokens=12)
+    assert engine.ingest_text(text, config).ask(question, max_new_tokens=12) == expected
+    assert engine.fingerprint != tiny_engine.fingerprint, "a hub model's identity includes its repo id and commit"
+
+
+# Models in memory -----------------------------------------------------------------------------------
+
+
+def _load(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype), AutoTokenizer.from_pretrained(directory)
+
+
+def test_from_model_answers_equal_from_pretrained(random_engine: InfoKVEngine, random_model_dir: Path) -> None:
+    model, tokenizer = _load(random_model_dir)
+    engine = InfoKVEngine.from_model(model, tokenizer, name="in-memory")
+    assert engine.name == "in-memory" and engine.model_dir is None
+    for config in (CompressionConfig(method="full"), CompressionConfig(keep=0.25)):
+        ours, theirs = engine.ingest_text(TEXT, config), random_engine.ingest_text(TEXT, config)
+        for mine, reference in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+            assert torch.equal(mine.positions, reference.positions), config.method
+        assert ours.ask(QUESTION, max_new_tokens=12) == theirs.ask(QUESTION, max_new_tokens=12), config.method
+
+
+def test_from_model_saves_and_loads_its_own_caches(random_model_dir: Path, tmp_path: Path) -> None:
+    engine = InfoKVEngine.from_model(*_load(random_model_dir))
+    doc = engine.ingest_text(TEXT, CompressionConfig(keep=0.5))
+    loaded = engine.load(doc.save(tmp_path / "cache"))
+    assert loaded.ask(QUESTION, max_new_tokens=8) == doc.ask(QUESTION, max_new_tokens=8)
+    again = InfoKVEngine.from_model(*_load(random_model_dir))
+    assert again.fingerprint == engine.fingerprint, "the same weights in memory are the same model"
+    half = InfoKVEngine.from_model(*_load(random_model_dir, torch.bfloat16))
+    assert half.fingerprint != engine.fingerprint, "the weights as they are in memory: another dtype, another model"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_from_model_in_any_dtype(dtype: torch.dtype, random_model_dir: Path) -> None:
+    engine = InfoKVEngine.from_model(*_load(random_model_dir, dtype))
+    assert engine.runner.dtype == dtype
+    doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.25, chunk_size=64))
+    assert all(layer.keys.dtype == dtype for layer in doc.cache.layers)
+    assert doc.ask(QUESTION, max_new_tokens=6)
+
+
+def test_from_model_refuses_what_it_cannot_drive(random_model_dir: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model, tokenizer = _load(random_model_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(ModelError, match="has no chat template .* instruct"):
+        InfoKVEngine.from_model(model, tokenizer)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=400))
+    with pytest.raises(ModelError, match=r"is a 'gpt2' model \(GPT2LMHeadModel\).*does not support.*llama"):
+        InfoKVEngine.from_model(gpt2, build_tokenizer())
+    with pytest.raises(ModelError, match="not a causal LM with a language-model head"):
+        InfoKVEngine.from_model(model.model, build_tokenizer())
+    model.lm_head.to("meta")
+    with pytest.raises(ModelError, match="not loaded .*meta"):
+        InfoKVEngine.from_model(model, build_tokenizer())
+
+
+def test_from_pretrained_refuses_before_the_weights_load(random_model_dir: Path, tmp_path: Path) -> None:
+    base = Path(shutil.copytree(random_model_dir, tmp_path / "base"))
+    for template in base.glob("chat_template*"):
+        template.unlink()
+    (base / "model.safetensors").write_bytes(b"never read")
+    with pytest.raises(ModelError, match=f"{base} has no chat template"):
+        InfoKVEngine.from_pretrained(str(base), device="cpu")
+    sliding = Path(shutil.copytree(random_model_dir, tmp_path / "sliding"))
+    config = (sliding / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "mistral"')
+    (sliding / "config.json").write_text(config.replace("{", '{"sliding_window": 512,', 1))
+    (sliding / "model.safetensors").write_bytes(b"never read")
+    with pytest.raises(ModelError, match="sliding-window attention .window 512."):
+        InfoKVEngine.from_pretrained(str(sliding), device="cpu")
+    other = Path(shutil.copytree(random_model_dir, tmp_path / "other"))
+    config = (other / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "granite"')
+    (other / "config.json").write_text(config)
+    with pytest.raises(ModelError, match="is a 'granite' model .*does not support"):
+        InfoKVEngine.from_pretrained(str(other), device="cpu")
+
+
+# Architectures ----------------------------------------------------------------------------------------
+
+
+def _random_model(model_type: str, vocab_size: int) -> object:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"sliding_window": None} if model_type in ("mistral", "phi3") else {}
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("model_type", list(SUPPORTED_ARCHITECTURES))
+def test_supported_architectures_run_exactly_through_the_hook_and_ragged_cache(model_type: str) -> None:
+    """The runner (its attention hook, the ragged cache, positions across chunks) gives the logits of the
+    model's own forward; then a compressed document (per-layer lengths differ) answers."""
+    tokenizer = build_tokenizer()
+    model = _random_model(model_type, len(tokenizer))
+    ids = torch.randint(2, len(tokenizer), (48,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids[None]).logits[0]
+    engine = InfoKVEngine.from_model(model, tokenizer)
+    runner, cache = engine.runner, engine.runner.new_cache()
+    with torch.inference_mode():
+        first = runner.logits(runner.forward(ids[:30], torch.arange(30), cache))
+        rest = runner.logits(runner.forward(ids[30:], torch.arange(30, 48), cache))
+    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+    doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.3, chunk_size=96, adaptive_budget=True))
+    assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "per-layer lengths differ"
+    assert isinstance(doc.ask(QUESTION, max_new_tokens=4), str)
+
+
+def test_sliding_window_variants_are_refused() -> None:
+    from transformers import AutoConfig
+
+    from infokv_rag.architectures import check_config
+
+    check_config(AutoConfig.for_model("mistral", sliding_window=None), "mistral-full")
+    check_config(AutoConfig.for_model("qwen2"), "qwen2")
+    with pytest.raises(ModelError, match="sliding-window attention"):
+        check_config(AutoConfig.for_model("mistral", sliding_window=4096), "mistral-v0.1")
+    windowed = AutoConfig.for_model(
+        "qwen2", use_sliding_window=True, sliding_window=256, num_hidden_layers=4, max_window_layers=2
+    )
+    with pytest.raises(ModelError, match="sliding-window attention"):
+        check_config(windowed, "qwen2-windowed")
+
+
+# Device and dtype -------------------------------------------------------------------------------------
+
+
+def test_dtype_names_and_default_placement() -> None:
+    assert dtype_name("bf16") == dtype_name("BFloat16") == dtype_name("torch.bfloat16") == "bfloat16"
+    assert dtype_name("fp16") == "float16" and dtype_name("fp32") == "float32"
+    assert dtype_name(None) is None and dtype_name("auto") is None
+    with pytest.raises(ConfigError, match="unknown dtype 'int4'"):
+        dtype_name("int4")
+    assert resolve_placement("cpu") == (torch.device("cpu"), torch.float32), "fp32 on CPU by default"
+    assert resolve_placement("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16)
+    assert resolve_placement("cpu", torch.float16)[1] == torch.float16
+    with pytest.raises(ConfigError, match="unknown device 'gpu0'"):
+        resolve_placement("gpu0")
+    if torch.cuda.is_available():
+        device, dtype = resolve_placement(None)
+        assert device.type == "cuda" and dtype in (torch.bfloat16, torch.float16), "bf16/fp16 on CUDA by default"
+    else:
+        assert resolve_placement(None) == (torch.device("cpu"), torch.float32)
+        with pytest.raises(ConfigError, match="sees no CUDA GPU"):
+            resolve_placement("cuda")
+
+
+def test_from_pretrained_takes_device_and_dtype_names(random_model_dir: Path) -> None:
+    engine = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu", dtype="bf16")
+    assert engine.runner.dtype == torch.bfloat16 and engine.runner.device == torch.device("cpu")
+    assert engine.ingest_text(TEXT, CompressionConfig(keep=0.5)).ask(QUESTION, max_new_tokens=4)
+
+
+def test_service_settings_take_device_and_dtype(hub_random: dict[str, str], tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+    from infokv_rag.service.settings import Settings
+
+    env = {"INFOKV_DEVICE": "cpu", "INFOKV_DTYPE": "bf16", "INFOKV_MODEL": REPO, "INFOKV_ALLOW_ANONYMOUS": "1"}
+    settings = Settings.from_env(env, data_dir=tmp_path / "data", warmup=False)
+    assert (settings.device, settings.dtype, settings.model) == ("cpu", "bfloat16", REPO)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        Settings.from_env({"INFOKV_DTYPE": "fp8"})
+    app = create_app(settings)
+    with TestClient(app) as client:
+        engine = app.state.service.engine
+        assert engine.runner.dtype == torch.bfloat16 and engine.name == REPO
+        assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [REPO]
+
+
+@pytest.fixture
+def fresh_adapters() -> Iterator[None]:
+    from infokv_rag.integrations import _common
+
+    saved = dict(_common._ENGINES)
+    yield
+    _common._ENGINES.clear()
+    _common._ENGINES.update(saved)
+
+
+def test_adapters_take_device_and_dtype(random_model_dir: Path, fresh_adapters: None) -> None:
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from pydantic import ValidationError
+
+    from infokv_rag.integrations.langchain import ChatInfoKV
+    from infokv_rag.integrations.llama_index import InfoKV
+
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=TEXT, device="cpu", dtype=torch.bfloat16, max_tokens=4)
+    assert chat.dtype == "bfloat16"
+    assert chat.compressed_document().engine.runner.dtype == torch.bfloat16
+    llm = InfoKV(model=str(random_model_dir), document_text=TEXT, device="cpu", dtype="fp16", max_tokens=4)
+    assert llm.compressed_document().engine.runner.dtype == torch.float16
+    with pytest.raises(ValidationError, match="unknown dtype"):
+        ChatInfoKV(model="tiny", dtype="int8")
+    with pytest.raises(ValidationError, match="unknown dtype"):
+        InfoKV(model="tiny", dtype="int8")
+
+
+def test_readme_lists_the_supported_architectures() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("**Architectures.**")[1].split("\n## ")[0]
+    assert re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE) == list(SUPPORTED_ARCHITECTURES)
