@@ -1,11 +1,13 @@
-"""What scoring costs on top of prefill: InfoKV beside SnapKV, measured side by side in one run.
+"""What scoring costs on top of prefill: each mode's ingestion against a plain prefill, side by side in one run.
 
 For each document length, the same document is ingested with `full` (prefill only: no signal is
-captured and nothing is compressed), with `snapkv` and with `infokv`, interleaved and repeated; the
-fastest of the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk
-size so every method does the same forward passes.
+captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
+the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
+(the fast default) and `snapkv` add no forward pass; `infokv_quality` and `kvzip` add a reconstruction
+pass per chunk.
 
     python benchmarks/overhead.py --tokens 1024 4096 16384
+    python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ import torch
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.kernels import get_kernel_backend
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "snapkv": {"method": "snapkv"},
+    "infokv": {"method": "infokv"},
+    "infokv_entropy": {"method": "infokv", "settings": {"information": "entropy"}},
+    "infokv_full_vocab": {"method": "infokv", "settings": {"entropy_vocabulary": 0}},
+    "infokv_quality": {"method": "infokv_quality"},
+    "kvzip": {"method": "kvzip"},
+}
+"""CompressionConfig fields of each variant measured against `full`."""
 
 
 def document_of(engine: InfoKVEngine, tokens: int) -> str:
@@ -43,19 +55,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=2048)
     parser.add_argument("--keep", type=float, default=0.25)
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
     args = parser.parse_args()
 
     engine = InfoKVEngine.from_pretrained(args.model)
     device = engine.runner.device
     print(f"model={args.model} device={device} threads={torch.get_num_threads()} kernels={get_kernel_backend()} "
           f"chunk={args.chunk_size} keep={args.keep}", file=sys.stderr)
-    variants = {
-        "full": {"method": "full"},
-        "snapkv": {"method": "snapkv"},
-        "infokv": {"method": "infokv"},
-        "infokv_entropy": {"method": "infokv", "settings": {"information": "entropy"}},
-        "infokv_full_vocab": {"method": "infokv", "settings": {"entropy_vocabulary": 0}},
-    }
+    variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}
     rows = []
     for tokens in args.tokens:
         text = document_of(engine, tokens)
@@ -78,7 +85,7 @@ def main() -> int:
         print(f"| {n} | {base:.2f} | {cells} |")
     print("\ninfokv: the defaults (surprisal over the 16,384 most frequent token ids plus the document's "
           "tokens); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: surprisal over the "
-          "whole vocabulary.")
+          "whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk.")
     return 0
 
 
