@@ -77,6 +77,8 @@ class TokenSampler:
         if self.options.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             outside = sorted_probs.cumsum(0) - sorted_probs >= self.options.top_p
+            # The most likely token always stays: a top_p below float32's range compares as 0.
+            outside[0] = False
             sorted_probs[outside] = 0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine
+from infokv_rag.generation import GenerationOptions
+from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CORPUS, build_random_model_dir
@@ -180,3 +182,10 @@ def _options(**kwargs):
     from infokv_rag.generation import GenerationOptions
 
     return GenerationOptions(**kwargs)
+
+
+def test_a_top_p_below_float32_range_still_samples_the_most_likely_token(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    options = GenerationOptions(max_new_tokens=4, temperature=1.7, top_p=1e-300, seed=1)
+    greedy = doc.generate(question_turns("What is the notice period?"), GenerationOptions(max_new_tokens=4))
+    assert doc.generate(question_turns("What is the notice period?"), options).text() == greedy.text()

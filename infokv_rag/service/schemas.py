@@ -66,8 +66,16 @@ def answer_responses(description: str) -> dict[int | str, dict[str, Any]]:
     `stream: true`; answering fails the same ways on every such endpoint."""
     return {
         **error_responses(400, 401, 404, 409, 413, 422, 503, 507),
-        200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}},
     }
+
+
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "One Server-Sent Event, as an EventSource parses it; `data` holds JSON (or `[DONE]`).",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+}
+"""The schema of each event of a `text/event-stream` response (what schema checkers validate per event)."""
 
 
 # Documents ---------------------------------------------------------------------------------------
