@@ -7,7 +7,8 @@ chunk's own cached keys and the repeated tokens before it (KVzip normalises the 
 only, so a chunk's scores do not depend on how much of the rest of the document is resident), and a
 cached key's importance is the largest attention probability it receives over all reconstruction
 queries and over the query heads of its KV group. The repeated tokens are rolled back afterwards: the
-pass reads the cache and leaves it as it found it. It costs about one more prefill of the chunk.
+pass reads the cache and leaves it as it found it. It is one more forward pass over the chunk plus the
+attention probabilities recomputed here (about 2.7x a plain prefill on CPU, README "Results").
 """
 
 from __future__ import annotations

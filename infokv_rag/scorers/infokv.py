@@ -46,7 +46,8 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     attention: Attention = "window"
     """Where A comes from: "window", the observation window's attention (pooled with `pooling_kernel`), or
     "reconstruction", the most attention each token received while the model repeated the document (about
-    one more prefill); `layer_budgets="global"` needs "reconstruction", whose scale is shared by all layers."""
+    one more forward pass per chunk); `layer_budgets="global"` needs "reconstruction", whose scale is
+    shared by all layers."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
     normalization: Normalization = "minmax"

@@ -1,5 +1,5 @@
 """infokv_quality: InfoKV's quality mode, the reconstruction attention as A, ranked per token, with one
-threshold over all layers; about one more prefill per chunk than `infokv`."""
+threshold over all layers; a reconstruction pass per chunk more than `infokv`."""
 
 from __future__ import annotations
 
