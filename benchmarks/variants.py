@@ -9,9 +9,8 @@ from torch import Tensor
 
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.documents import Document
-from infokv_rag.ingestion import Ingestion
+from infokv_rag.ingestion import Ingestion, signal_capture
 from infokv_rag.prompt import Turn
-from infokv_rag.signals import SignalCapture
 
 
 @torch.inference_mode()
@@ -29,13 +28,13 @@ def compress_variants(
     ingestions = [Ingestion(engine, config, ids) for config in configs]
     reference = Ingestion(engine, CompressionConfig(method="full", window=configs[0].window), ids)
     full = engine.runner.new_cache()
-    capture = SignalCapture(configs[0].window, frozenset().union(*(i.scorer.signals for i in ingestions)))
+    capture = signal_capture(engine, configs[0].window, frozenset().union(*(i.scorer.signals for i in ingestions)))
     with engine.lock:
         hidden = reference.forward_chunk(full, capture, 0, len(ids))
     full_cache = full.freeze(len(ids), reference.sinks)
     informations: dict[object, Tensor] = {}
     results = []
-    for config, ingestion in zip(configs, ingestions):
+    for config, ingestion in zip(configs, ingestions, strict=True):
         ingestion.timings["prefill"] = reference.timings["prefill"]
         information = None
         if ingestion.information is not None:

@@ -1,4 +1,4 @@
-"""The `infokv-rag` command line: fetch, ask, ingest, info, serve."""
+"""The `infokv-rag` command line: fetch, calibrate, ask, ingest, info, serve."""
 
 from __future__ import annotations
 
@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("models", nargs="+", help=MODEL_HELP)
 
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the model's reconstruction surrogate now (infokv's attention term; else fitted on first use)",
+    )
+    _add_model_options(calibrate)
+    calibrate.add_argument("--refit", action="store_true", help="fit again even when a fit is shipped or cached")
+
     ask = commands.add_parser("ask", help="answer questions about a document (reuses its stored cache)")
     ask.add_argument("file")
     ask.add_argument("-q", "--question", action="append", required=True, dest="questions")
@@ -137,6 +144,32 @@ def _config(args: argparse.Namespace) -> CompressionConfig:
     return CompressionConfig(method=args.method, keep=args.keep)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from .engine import InfoKVEngine
+    from .surrogate import cached_path, fit_and_cache
+
+    engine = InfoKVEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    started = time.perf_counter()
+    if args.refit:
+        surrogate = fit_and_cache(engine, ProgressBar("calibration documents", enabled=True))
+    else:
+        surrogate = engine.reconstruction_surrogate
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "fingerprint": surrogate.fingerprint,
+                "cached": str(cached_path(surrogate.fingerprint))
+                if cached_path(surrogate.fingerprint).is_file()
+                else None,
+                "seconds": round(time.perf_counter() - started, 1),
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch":
         from .architectures import load_checked
@@ -153,6 +186,8 @@ def _run(args: argparse.Namespace) -> int:
 
         print(json.dumps(describe(args.directory), indent=2))
         return 0
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.command == "serve":
         from .service.app import serve
 

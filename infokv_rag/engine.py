@@ -24,6 +24,7 @@ from .model_runner import ModelRunner
 from .models import loaded_model_fingerprint, resolve_model
 from .placement import resolve_placement
 from .prompt import PromptFormat
+from .surrogate import ReconstructionSurrogate, surrogate_for
 
 QUESTION_RESERVE = 64
 """Context tokens a document must leave free for the question and the start of an answer."""
@@ -58,6 +59,12 @@ class InfoKVEngine:
     def fingerprint(self) -> str:
         """Identifies the model to saved caches (computed on first save or load: it may hash the weights)."""
         return self._fingerprint()
+
+    @functools.cached_property
+    def reconstruction_surrogate(self) -> ReconstructionSurrogate:
+        """The model's fitted predictor of reconstruction importance (`surrogate.py`): shipped, cached or
+        fitted on first use."""
+        return surrogate_for(self)
 
     @classmethod
     def from_pretrained(

@@ -1,7 +1,8 @@
 """Reading one document: chunked prefill, the signals its method needs, scoring and compression.
 
 Per chunk: the forward pass captures attention and layer change (`SignalCapture`), the final hidden
-states give the information signal, a reconstruction pass (when the method reads it) scores the chunk's
+states give the information signal, the surrogate predicts reconstruction importance from each layer's
+input (when the method reads it), a reconstruction pass (when the method reads it) scores the chunk's
 tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
 (always after the last chunk) every layer is scored by the method's scorer and cut to its budget. So a
 layer never holds more than budget + chunk tokens; with global layer budgets the layers together never
@@ -27,6 +28,7 @@ from .selection import adaptive_budgets, global_budgets, protected_mask, select_
 from .signals import (
     EVOLUTION,
     INFORMATION,
+    PREDICTED_RECONSTRUCTION,
     RECONSTRUCTION_ATTENTION,
     InformationSettings,
     LayerBudgetSettings,
@@ -71,6 +73,12 @@ class DocumentStats:
         return {**asdict(self), "kept_tokens": self.kept_tokens, "compression_ratio": self.compression_ratio}
 
 
+def signal_capture(engine: InfoKVEngine, window: int, signals: frozenset[str]) -> SignalCapture:
+    """A capture of `signals` for one chunk; the model's reconstruction surrogate when they include it."""
+    predictor = engine.reconstruction_surrogate.predict if PREDICTED_RECONSTRUCTION in signals else None
+    return SignalCapture(window, signals, predictor)
+
+
 class Ingestion:
     """One document's chunked prefill, scoring and compression; `run` does it all.
 
@@ -103,10 +111,12 @@ class Ingestion:
             self.evolution = torch.zeros(self.runner.num_layers, self.n, device=ids.device)
         self.accumulated: list[Tensor | None] = [None] * self.runner.num_layers
         """Per layer (kv_heads, length) attention summed over every query, aligned with the resident tokens."""
-        self.reconstruction: list[Tensor] | None = None
-        """Per layer (kv_heads, length) reconstruction attention, aligned with the resident tokens."""
-        if RECONSTRUCTION_ATTENTION in self.scorer.signals:
-            self.reconstruction = [ids.new_empty(self.runner.kv_heads, 0, dtype=torch.float32)] * self.runner.num_layers
+        self.aligned: dict[str, list[Tensor]] = {
+            name: [ids.new_empty(self.runner.kv_heads, 0, dtype=torch.float32)] * self.runner.num_layers
+            for name in (RECONSTRUCTION_ATTENTION, PREDICTED_RECONSTRUCTION)
+            if name in self.scorer.signals
+        }
+        """Per signal, per layer (kv_heads, length) values aligned with the resident tokens."""
         settings = config.settings
         self.global_budgets = isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "global"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
@@ -120,7 +130,7 @@ class Ingestion:
         for start in range(0, self.n, chunk):
             end = min(self.n, start + chunk)
             with self.engine.lock:  # answers about other documents may run between chunks
-                capture = SignalCapture(self.config.window, self.scorer.signals)
+                capture = signal_capture(self.engine, self.config.window, self.scorer.signals)
                 hidden = self.forward_chunk(cache, capture, start, end)
                 self.score_and_compress(cache, capture, hidden, start, end)
             self.peak_resident = max(self.peak_resident, cache.resident_tokens)
@@ -175,9 +185,12 @@ class Ingestion:
             for layer, change in capture.layer_change.items():
                 self.evolution[layer, start:end] = change
         self._accumulate(capture, cache)
-        if self.reconstruction is not None:
+        if PREDICTED_RECONSTRUCTION in self.aligned:
+            chunk = [capture.predicted_reconstruction[layer] for layer in range(self.runner.num_layers)]
+            self._append_aligned(PREDICTED_RECONSTRUCTION, chunk)
+        if RECONSTRUCTION_ATTENTION in self.aligned:
             chunk = reconstruction_attention(self.runner, self.engine.prompt, cache, self.ids, start, end, self.sinks)
-            self.reconstruction = [torch.cat(pair, dim=1) for pair in zip(self.reconstruction, chunk, strict=True)]
+            self._append_aligned(RECONSTRUCTION_ATTENTION, chunk)
         final = end == self.n
         over = (
             sum(cache.lengths) > self.budget * len(cache.lengths)
@@ -214,6 +227,10 @@ class Ingestion:
         rows = torch.cat([torch.arange(size, device=weight.device), self.ids]).unique()
         return rows, weight[rows]
 
+    def _append_aligned(self, name: str, chunk: list[Tensor]) -> None:
+        """Appends one chunk's per-layer (kv_heads, chunk) values after the resident tokens' values."""
+        self.aligned[name] = [torch.cat(pair, dim=1) for pair in zip(self.aligned[name], chunk, strict=True)]
+
     def _accumulate(self, capture: SignalCapture, cache: KVCache) -> None:
         for layer, chunk_sums in capture.accumulated_attention.items():
             per_kv_head = chunk_sums.reshape(self.runner.kv_heads, -1, chunk_sums.shape[-1]).sum(dim=1)
@@ -222,6 +239,10 @@ class Ingestion:
                 per_kv_head[:, : previous.shape[1]] += previous
             self.accumulated[layer] = per_kv_head
             assert per_kv_head.shape[1] == cache.layers[layer].length
+
+    def _aligned(self, name: str, layer: int) -> Tensor | None:
+        values = self.aligned.get(name)
+        return values[layer] if values is not None else None
 
     def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
         evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
@@ -237,7 +258,8 @@ class Ingestion:
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],
-                reconstruction_attention=self.reconstruction[index] if self.reconstruction is not None else None,
+                reconstruction_attention=self._aligned(RECONSTRUCTION_ATTENTION, index),
+                predicted_reconstruction=self._aligned(PREDICTED_RECONSTRUCTION, index),
                 information=self.information[:tokens_read] if self.information is not None else None,
                 evolution=evolution[index] if evolution is not None else None,
                 mean_evolution=mean_evolution,
@@ -266,6 +288,6 @@ class Ingestion:
             accumulated = self.accumulated[index]
             if accumulated is not None:
                 self.accumulated[index] = gather_tokens(accumulated, keep)
-            if self.reconstruction is not None:
-                self.reconstruction[index] = gather_tokens(self.reconstruction[index], keep)
+            for values in self.aligned.values():
+                values[index] = gather_tokens(values[index], keep)
         self.timings["compression"] += time.perf_counter() - clock

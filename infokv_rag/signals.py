@@ -11,6 +11,8 @@ A scorer declares the names it needs (`Scorer.signals`); ingestion produces only
   reconstruction_attention (kv_heads, length) the most attention each resident token received while the
                          model repeated the document back, chunk by chunk (KVzip; `reconstruction.py`):
                          an extra pass over each chunk
+  predicted_reconstruction (kv_heads, length) the same, predicted from each layer's input residual stream
+                         by the model's fitted linear surrogate (`surrogate.py`): no extra pass
 Positions, keys, sentences and the seed are always there.
 
 A new signal is a name here, a field of `LayerSignals` and its producer in `ingestion.py` (captured
@@ -20,6 +22,7 @@ scorers that do not name it are untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -36,8 +39,17 @@ ACCUMULATED_ATTENTION = "accumulated_attention"
 INFORMATION = "information"
 EVOLUTION = "evolution"
 RECONSTRUCTION_ATTENTION = "reconstruction_attention"
+PREDICTED_RECONSTRUCTION = "predicted_reconstruction"
 SIGNALS = frozenset(
-    {WINDOW_ATTENTION, LAST_QUERY_ATTENTION, ACCUMULATED_ATTENTION, INFORMATION, EVOLUTION, RECONSTRUCTION_ATTENTION}
+    {
+        WINDOW_ATTENTION,
+        LAST_QUERY_ATTENTION,
+        ACCUMULATED_ATTENTION,
+        INFORMATION,
+        EVOLUTION,
+        RECONSTRUCTION_ATTENTION,
+        PREDICTED_RECONSTRUCTION,
+    }
 )
 
 Information = Literal["entropy", "surprisal"]
@@ -90,16 +102,24 @@ class ForwardCapture(Protocol):
         """before, after: (q, hidden) residual stream around one decoder layer."""
 
 
+ReconstructionPredictor = Callable[[int, Tensor], Tensor]
+"""(layer, (q, hidden) residual stream entering it) -> (kv_heads, q) predicted reconstruction importance."""
+
+
 class SignalCapture:
     """Collects per-layer signals during one chunk's forward pass (fed by the model runner)."""
 
-    def __init__(self, window: int, signals: frozenset[str]) -> None:
+    def __init__(self, window: int, signals: frozenset[str], predictor: ReconstructionPredictor | None = None) -> None:
+        if PREDICTED_RECONSTRUCTION in signals and predictor is None:
+            raise ValueError(f"{PREDICTED_RECONSTRUCTION} needs a predictor")
         self.window = window
         self.signals = signals
+        self.predictor = predictor
         self.window_attention: dict[int, Tensor] = {}
         self.last_query_attention: dict[int, Tensor] = {}
         self.accumulated_attention: dict[int, Tensor] = {}
         self.layer_change: dict[int, Tensor] = {}
+        self.predicted_reconstruction: dict[int, Tensor] = {}
 
     def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
         """queries: (heads, q, head_dim) for this chunk; keys: (kv_heads, resident + q, head_dim)."""
@@ -112,7 +132,10 @@ class SignalCapture:
             self.accumulated_attention[layer] = accumulated_attention(queries, keys, scaling)
 
     def record_layer_change(self, layer: int, before: Tensor, after: Tensor) -> None:
-        """before, after: (q, hidden) residual stream around one decoder layer -> R^l (q,)."""
+        """before, after: (q, hidden) residual stream around one decoder layer -> R^l (q,) and the
+        predicted reconstruction importance (kv_heads, q)."""
+        if self.predictor is not None and PREDICTED_RECONSTRUCTION in self.signals:
+            self.predicted_reconstruction[layer] = self.predictor(layer, before)
         if EVOLUTION not in self.signals:
             return
         delta = (after.float() - before.float()).norm(dim=-1)
@@ -126,7 +149,7 @@ class LayerSignals:
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
     head_dim); sentences: (tokens_read,) int64 index of the sentence each position belongs to;
     window_attention, last_query_attention: (heads, length); accumulated_attention,
-    reconstruction_attention: (kv_heads, length);
+    reconstruction_attention, predicted_reconstruction: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
     or the surprisal of token t + 1; evolution: (tokens_read,) this layer's R^l; mean_evolution:
     (tokens_read,) R averaged over layers.
@@ -141,6 +164,7 @@ class LayerSignals:
     last_query_attention: Tensor | None = None
     accumulated_attention: Tensor | None = None
     reconstruction_attention: Tensor | None = None
+    predicted_reconstruction: Tensor | None = None
     information: Tensor | None = None
     evolution: Tensor | None = None
     mean_evolution: Tensor | None = None

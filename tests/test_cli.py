@@ -234,3 +234,18 @@ def test_progress_bar_formats(tmp_path: Path) -> None:
     silent = io.StringIO()
     ProgressBar("x", enabled=False, stream=silent)(1, 2)
     assert silent.getvalue() == ""
+
+
+def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, tmp_path: Path) -> None:
+    first = run_cli("calibrate", "--model", str(random_model_dir), "--device", "cpu", cache_dir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    cached = Path(report["cached"])
+    assert cached.parent == tmp_path / "surrogates" and cached.is_file()
+    stamp = cached.stat().st_mtime_ns
+    again = run_cli("calibrate", "--model", str(random_model_dir), "--device", "cpu", cache_dir=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["fingerprint"] == report["fingerprint"] and cached.stat().st_mtime_ns == stamp
+    refit = run_cli("calibrate", "--model", str(random_model_dir), "--refit", cache_dir=tmp_path)
+    assert refit.returncode == 0, refit.stderr
+    assert cached.stat().st_mtime_ns != stamp

@@ -25,6 +25,7 @@ from infokv_rag.signals import (
     EVOLUTION,
     INFORMATION,
     LAST_QUERY_ATTENTION,
+    PREDICTED_RECONSTRUCTION,
     RECONSTRUCTION_ATTENTION,
     SIGNALS,
     WINDOW_ATTENTION,
@@ -80,6 +81,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         LAST_QUERY_ATTENTION: rand(HEADS, length).softmax(dim=-1),
         ACCUMULATED_ATTENTION: rand(KV_HEADS, length) * 10,
         RECONSTRUCTION_ATTENTION: rand(KV_HEADS, length),
+        PREDICTED_RECONSTRUCTION: rand(KV_HEADS, length) * 0.1,
         INFORMATION: rand(TOKENS_READ) * 5,
         EVOLUTION: evolution,
     }
@@ -186,8 +188,20 @@ def test_infokv_attention_from_reconstruction() -> None:
     signals = synthetic_signals(SIGNALS)
     attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank")
     assert torch.equal(attention_only.score(signals), scorer_of("kvzip").score(signals).argsort().argsort() / 69)
-    with pytest.raises(ConfigError, match='layer_budgets="global" needs attention="reconstruction"'):
+    with pytest.raises(ConfigError, match=r"layer_budgets=\"global\" needs attention=\"reconstruction\" or \"predicted\""):
         CompressionConfig(method="infokv", settings={"layer_budgets": "global"})
+
+
+def test_infokv_attention_predicted_by_the_surrogate() -> None:
+    assert scorer_of("infokv", attention="predicted", layer_budgets="global").signals == {
+        INFORMATION,
+        PREDICTED_RECONSTRUCTION,
+    }
+    signals = synthetic_signals(SIGNALS)
+    attention_only = scorer_of("infokv", attention="predicted", lam=1.0, normalization="rank")
+    assert signals.predicted_reconstruction is not None
+    assert torch.equal(attention_only.score(signals), signals.predicted_reconstruction.argsort().argsort() / 69)
+    assert torch.equal(attention_only.comparable_scores(signals), signals.predicted_reconstruction)
 
 
 @pytest.mark.parametrize("name", ["kvzip", "infokv_quality"])

@@ -220,7 +220,16 @@ FORMAT_2_CONFIGS = {
     "infokv": CompressionConfig(
         method="infokv",
         keep=0.5,
-        settings={"tau": 0.75, "lam": 0.5, "information": "entropy", "aggregation": "token"},
+        # Saved before `attention` and `layer_budgets` existed: made with the window and uniform budgets,
+        # whatever today's defaults are.
+        settings={
+            "tau": 0.75,
+            "lam": 0.5,
+            "information": "entropy",
+            "aggregation": "token",
+            "attention": "window",
+            "layer_budgets": "uniform",
+        },
     ),
     "snapkv": CompressionConfig(method="snapkv", keep=40, window=8, settings={"pooling_kernel": 3}),
 }

@@ -6,7 +6,8 @@ makes to the token's residual stream (this layer's, or the mean over layers); A 
 observation-window attention reduced over each KV group, optionally averaged with attention accumulated
 over all queries, or (`attention="reconstruction"`) the attention each token receives while the model
 repeats the document (KVzip's signal, an extra pass per chunk: it sees the whole document where the
-window sees its end). N normalises within one (layer, KV head).
+window sees its end), or (`attention="predicted"`) that attention as the model's fitted surrogate
+predicts it from the prefill's own residual stream (no extra pass). N normalises within one (layer, KV head).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..signals import (
     ACCUMULATED_ATTENTION,
     EVOLUTION,
     INFORMATION,
+    PREDICTED_RECONSTRUCTION,
     RECONSTRUCTION_ATTENTION,
     WINDOW_ATTENTION,
     InformationSettings,
@@ -36,7 +38,12 @@ EvolutionMode = Literal["per_layer", "mean"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
 Aggregation = Literal["token", "sentence"]
-Attention = Literal["window", "reconstruction"]
+ATTENTION_SIGNALS = {
+    "window": WINDOW_ATTENTION,
+    "reconstruction": RECONSTRUCTION_ATTENTION,
+    "predicted": PREDICTED_RECONSTRUCTION,
+}
+Attention = Literal["window", "reconstruction", "predicted"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,9 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     attention: Attention = "window"
     """Where A comes from: "window", the observation window's attention (pooled with `pooling_kernel`), or
     "reconstruction", the most attention each token received while the model repeated the document (about
-    one more forward pass per chunk); `layer_budgets="global"` needs "reconstruction", whose scale is
-    shared by all layers."""
+    one more forward pass per chunk), or "predicted", the same predicted by the model's surrogate
+    (`infokv_rag.surrogate`) at no extra pass; `layer_budgets="global"` needs "reconstruction" or
+    "predicted", whose scale is shared by all layers."""
     attribution: Attribution = "incoming"
     evolution: EvolutionMode = "per_layer"
     normalization: Normalization = "minmax"
@@ -61,9 +69,10 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     def validate(self) -> None:
         super().validate()
         check_pooling_kernel(self.pooling_kernel)
-        if self.layer_budgets == "global" and self.attention != "reconstruction":
+        if self.layer_budgets == "global" and self.attention == "window":
             raise ConfigError(
-                'layer_budgets="global" needs attention="reconstruction" (window scores differ in scale per layer)'
+                'layer_budgets="global" needs attention="reconstruction" or "predicted" (window scores differ '
+                "in scale per layer)"
             )
 
     def weighted(self, tau: float, lam: float) -> InfoKVSettings:
@@ -92,14 +101,14 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
             needs |= {INFORMATION} if settings.tau > 0 else set()
             needs |= {EVOLUTION} if settings.tau < 1 else set()
         if settings.lam > 0 or settings.layer_budgets == "global":
-            needs |= {RECONSTRUCTION_ATTENTION} if settings.attention == "reconstruction" else {WINDOW_ATTENTION}
+            needs |= {ATTENTION_SIGNALS[settings.attention]}
         if settings.lam > 0 and settings.accumulated_attention:
             needs |= {ACCUMULATED_ATTENTION}
         self.signals = frozenset(needs)
 
     def attention_term(self, signals: LayerSignals) -> Tensor:
         settings = self.settings
-        if settings.attention == "reconstruction":
+        if settings.attention != "window":
             attention = normalize(self.comparable_scores(signals), settings.normalization)
         else:
             assert signals.window_attention is not None
@@ -112,9 +121,14 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         return attention
 
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
-        """The reconstruction attention itself: probabilities, on one scale for every layer."""
-        assert signals.reconstruction_attention is not None
-        return signals.reconstruction_attention
+        """The reconstruction attention, measured or predicted: probabilities, on one scale for every layer."""
+        scores = (
+            signals.predicted_reconstruction
+            if self.settings.attention == "predicted"
+            else signals.reconstruction_attention
+        )
+        assert scores is not None
+        return scores
 
     def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R)."""
