@@ -117,12 +117,25 @@ class InfoKVEngine:
         return frozenset(ids)
 
     @functools.cached_property
+    def word_starts(self) -> Tensor:
+        """(vocab,) True for tokens that begin a word (their text starts with whitespace): the tokens up to
+        the next such token, e.g. the digits and separators of "1.13.22", form one word."""
+        return self._token_flags(lambda text: not text or text[0].isspace())
+
+    @functools.cached_property
     def sentence_boundaries(self) -> Tensor:
         """(vocab,) True for tokens that end a sentence or line (their text holds . ; : ! ? or a newline)."""
+        return self._token_flags(lambda text: any(c in text for c in ".;:!?\n"))
+
+    @functools.cached_property
+    def _token_texts(self) -> list[str]:
+        return self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+
+    def _token_flags(self, test: Callable[[str], bool]) -> Tensor:
+        """(vocab,) `test` of each token's text; False for ids the tokenizer does not decode (LM-head padding)."""
         size = max(len(self.tokenizer), self.runner.lm_head.weight.shape[0])
-        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
         flags = torch.zeros(size, dtype=torch.bool)
-        flags[: len(texts)] = torch.tensor([any(c in text for c in ".;:!?\n") for text in texts])
+        flags[: len(self._token_texts)] = torch.tensor([test(text) for text in self._token_texts])
         return flags.to(self.runner.device)
 
     @property

@@ -103,8 +103,9 @@ class Ingestion:
             self.information_settings = config.settings
             self.information = torch.zeros(self.n, device=ids.device)
             self.head_rows, self.information_head = self._information_head()
-        boundaries = engine.sentence_boundaries[ids]
-        self.sentences = torch.cumsum(boundaries.long(), 0) - boundaries.long()
+        boundaries = engine.sentence_boundaries[ids].long()
+        self.sentences = torch.cumsum(boundaries, 0) - boundaries
+        self.words = torch.cumsum(engine.word_starts[ids].long(), 0)
         self.evolution: Tensor | None = None
         """(layers, n) R^l per layer and position, when the scorer reads it."""
         if EVOLUTION in self.scorer.signals:
@@ -255,6 +256,7 @@ class Ingestion:
                 positions=layer.live("positions"),
                 keys=layer.live("keys"),
                 sentences=self.sentences[:tokens_read],
+                words=self.words[:tokens_read],
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],

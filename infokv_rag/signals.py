@@ -13,7 +13,7 @@ A scorer declares the names it needs (`Scorer.signals`); ingestion produces only
                          an extra pass over each chunk
   predicted_reconstruction (kv_heads, length) the same, predicted from each layer's input residual stream
                          by the model's fitted linear surrogate (`surrogate.py`): no extra pass
-Positions, keys, sentences and the seed are always there.
+Positions, keys, sentences, words and the seed are always there.
 
 A new signal is a name here, a field of `LayerSignals` and its producer in `ingestion.py` (captured
 during the prefill's forward pass like attention, or computed by an extra pass over each chunk);
@@ -147,7 +147,8 @@ class LayerSignals:
     """Everything a scorer may use for one layer's resident tokens; a signal it did not ask for is None.
 
     positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
-    head_dim); sentences: (tokens_read,) int64 index of the sentence each position belongs to;
+    head_dim); sentences, words: (tokens_read,) int64 index of the sentence / word each position belongs
+    to (non-decreasing);
     window_attention, last_query_attention: (heads, length); accumulated_attention,
     reconstruction_attention, predicted_reconstruction: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
@@ -160,6 +161,7 @@ class LayerSignals:
     positions: Tensor
     keys: Tensor
     sentences: Tensor
+    words: Tensor
     window_attention: Tensor | None = None
     last_query_attention: Tensor | None = None
     accumulated_attention: Tensor | None = None
@@ -184,6 +186,14 @@ class LayerSignals:
         sums = per_position.new_zeros(count).index_add_(0, self.sentences, per_position)
         sizes = torch.bincount(self.sentences, minlength=count).clamp_min(1)
         return (sums / sizes)[self.sentences]
+
+    def word_max(self, scores: Tensor) -> Tensor:
+        """(kv_heads, length) -> (kv_heads, length): each resident token gets the best score of the resident
+        tokens of its word, so a word (a number, a code) is kept or dropped whole."""
+        words = self.words[self.positions]
+        best = scores.new_full((self.kv_heads, int(self.words[-1]) + 1), float("-inf"))
+        best.scatter_reduce_(1, words, scores, reduce="amax")
+        return best.gather(1, words)
 
     def incoming_information(self) -> Tensor:
         """(tokens_read,): the information of p(. | x_<t) credited to token t (for surprisal, -log p(x_t |

@@ -41,9 +41,10 @@ def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
         n = doc.stats.document_tokens
         budget = max(round(keep * n), 36)
         assert doc.stats.cache_bytes == budget * random_engine.bytes_per_token
-        assert abs(doc.stats.cache_bytes - keep * full.stats.cache_bytes) <= 0.02 * keep * full.stats.cache_bytes + max(
-            0, 36 - keep * n
-        ) * random_engine.bytes_per_token
+        assert (
+            abs(doc.stats.cache_bytes - keep * full.stats.cache_bytes)
+            <= 0.02 * keep * full.stats.cache_bytes + max(0, 36 - keep * n) * random_engine.bytes_per_token
+        )
 
 
 def test_adaptive_budget_keeps_the_total_and_varies_per_layer(random_engine: InfoKVEngine) -> None:
@@ -158,7 +159,9 @@ def test_surprisal_signal_is_exact_across_chunks(random_engine: InfoKVEngine) ->
     expected = torch.cat([-log_p[:-1].gather(1, ids[1:, None]).squeeze(1), torch.zeros(1)])
     assert doc.information_reference is not None
     torch.testing.assert_close(doc.information_reference, expected.sort().values, rtol=1e-4, atol=1e-4)
-    generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=40, max_cache_tokens=len(ids) // 2 + 60))
+    generation = doc.generate(
+        [("user", "Summarise.")], _options(max_new_tokens=40, max_cache_tokens=len(ids) // 2 + 60)
+    )
     generation.text()
     assert generation.usage.max_resident_tokens <= len(ids) // 2 + 60
 
@@ -189,3 +192,18 @@ def test_a_top_p_below_float32_range_still_samples_the_most_likely_token(random_
     options = GenerationOptions(max_new_tokens=4, temperature=1.7, top_p=1e-300, seed=1)
     greedy = doc.generate(question_turns("What is the notice period?"), GenerationOptions(max_new_tokens=4))
     assert doc.generate(question_turns("What is the notice period?"), options).text() == greedy.text()
+
+
+def test_words_run_from_one_whitespace_to_the_next(random_engine: InfoKVEngine) -> None:
+    text = " Since version 1.13.22 the pump"
+    ids = random_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    starts = random_engine.word_starts[torch.tensor(ids)].tolist()
+    pieces = [random_engine.tokenizer.decode([i]) for i in ids]
+    words, current = [], ""
+    for piece, start in zip(pieces, starts, strict=True):
+        if start and current:
+            words.append(current)
+            current = ""
+        current += piece
+    words.append(current)
+    assert words == [" Since", " version", " 1.13.22", " the", " pump"]

@@ -94,6 +94,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         positions=positions,
         keys=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
         sentences=torch.arange(TOKENS_READ) // 7,
+        words=torch.arange(TOKENS_READ) // 2,
         seed=seed,
         **given,
     )
@@ -188,7 +189,9 @@ def test_infokv_attention_from_reconstruction() -> None:
     signals = synthetic_signals(SIGNALS)
     attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank")
     assert torch.equal(attention_only.score(signals), scorer_of("kvzip").score(signals).argsort().argsort() / 69)
-    with pytest.raises(ConfigError, match=r"layer_budgets=\"global\" needs attention=\"reconstruction\" or \"predicted\""):
+    with pytest.raises(
+        ConfigError, match=r"layer_budgets=\"global\" needs attention=\"reconstruction\" or \"predicted\""
+    ):
         CompressionConfig(method="infokv", settings={"layer_budgets": "global"})
 
 
@@ -233,3 +236,15 @@ def test_the_readme_table_lists_exactly_the_registered_methods() -> None:
     rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", section, flags=re.MULTILINE)
     assert dict(rows) == {name: method(name).summary for name in method_names()}
     assert len(rows) == len(method_names())
+
+
+def test_word_units_keep_a_word_whole() -> None:
+    signals = synthetic_signals(SIGNALS)
+    by_token = scorer_of("infokv").score(signals)
+    by_word = scorer_of("infokv", units="word").score(signals)
+    words = signals.words[signals.positions]
+    for head in range(KV_HEADS):
+        for word in words[head].unique():
+            members = words[head] == word
+            assert bool((by_word[head, members] == by_token[head, members].max()).all())
+    assert not torch.equal(by_word, by_token)

@@ -38,6 +38,7 @@ EvolutionMode = Literal["per_layer", "mean"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
 Aggregation = Literal["token", "sentence"]
+Units = Literal["token", "word"]
 ATTENTION_SIGNALS = {
     "window": WINDOW_ATTENTION,
     "reconstruction": RECONSTRUCTION_ATTENTION,
@@ -65,6 +66,9 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     aggregation: Aggregation = "sentence"
     """"sentence": the information and evolution terms score each token by its sentence's mean, so the
     facts a question needs are kept with their sentence."""
+    units: Units = "token"
+    """"word": every token of a word (tokens up to the next whitespace) gets the best final score among the
+    word's resident tokens, so a number or a code is kept whole or not at all; "token": scored alone."""
 
     def validate(self) -> None:
         super().validate()
@@ -153,10 +157,12 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
     def score(self, signals: LayerSignals) -> Tensor:
         lam = self.settings.lam
         if lam == 1.0:
-            return self.attention_term(signals)
-        if lam == 0.0:
-            return self.information_term(signals)
-        return lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
+            scores = self.attention_term(signals)
+        elif lam == 0.0:
+            scores = self.information_term(signals)
+        else:
+            scores = lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
+        return signals.word_max(scores) if self.settings.units == "word" else scores
 
 
 METHOD = Method(
