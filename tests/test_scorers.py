@@ -36,7 +36,7 @@ EXPECTED_SIGNALS: dict[str, frozenset[str]] = {
     "full": frozenset(),
     "h2o": frozenset({ACCUMULATED_ATTENTION}),
     "kvzip": frozenset({RECONSTRUCTION_ATTENTION}),
-    "infokv": frozenset({INFORMATION, WINDOW_ATTENTION}),
+    "infokv": frozenset({INFORMATION, PREDICTED_RECONSTRUCTION}),
     "infokv_evolution": frozenset({EVOLUTION}),
     "infokv_information": frozenset({INFORMATION}),
     "infokv_quality": frozenset({INFORMATION, RECONSTRUCTION_ATTENTION}),
@@ -175,10 +175,16 @@ def test_pooling_kernel_must_be_odd(name: str) -> None:
 
 
 def test_infokv_reads_only_the_signals_its_weights_use() -> None:
-    assert scorer_of("infokv", lam=1.0).signals == {WINDOW_ATTENTION}
-    assert scorer_of("infokv", lam=1.0, accumulated_attention=True).signals == {WINDOW_ATTENTION, ACCUMULATED_ATTENTION}
-    assert scorer_of("infokv", tau=0.5).signals == {INFORMATION, EVOLUTION, WINDOW_ATTENTION}
-    assert scorer_of("infokv", tau=0.0, lam=0.0).signals == {EVOLUTION}
+    window = {"attention": "window", "layer_budgets": "uniform"}
+    assert scorer_of("infokv", lam=1.0, **window).signals == {WINDOW_ATTENTION}
+    assert scorer_of("infokv", lam=1.0, accumulated_attention=True, **window).signals == {
+        WINDOW_ATTENTION,
+        ACCUMULATED_ATTENTION,
+    }
+    assert scorer_of("infokv", tau=0.5, **window).signals == {INFORMATION, EVOLUTION, WINDOW_ATTENTION}
+    assert scorer_of("infokv", tau=0.0, lam=0.0, **window).signals == {EVOLUTION}
+    # Global layer budgets read the predicted attention even when A has no weight.
+    assert scorer_of("infokv", lam=0.0).signals == {INFORMATION, PREDICTED_RECONSTRUCTION}
 
 
 def test_infokv_attention_from_reconstruction() -> None:
@@ -187,12 +193,12 @@ def test_infokv_attention_from_reconstruction() -> None:
     budgets_only = scorer_of("infokv", attention="reconstruction", layer_budgets="global", lam=0.0)
     assert budgets_only.signals == {INFORMATION, RECONSTRUCTION_ATTENTION}
     signals = synthetic_signals(SIGNALS)
-    attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank")
+    attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank", units="token")
     assert torch.equal(attention_only.score(signals), scorer_of("kvzip").score(signals).argsort().argsort() / 69)
     with pytest.raises(
         ConfigError, match=r"layer_budgets=\"global\" needs attention=\"reconstruction\" or \"predicted\""
     ):
-        CompressionConfig(method="infokv", settings={"layer_budgets": "global"})
+        CompressionConfig(method="infokv", settings={"attention": "window"})
 
 
 def test_infokv_attention_predicted_by_the_surrogate() -> None:
@@ -201,7 +207,7 @@ def test_infokv_attention_predicted_by_the_surrogate() -> None:
         PREDICTED_RECONSTRUCTION,
     }
     signals = synthetic_signals(SIGNALS)
-    attention_only = scorer_of("infokv", attention="predicted", lam=1.0, normalization="rank")
+    attention_only = scorer_of("infokv", lam=1.0, units="token")
     assert signals.predicted_reconstruction is not None
     assert torch.equal(attention_only.score(signals), signals.predicted_reconstruction.argsort().argsort() / 69)
     assert torch.equal(attention_only.comparable_scores(signals), signals.predicted_reconstruction)
@@ -220,7 +226,10 @@ def test_the_ablations_score_like_infokv_with_fixed_weights() -> None:
         ("infokv_evolution", {"tau": 0.0, "lam": 0.0}),
     ):
         signals = synthetic_signals(SIGNALS)
-        assert torch.equal(scorer_of(name).score(signals), scorer_of("infokv", **weights).score(signals))
+        same_signals = dataclasses.asdict(scorer_of(name).settings)
+        assert torch.equal(
+            scorer_of(name).score(signals), scorer_of("infokv", **{**same_signals, **weights}).score(signals)
+        )
 
 
 def test_random_depends_on_seed_and_layer() -> None:
@@ -240,8 +249,8 @@ def test_the_readme_table_lists_exactly_the_registered_methods() -> None:
 
 def test_word_units_keep_a_word_whole() -> None:
     signals = synthetic_signals(SIGNALS)
-    by_token = scorer_of("infokv").score(signals)
-    by_word = scorer_of("infokv", units="word").score(signals)
+    by_token = scorer_of("infokv", units="token").score(signals)
+    by_word = scorer_of("infokv").score(signals)
     words = signals.words[signals.positions]
     for head in range(KV_HEADS):
         for word in words[head].unique():

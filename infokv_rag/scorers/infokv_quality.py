@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..signals import LayerBudgets
 from .base import Method
-from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization
+from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization, Units
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class InfoKVQualitySettings(InfoKVSettings):
     lam: float = 0.7
     normalization: Normalization = "rank"
     aggregation: Aggregation = "token"
+    units: Units = "token"
 
 
 METHOD = Method(
