@@ -160,7 +160,9 @@ class FsspecBackend(CacheBackend):
                 f"the store {url} needs fsspec (and s3fs for s3://): pip install 'infokv-rag[scale]'"
             ) from exc
         try:
-            self.fs, root = url_to_fs(url, **storage_options)
+            # A fresh filesystem object: fsspec's shared instances would keep the endpoint and credentials
+            # of the environment they were first made in.
+            self.fs, root = url_to_fs(url, skip_instance_cache=True, **storage_options)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open the store {url}: {exc}") from exc
         self.url = url.rstrip("/")
