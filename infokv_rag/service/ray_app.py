@@ -28,10 +28,11 @@ import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.deployment import Application, Deployment
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message
@@ -122,7 +123,10 @@ async def run_asgi(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Res
     async def send(message: Message) -> None:
         await messages.put(message)
 
-    task = asyncio.create_task(app(scope, receive, send))
+    async def run() -> None:
+        await app(scope, receive, send)
+
+    task = asyncio.create_task(run())
     task.add_done_callback(lambda _: messages.put_nowait(None))
     try:
         while (message := await messages.get()) is not None:
@@ -135,11 +139,10 @@ async def run_asgi(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Res
         disconnected.set()
 
 
-@serve.deployment(name="ModelWorker", ray_actor_options={"num_cpus": 1})
 class ModelWorkerReplica:
     """One model worker: the single-process service app on the shared store."""
 
-    async def __init__(self, settings: Settings) -> None:
+    async def __init__(self, settings: Settings) -> None:  # type: ignore[misc]  # Ray awaits an async __init__
         self.app = create_app(settings)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # loads the model, starts the worker and the lease keeper
@@ -172,7 +175,6 @@ class ModelWorkerReplica:
         await self._lifespan.__aexit__(None, None, None)  # stops the worker; interrupted uploads get taken over
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 class Ingress:
     """Forwards each request to a model-worker replica, routed by the document it is about."""
 
@@ -188,7 +190,10 @@ class Ingress:
             body=await request.body(),
             client=(request.client.host, request.client.port) if request.client else None,
         )
-        parts = self.workers.options(stream=True, multiplexed_model_id=routing_key(forwarded)).remote(forwarded)
+        parts = cast(
+            DeploymentResponseGenerator,
+            self.workers.options(stream=True, multiplexed_model_id=routing_key(forwarded)).remote(forwarded),
+        )
         try:
             start = await parts.__anext__()
         except Exception as exc:  # noqa: BLE001 - a replica that died or is stopping: the client retries
@@ -209,8 +214,15 @@ class Ingress:
         return response
 
 
-def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0) -> Any:
-    """The Ray Serve application: `replicas` model workers (each `replica_cpus` CPUs) behind one ingress."""
+def _deployment(cls: type) -> Deployment:
+    # Applied to a class, serve.deployment returns a Deployment; its annotation only describes the
+    # decorator-factory form.
+    return cast(Deployment, serve.deployment(cls))
+
+
+def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0, replica_gpus: float = 0.0) -> Application:
+    """The Ray Serve application: `replicas` model workers (each `replica_cpus` CPUs and `replica_gpus`
+    GPUs) behind one ingress."""
     settings.check_startable()
     if settings.store is None:
         raise ConfigError(
@@ -218,27 +230,37 @@ def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0) -> A
         )
     if replicas < 1:
         raise ConfigError(f"replicas must be positive, got {replicas}")
-    workers = ModelWorkerReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}).bind(
-        settings
+    workers = (
+        _deployment(ModelWorkerReplica)
+        .options(
+            name="ModelWorker",
+            num_replicas=replicas,
+            ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+        )
+        .bind(settings)
     )
-    return Ingress.bind(workers)
+    # The ingress only forwards bytes: it reserves no CPU, so it never competes with a model worker.
+    return _deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0}).bind(workers)
 
 
-def app_builder(args: dict[str, str]) -> Any:
+def app_builder(args: dict[str, str]) -> Application:
     """For `serve run infokv_rag.service.ray_app:app_builder replicas=N model=...`: settings from INFOKV_*
-    environment variables, then `args` (any `Settings` field, plus `replicas` and `replica_cpus`)."""
+    environment variables, then `args` (any `Settings` field, plus `replicas`, `replica_cpus`, `replica_gpus`)."""
     options = dict(args)
     replicas = int(options.pop("replicas", os.environ.get("INFOKV_REPLICAS", "2")))
     replica_cpus = float(options.pop("replica_cpus", "1"))
+    replica_gpus = float(options.pop("replica_gpus", "0"))
     environ = {**os.environ, **{f"INFOKV_{name.upper()}": value for name, value in options.items()}}
-    return build_app(Settings.from_env(environ), replicas, replica_cpus)
+    return build_app(Settings.from_env(environ), replicas, replica_cpus, replica_gpus)
 
 
-def serve_ray(settings: Settings, replicas: int, host: str, port: int, replica_cpus: float = 1.0) -> None:
+def serve_ray(
+    settings: Settings, replicas: int, host: str, port: int, replica_cpus: float = 1.0, replica_gpus: float = 0.0
+) -> None:
     """`infokv-rag serve --ray`: joins the Ray cluster of RAY_ADDRESS (or starts a local one) and runs the
     application until interrupted."""
     import ray
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or None)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(settings, replicas, replica_cpus), name=APP_NAME, route_prefix="/", blocking=True)
+    serve.run(build_app(settings, replicas, replica_cpus, replica_gpus), name=APP_NAME, route_prefix="/", blocking=True)

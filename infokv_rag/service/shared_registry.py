@@ -17,6 +17,7 @@ publishes are atomic, so the cache is whole either way.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import secrets
@@ -206,7 +207,7 @@ class StoreRegistry(Registry):
             if not record.deleted and record.reason_code != DELETE_INCOMPLETE:
                 self._write_meta(record)
 
-    def claim_expired(self, busy: set[str]) -> list[DocumentRecord]:
+    def claim_expired(self, busy: set[str]) -> builtins.list[DocumentRecord]:
         """Takes over queued or processing documents whose reader's lease ran out (not those in `busy`);
         returns the ones this process won."""
         now = time.time()
