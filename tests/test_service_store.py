@@ -131,12 +131,14 @@ def test_a_document_whose_reader_died_is_taken_over(
         "lease": {"holder": "dead", "until": now - 1},
     }
     backend.put(f"documents/{doc_id}", "meta.json", json.dumps(meta).encode())
+    backend.put(f"pending/{doc_id}", "lease", b"")
 
     with TestClient(create_app(settings_for(tmp_path, store_url, lease_seconds=1), engine=random_engine)) as client:
         info = wait_settled(client, doc_id, A, timeout=60)
         assert info["status"] == "ready", info
         assert counters(client)["takeovers"] == 1 and counters(client)["prefills"] == 1
         assert client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).status_code == 200
+    assert backend.children("pending") == [], "a ready document is no longer pending"
 
 
 def test_a_store_refuses_cache_sharing_and_an_unusable_store(tmp_path: Path) -> None:

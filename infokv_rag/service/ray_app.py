@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from ..errors import ConfigError
-from .app import create_app
+from .app import UPLOAD_OVERHEAD, create_app
 from .errors import error_body
 from .settings import Settings
 
@@ -48,6 +48,8 @@ DOCUMENTS_PER_REPLICA = 8
 """Documents one replica is known to hold for routing (Ray's multiplexing LRU; the default of
 `Settings.loaded_documents`, the caches each replica keeps in memory)."""
 APP_NAME = "infokv-rag"
+CONTROL_REQUESTS = 32
+"""Requests a replica takes beside its answer and upload queues: status, lists, deletes, health."""
 DOCUMENT_PATH = re.compile(r"^/v1/documents/(doc_[A-Za-z0-9_-]{22})(/|$)")
 CHAT_PATH = "/v1/chat/completions"
 
@@ -178,16 +180,34 @@ class ModelWorkerReplica:
 class Ingress:
     """Forwards each request to a model-worker replica, routed by the document it is about."""
 
-    def __init__(self, workers: DeploymentHandle) -> None:
+    def __init__(self, workers: DeploymentHandle, max_body_bytes: int) -> None:
         self.workers = workers
+        self.max_body_bytes = max_body_bytes
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The whole body, or None as soon as it is larger than any request a replica accepts."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def __call__(self, request: Request) -> Response:
+        body = await self._body(request)
+        if body is None:
+            message = f"the request body is larger than this server's limit of {self.max_body_bytes} bytes"
+            return JSONResponse(error_body(413, "request_too_large", message), status_code=413)
         forwarded = ForwardedRequest(
             method=request.method,
             path=request.url.path,
             query_string=request.url.query.encode(),
             headers=list(request.headers.raw),
-            body=await request.body(),
+            body=body,
             client=(request.client.host, request.client.port) if request.client else None,
         )
         parts = cast(
@@ -230,17 +250,30 @@ def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0, repl
         )
     if replicas < 1:
         raise ConfigError(f"replicas must be positive, got {replicas}")
+    # Ray admits this many requests to a replica at once: enough for its own queues to fill, so that the
+    # replica's backpressure (503 busy) answers as in the single-process service, not Ray's queue.
+    per_replica = (
+        settings.max_active_generations
+        + settings.max_queued_generations
+        + settings.max_queued_uploads
+        + CONTROL_REQUESTS
+    )
     workers = (
         _deployment(ModelWorkerReplica)
         .options(
             name="ModelWorker",
             num_replicas=replicas,
+            max_ongoing_requests=per_replica,
             ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         )
         .bind(settings)
     )
     # The ingress only forwards bytes: it reserves no CPU, so it never competes with a model worker.
-    return _deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0}).bind(workers)
+    return (
+        _deployment(Ingress)
+        .options(name="Ingress", max_ongoing_requests=per_replica * replicas, ray_actor_options={"num_cpus": 0})
+        .bind(workers, settings.max_upload_bytes + UPLOAD_OVERHEAD)
+    )
 
 
 def app_builder(args: dict[str, str]) -> Application:

@@ -475,14 +475,17 @@ class Registry:
             try:
                 _remove_tree(trash)
             except OSError as exc:
-                self._mark_delete_incomplete(record, exc)
-                raise StorageError(
-                    "remove all of the document's files",
-                    exc,
-                    "it is listed as failed (delete_incomplete); send DELETE again",
-                ) from exc
+                raise self._incomplete_delete(record, exc) from exc
         with self._lock:
             self._records.pop(record.id, None)
+
+    @classmethod
+    def _incomplete_delete(cls, record: DocumentRecord, exc: OSError) -> StorageError:
+        """Marks `record` as `delete_incomplete`; the error that says so to the client."""
+        cls._mark_delete_incomplete(record, exc)
+        return StorageError(
+            "remove all of the document's files", exc, "it is listed as failed (delete_incomplete); send DELETE again"
+        )
 
     @staticmethod
     def _mark_delete_incomplete(record: DocumentRecord, exc: OSError) -> None:

@@ -5,6 +5,7 @@ Layout in the store (`infokv_rag.cache_backends`):
   documents/<id>/meta.json      owner (tenant), status, counts, and the ingestion lease (who reads it, until when)
   documents/<id>/document.json  the extracted text and page map (to read the document again anywhere)
   documents/<id>/cache/         the published compressed cache (versions + CURRENT; verified on load)
+  pending/<id>/lease            present while the document is queued or being read (what takeovers scan)
 Only the staging of uploads being received stays on the local disk.
 
 Every request reads the document's record from the store, so a document that another process read, failed
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DOCUMENTS = "documents"
+PENDING = "pending"
+PENDING_MARK = "lease"
+PENDING_STATUSES = ("queued", "processing")
 PROBE = "probes"
 CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
@@ -100,7 +104,15 @@ class StoreRegistry(Registry):
     def _write_meta(self, record: DocumentRecord) -> None:
         lease = {"holder": self.holder, "until": time.time() + self.lease_seconds}
         meta = {**record.to_meta(), "lease": lease}
+        pending = record.status in PENDING_STATUSES
+        if pending:  # the mark first: a pending record without one would never be taken over
+            self.backend.put(f"{PENDING}/{record.id}", PENDING_MARK, b"")
         self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
+        if not pending:
+            self._unmark_pending(record.id)
+
+    def _unmark_pending(self, doc_id: str) -> None:
+        self.backend.remove(f"{PENDING}/{doc_id}", last=PENDING_MARK)
 
     def _stored_meta(self, doc_id: str) -> dict[str, Any] | None:
         """The record as the store has it now; None when it is gone (deleted by any process)."""
@@ -183,13 +195,9 @@ class StoreRegistry(Registry):
             self.forget_loaded(record.id)
             try:
                 self.backend.remove(_key(record.id), last=META)
+                self._unmark_pending(record.id)
             except OSError as exc:
-                self._mark_delete_incomplete(record, exc)
-                raise StorageError(
-                    "remove all of the document's files",
-                    exc,
-                    "it is listed as failed (delete_incomplete); send DELETE again",
-                ) from exc
+                raise self._incomplete_delete(record, exc) from exc
         with self._lock:
             self._records.pop(record.id, None)
 
@@ -212,11 +220,12 @@ class StoreRegistry(Registry):
         returns the ones this process won."""
         now = time.time()
         claimed = []
-        for doc_id in self.backend.children(DOCUMENTS):
+        for doc_id in self.backend.children(PENDING):
             if doc_id in busy or not valid_document_id(doc_id):
                 continue
             data = self._stored_meta(doc_id)
-            if data is None or data.get("status") not in ("queued", "processing"):
+            if data is None or data.get("status") not in PENDING_STATUSES:
+                self._unmark_pending(doc_id)  # left by a process killed between the record and its mark
                 continue
             if float(data.get("lease", {}).get("until", 0)) > now:
                 continue
