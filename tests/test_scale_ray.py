@@ -26,8 +26,9 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from infokv_rag.cli import main as cli_main  # noqa: E402
 from infokv_rag.service.launcher import free_port, read_sse  # noqa: E402
-from infokv_rag.service.ray_app import APP_NAME, build_app  # noqa: E402
+from infokv_rag.service.ray_app import APP_NAME, ForwardedRequest, build_app, routing_key  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .service_helpers import assert_error, bearer  # noqa: E402
@@ -110,6 +111,37 @@ def kill_replica(replica: str) -> None:
     ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
 
 
+def forwarded(method: str, path: str, body: bytes = b"") -> ForwardedRequest:
+    return ForwardedRequest(method, path, b"", [], body, None)
+
+
+def test_requests_are_routed_by_the_document_they_are_about() -> None:
+    doc_id = "doc_" + "a" * 22
+    assert routing_key(forwarded("POST", f"/v1/documents/{doc_id}/ask")) == doc_id
+    assert routing_key(forwarded("GET", f"/v1/documents/{doc_id}")) == doc_id
+    chat = json.dumps({"messages": [], "document_id": doc_id}).encode()
+    assert routing_key(forwarded("POST", "/v1/chat/completions", chat)) == doc_id
+    for request in (
+        forwarded("GET", "/v1/documents"),
+        forwarded("POST", "/v1/documents"),
+        forwarded("GET", "/healthz"),
+        forwarded("POST", "/v1/chat/completions", b"{not json"),
+        forwarded("POST", "/v1/chat/completions", b'{"document_id": "../../etc"}'),
+        forwarded("POST", "/v1/chat/completions", b"[1, 2]"),
+    ):
+        assert routing_key(request) == ""
+
+
+def test_serve_ray_refuses_to_start_without_a_store(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFOKV_API_KEYS", f"tenantA:{KEY_A}")
+    monkeypatch.delenv("INFOKV_STORE", raising=False)
+    assert cli_main(["serve", "--ray", "--model", "tiny"]) == 2
+    assert "--store" in capsys.readouterr().err
+    assert not ray.is_initialized(), "refused before any Ray instance started"
+
+
 def test_another_replica_answers_from_the_store_without_a_prefill(ingress: str) -> None:
     with httpx.Client(base_url=ingress, timeout=DEADLINE) as client:
         uploaded = request(client, "POST", "/v1/documents", headers=A, files={"file": ("memo.txt", MEMO)})
@@ -140,6 +172,11 @@ def test_another_replica_answers_from_the_store_without_a_prefill(ingress: str) 
             events = list(read_sse(stream.iter_lines()))
         assert events[-1][0] == "done" and json.loads(events[-1][1])["answer"] == first.json()["answer"]
         assert "".join(json.loads(data)["text"] for kind, data in events if kind == "token") == first.json()["answer"]
+
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION["question"]}], "max_tokens": 8}
+        completion = request(client, "POST", "/v1/chat/completions", json={**chat, "document_id": doc_id}, headers=A)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["choices"][0]["message"]["content"]  # its own prompt: not the /ask answer
         shared["answers"] = {doc_id: first.json()["answer"]}
 
 

@@ -225,11 +225,11 @@ class Ingress:
             )
         assert isinstance(start, ResponseStart)
 
-        async def body() -> AsyncIterator[bytes]:
+        async def rest() -> AsyncIterator[bytes]:
             async for part in parts:
                 yield part
 
-        response = StreamingResponse(body(), status_code=start.status)
+        response = StreamingResponse(rest(), status_code=start.status)
         response.raw_headers = start.headers
         return response
 
@@ -294,6 +294,7 @@ def serve_ray(
     application until interrupted."""
     import ray
 
+    application = build_app(settings, replicas, replica_cpus, replica_gpus)  # refuses bad settings before Ray starts
     ray.init(address=os.environ.get("RAY_ADDRESS") or None)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(settings, replicas, replica_cpus, replica_gpus), name=APP_NAME, route_prefix="/", blocking=True)
+    serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
