@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import re
+import signal
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import cast
@@ -291,10 +293,20 @@ def serve_ray(
     settings: Settings, replicas: int, host: str, port: int, replica_cpus: float = 1.0, replica_gpus: float = 0.0
 ) -> None:
     """`infokv-rag serve --ray`: joins the Ray cluster of RAY_ADDRESS (or starts a local one) and runs the
-    application until interrupted."""
+    application until SIGINT or SIGTERM, then removes it gracefully (each replica stops its worker; an upload
+    it was reading is taken over by the next replicas)."""
     import ray
 
     application = build_app(settings, replicas, replica_cpus, replica_gpus)  # refuses bad settings before Ray starts
     ray.init(address=os.environ.get("RAY_ADDRESS") or None)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own handler would exit at once
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        log.info("serving on http://%s:%s with %d replicas", host, port, replicas)
+        stop.wait()
+        serve.delete(APP_NAME)  # this application only: a shared cluster may serve others
+    finally:
+        ray.shutdown()
