@@ -11,6 +11,7 @@ Marked `scale` (`make test-scale`); bounded by explicit deadlines, loopback only
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -28,7 +29,14 @@ from ray import serve  # noqa: E402
 
 from infokv_rag.cli import main as cli_main  # noqa: E402
 from infokv_rag.service.launcher import free_port, read_sse  # noqa: E402
-from infokv_rag.service.ray_app import APP_NAME, ForwardedRequest, build_app, routing_key  # noqa: E402
+from infokv_rag.service.ray_app import (  # noqa: E402
+    APP_NAME,
+    ForwardedRequest,
+    ResponseStart,
+    build_app,
+    routing_key,
+    run_asgi,
+)
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .service_helpers import assert_error, bearer  # noqa: E402
@@ -130,6 +138,28 @@ def test_requests_are_routed_by_the_document_they_are_about() -> None:
         forwarded("POST", "/v1/chat/completions", b"[1, 2]"),
     ):
         assert routing_key(request) == ""
+
+
+def test_a_caller_that_stops_reading_disconnects_the_replica_app() -> None:
+    """When the client goes away, Ray cancels the replica's stream; the app must then see a disconnect (its
+    answer is cancelled, as in the single-process service)."""
+    disconnected = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert (await receive())["body"] == b"question"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        if (await receive())["type"] == "http.disconnect":
+            disconnected.set()
+
+    async def scenario() -> None:
+        parts = run_asgi(app, forwarded("POST", "/v1/documents/x/ask", b"question"))
+        assert await parts.__anext__() == ResponseStart(200, [(b"x-a", b"1")])
+        assert await parts.__anext__() == b"first"
+        await parts.aclose()  # what Ray does to the replica's generator when the client disconnects
+        await asyncio.wait_for(disconnected.wait(), 5)
+
+    asyncio.run(scenario())
 
 
 def test_serve_ray_refuses_to_start_without_a_store(
