@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message
 from ..errors import ConfigError
 from .app import UPLOAD_OVERHEAD, create_app
 from .errors import error_body
+from .registry import valid_document_id
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ DOCUMENTS_PER_REPLICA = 8
 APP_NAME = "infokv-rag"
 CONTROL_REQUESTS = 32
 """Requests a replica takes beside its answer and upload queues: status, lists, deletes, health."""
-DOCUMENT_PATH = re.compile(r"^/v1/documents/(doc_[A-Za-z0-9_-]{22})(/|$)")
+DOCUMENT_PATH = re.compile(r"^/v1/documents/([^/]+)(/|$)")
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -81,15 +82,17 @@ def routing_key(request: ForwardedRequest) -> str:
     `document_id`."""
     match = DOCUMENT_PATH.match(request.path)
     if match:
-        return match.group(1)
+        return _document_id(match.group(1))
     if request.method == "POST" and request.path.rstrip("/") == CHAT_PATH:
         try:
-            document_id = json.loads(request.body).get("document_id")
+            return _document_id(json.loads(request.body).get("document_id"))
         except (ValueError, AttributeError):
             return ""  # the replica answers the malformed request with its usual error
-        if isinstance(document_id, str) and DOCUMENT_PATH.match(f"/v1/documents/{document_id}"):
-            return document_id
     return ""
+
+
+def _document_id(value: object) -> str:
+    return value if isinstance(value, str) and valid_document_id(value) else ""
 
 
 async def run_asgi(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -170,7 +173,7 @@ class ModelWorkerReplica:
                 if part.status == 202:  # an upload read here: its questions should come here too
                     location = dict(part.headers).get(b"location", b"").decode()
                     match = DOCUMENT_PATH.match(location)
-                    if match:
+                    if match and valid_document_id(match.group(1)):
                         await self.hold(match.group(1))
                 part = ResponseStart(part.status, part.headers + self._identity_headers())
             yield part

@@ -166,6 +166,13 @@ class StoreRegistry(Registry):
         records = [record for record in (self._refresh(doc_id) for doc_id in [*ids, *gone]) if record is not None]
         return sorted(records, key=lambda r: r.created_at)
 
+    def counts(self) -> dict[str, int]:
+        """Documents by status as this process last read them (health checks must not read the whole store)."""
+        counts = {"queued": 0, "processing": 0, "ready": 0, "failed": 0}
+        for record in super().list():
+            counts[record.status] += 1
+        return counts
+
     def create(self, record: DocumentRecord, document: Document) -> None:
         """Stores a new upload's text, then its record; StorageError leaves no record behind."""
         body = {"text": document.text, **document.layout()}
@@ -223,7 +230,11 @@ class StoreRegistry(Registry):
         for doc_id in self.backend.children(PENDING):
             if doc_id in busy or not valid_document_id(doc_id):
                 continue
-            data = self._stored_meta(doc_id)
+            try:
+                data = self._stored_meta(doc_id)
+            except (OSError, ValueError) as exc:  # one unreadable record must not stop the others' takeovers
+                log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
+                continue
             if data is None or data.get("status") not in PENDING_STATUSES:
                 self._unmark_pending(doc_id)  # left by a process killed between the record and its mark
                 continue
