@@ -1,6 +1,7 @@
-"""The Ray Serve application on a local Ray instance: an ingress and 2 tiny-model replicas on a file:// store.
+"""The Ray Serve application on a local Ray instance: an ingress and 2 tiny-model replicas, on a file:// store
+and on an S3 store (moto's server on loopback).
 
-The tests share one application and run in order (each leaves documents the later ones use):
+For each store, the tests share one application and run in order (each leaves documents the later ones use):
 1. an upload through the ingress is read by one replica; with that replica killed, another one answers the
    same (JSON and SSE) from the store, with no prefill of its own;
 2. a replica killed while it reads an upload loses nothing: another takes the document over, and it answers;
@@ -12,6 +13,7 @@ Marked `scale` (`make test-scale`); bounded by explicit deadlines, loopback only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -39,6 +41,7 @@ from infokv_rag.service.ray_app import (  # noqa: E402
 )
 from infokv_rag.service.settings import Settings  # noqa: E402
 
+from .s3_server import s3_server  # noqa: E402
 from .service_helpers import assert_error, bearer  # noqa: E402
 
 pytestmark = [pytest.mark.scale, pytest.mark.tiny]
@@ -55,10 +58,10 @@ shared: dict[str, Any] = {}
 """What the ordered tests hand on: document ids and their reference answers."""
 
 
-def _settings(tmp: Path) -> Settings:
+def _settings(tmp: Path, store: str) -> Settings:
     return Settings(
         model="tiny",
-        store=f"file://{tmp}/store",
+        store=store,
         data_dir=tmp / "local",
         api_keys=(f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
         warmup=False,
@@ -70,19 +73,29 @@ def _settings(tmp: Path) -> Settings:
     )
 
 
-@pytest.fixture(scope="module")
-def ingress(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("scale")
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        shared["settings"] = _settings(tmp)
-        serve.run(build_app(shared["settings"], replicas=2), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+@pytest.fixture(scope="module", params=["file", "s3"])
+def ingress(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The application on a file:// store, then on an S3 store (moto on loopback, started before Ray so that
+    the replicas inherit its endpoint and credentials)."""
+    tmp = tmp_path_factory.mktemp(f"scale-{request.param}")
+    with contextlib.ExitStack() as stack:
+        if request.param == "s3":
+            pytest.importorskip("s3fs")
+            pytest.importorskip("moto")
+            stack.enter_context(s3_server("infokv-ray"))
+            store = "s3://infokv-ray/store"
+        else:
+            store = f"file://{tmp}/store"
+        port = free_port()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            shared["settings"] = _settings(tmp, store)
+            serve.run(build_app(shared["settings"], replicas=2), name=APP_NAME, route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def request(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -167,9 +180,13 @@ def test_serve_ray_refuses_to_start_without_a_store(
 ) -> None:
     monkeypatch.setenv("INFOKV_API_KEYS", f"tenantA:{KEY_A}")
     monkeypatch.delenv("INFOKV_STORE", raising=False)
+
+    def no_ray(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray started although the settings are refused")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     assert cli_main(["serve", "--ray", "--model", "tiny"]) == 2
     assert "--store" in capsys.readouterr().err
-    assert not ray.is_initialized(), "refused before any Ray instance started"
 
 
 def test_another_replica_answers_from_the_store_without_a_prefill(ingress: str) -> None:
