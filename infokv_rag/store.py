@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import load, save
@@ -61,11 +61,10 @@ def _manifest_checksum(manifest: dict[str, Any]) -> str:
     return _sha256(json.dumps(body, sort_keys=True).encode())
 
 
-def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
-    """Writes `document` to `directory` atomically (replacing an existing cache there)."""
+def encode_document(document: CompressedDocument) -> dict[str, bytes]:
+    """The files of `document`'s saved cache, by name, the manifest last (the order to write them in)."""
     from . import __version__
 
-    target = Path(directory).expanduser().resolve()
     tensors: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(document.cache.layers):
         for name in ("keys", "values", "positions", "scores"):
@@ -92,6 +91,14 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
         },
     }
     manifest["checksum"] = _manifest_checksum(manifest)
+    # The manifest goes last: a cache whose manifest is missing is never loadable.
+    return {TENSORS: tensor_bytes, TEXT: text_bytes, MANIFEST: json.dumps(manifest, indent=1).encode()}
+
+
+def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
+    """Writes `document` to `directory` atomically (replacing an existing cache there)."""
+    target = Path(directory).expanduser().resolve()
+    files = encode_document(document)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _sweep_leftovers(target)
@@ -99,10 +106,8 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     except OSError as exc:
         raise CacheStoreError(f"cannot write a cache into {target.parent}: {exc}") from exc
     try:
-        write_synced(staging / TENSORS, tensor_bytes)
-        write_synced(staging / TEXT, text_bytes)
-        # The manifest goes last: a directory without one is never loadable.
-        write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for name, data in files.items():
+            write_synced(staging / name, data)
         fsync_dir(staging)
         _install(staging, target)
         fsync_dir(target.parent)
@@ -159,17 +164,53 @@ def _sweep_leftovers(target: Path) -> None:
                 pass
 
 
+class CacheFiles(Protocol):
+    """The files of one saved cache, wherever they lie (a directory, an object store)."""
+
+    @property
+    def where(self) -> str:
+        """Names the cache in messages (a path or a URL)."""
+        ...
+
+    def read(self, name: str) -> bytes:
+        """The file's bytes; FileNotFoundError when it is absent, OSError when it cannot be read."""
+        ...
+
+
+@dataclass(frozen=True)
+class DirectoryFiles:
+    """A saved cache in a local directory."""
+
+    path: Path
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def read(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a saved cache (format and checksum checked, files not yet)."""
-    path = Path(directory).expanduser()
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    return verified_manifest(DirectoryFiles(Path(directory).expanduser()))
+
+
+def verified_manifest(files: CacheFiles) -> dict[str, Any]:
+    """The manifest of `files`, format and checksum checked (the other files not yet)."""
+    path = files.where
+    manifest_path = f"{path}/{MANIFEST}"
+    try:
+        raw = files.read(MANIFEST)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise CacheStoreError(
             f"{path} is not a saved document cache (no {MANIFEST}): check the path, or ingest the document "
             "and save its cache (doc.save(dir), or `infokv-rag ingest FILE --out DIR`)"
-        )
+        ) from None
+    except OSError as exc:
+        raise CacheStoreError(f"cannot read {manifest_path} ({exc}); check the store and try again") from exc
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CacheStoreError(f"{manifest_path} is damaged ({exc}); delete the cache and ingest again") from exc
     if not isinstance(manifest, dict):
@@ -189,18 +230,19 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def _read_verified(path: Path, name: str, record: dict[str, Any]) -> bytes:
+def _read_verified(files: CacheFiles, name: str, record: dict[str, Any]) -> bytes:
+    path = files.where
     try:
-        data = (path / name).read_bytes()
+        data = files.read(name)
     except FileNotFoundError as exc:
-        raise CacheStoreError(f"{path / name} is missing; delete {path} and ingest the document again") from exc
+        raise CacheStoreError(f"{path}/{name} is missing; delete {path} and ingest the document again") from exc
     except OSError as exc:
         raise CacheStoreError(
-            f"cannot read {path / name} ({exc}); delete {path} and ingest the document again"
+            f"cannot read {path}/{name} ({exc}); delete {path} and ingest the document again"
         ) from exc
     if len(data) != record["bytes"] or _sha256(data) != record["sha256"]:
         raise CacheStoreError(
-            f"{path / name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
+            f"{path}/{name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
         )
     return data
 
@@ -218,18 +260,25 @@ class SavedDocument:
 
 def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> SavedDocument:
     """Loads and verifies a saved cache; refuses one made by another model or damaged in any way."""
-    path = Path(directory).expanduser()
+    return load_files(engine, DirectoryFiles(Path(directory).expanduser()))
+
+
+def load_files(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
+    """Loads and verifies the saved cache `files`; refuses one made by another model or damaged in any way."""
     try:
-        return _load_verified(engine, path)
+        return _load_verified(engine, files)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InfoKVError):
             raise
         # A manifest that passes its checksum but lacks fields was written by a broken tool.
-        raise CacheStoreError(f"{path} holds an incomplete manifest ({exc!r}); ingest the document again") from exc
+        raise CacheStoreError(
+            f"{files.where} holds an incomplete manifest ({exc!r}); ingest the document again"
+        ) from exc
 
 
-def _load_verified(engine: InfoKVEngine, path: Path) -> SavedDocument:
-    manifest = read_manifest(path)
+def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
+    path = files.where
+    manifest = verified_manifest(files)
     model = manifest["model"]
     if model["fingerprint"] != engine.fingerprint:
         raise CacheStoreError(
@@ -237,12 +286,12 @@ def _load_verified(engine: InfoKVEngine, path: Path) -> SavedDocument:
             f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
         )
     try:
-        tensors = load(_read_verified(path, TENSORS, manifest["files"][TENSORS]))
+        tensors = load(_read_verified(files, TENSORS, manifest["files"][TENSORS]))
     except Exception as exc:  # safetensors raises its own error type on a malformed header
         if isinstance(exc, InfoKVError):
             raise
-        raise CacheStoreError(f"{path / TENSORS} cannot be parsed ({exc}); ingest the document again") from exc
-    text = _read_verified(path, TEXT, manifest["files"][TEXT]).decode("utf-8")
+        raise CacheStoreError(f"{path}/{TENSORS} cannot be parsed ({exc}); ingest the document again") from exc
+    text = _read_verified(files, TEXT, manifest["files"][TEXT]).decode("utf-8")
     runner = engine.runner
     n = int(manifest["tokens"]["document"])
     layers = []
@@ -336,10 +385,10 @@ class CacheStore:
 
 def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Checks the manifest and the sha256 of every file without a model; returns the manifest."""
-    path = Path(directory).expanduser()
-    manifest = read_manifest(path)
+    files = DirectoryFiles(Path(directory).expanduser())
+    manifest = verified_manifest(files)
     for name, record in manifest["files"].items():
-        _read_verified(path, name, record)
+        _read_verified(files, name, record)
     return manifest
 
 

@@ -32,9 +32,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .dependencies import Service
 from .errors import error_body, install_error_handlers
 from .openapi import openapi_with_limits
-from .registry import Registry
 from .routers import documents, health, openai, page
 from .settings import Settings
+from .shared_registry import LeaseKeeper, StoreRegistry, open_registry
 
 if TYPE_CHECKING:
     from ..engine import InfoKVEngine
@@ -145,7 +145,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     """
     settings = settings or Settings.from_env()
     settings.check_startable()
-    registry = Registry(settings.data_dir, settings.loaded_documents)
+    registry = open_registry(settings)
     registry.check_writable()  # before the model loads: a server that cannot keep documents must not start
     service = Service(settings=settings, registry=registry, engine=engine, model_id=model_id(settings))
 
@@ -155,6 +155,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         from .uploads import compression_config
         from .worker import IngestJob, ModelWorker
 
+        leases: LeaseKeeper | None = None
         try:
             if service.engine is None:
                 log.info("loading model %s", settings.model)
@@ -167,6 +168,9 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             worker = ModelWorker(service.engine, service.registry, settings)
             worker.start()
             service.worker = worker
+            if isinstance(service.registry, StoreRegistry):
+                leases = LeaseKeeper(service.registry, worker, settings)
+                leases.start()
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
                 worker.submit_ingestion(
@@ -175,6 +179,8 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             service.started_at = time.time()
             yield
         finally:
+            if leases is not None:
+                await run_in_threadpool(leases.stop)
             if service.worker is not None:
                 await run_in_threadpool(service.worker.stop)
             service.registry.close()  # releases the data directory for the next server

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from .errors import ServiceError
 from .registry import DocumentRecord, Registry
@@ -93,14 +94,16 @@ async def authenticate(
 CallerDep = Annotated[Principal, Depends(authenticate)]
 
 
-def find_document(service: Service, caller: Principal, document_id: str) -> DocumentRecord:
+async def find_document(service: Service, caller: Principal, document_id: str) -> DocumentRecord:
     """The caller's document, or 404: for ids that are unknown, not well-formed (they cannot exist) or
     another tenant's (exactly the same answer, so ids cannot be probed across tenants)."""
-    record = service.registry.get(document_id)
+    # In a thread: with a shared store (`StoreRegistry`), reading a record is a request to the store.
+    record = await run_in_threadpool(service.registry.get, document_id)
     if record is None or not caller.may_see(record.owner):
         raise ServiceError(404, "document_not_found", "no document with this id; list yours with GET /v1/documents")
     return record
 
 
-def visible_documents(service: Service, caller: Principal) -> list[DocumentRecord]:
-    return [record for record in service.registry.list() if caller.may_see(record.owner)]
+async def visible_documents(service: Service, caller: Principal) -> list[DocumentRecord]:
+    records = await run_in_threadpool(service.registry.list)
+    return [record for record in records if caller.may_see(record.owner)]

@@ -186,6 +186,9 @@ def _remove_temporaries(directory: Path) -> None:
 class Registry:
     """Thread-safe index of documents, their files, and an LRU of caches held in memory."""
 
+    load_origin = "disk"
+    """`cache_origin` of a document whose cache was loaded rather than read in this process."""
+
     def __init__(self, data_dir: Path, loaded_documents: int = 8) -> None:
         self.data_dir = Path(data_dir)
         self.documents_dir = self.data_dir / "documents"
@@ -389,7 +392,7 @@ class Registry:
         with record.io_lock:
             if record.deleted:
                 return False
-            document.save(self.cache_path(record.id))
+            self._save_cache(record.id, document)
             stats = document.stats
             record.status = "ready"
             record.reason = record.reason_code = None
@@ -403,6 +406,12 @@ class Registry:
             self._save_status(record)
         self.remember_loaded(record, document, "prefill")
         return True
+
+    def _save_cache(self, doc_id: str, document: CompressedDocument) -> None:
+        document.save(self.cache_path(doc_id))
+
+    def _load_cache(self, engine: InfoKVEngine, doc_id: str) -> CompressedDocument:
+        return engine.load(self.cache_path(doc_id))
 
     def share(self, record: DocumentRecord) -> bool:
         """Gives `record` a copy of an identical ready document's cache (`share_caches`); False when none.
@@ -466,14 +475,17 @@ class Registry:
             try:
                 _remove_tree(trash)
             except OSError as exc:
-                self._mark_delete_incomplete(record, exc)
-                raise StorageError(
-                    "remove all of the document's files",
-                    exc,
-                    "it is listed as failed (delete_incomplete); send DELETE again",
-                ) from exc
+                raise self._incomplete_delete(record, exc) from exc
         with self._lock:
             self._records.pop(record.id, None)
+
+    @classmethod
+    def _incomplete_delete(cls, record: DocumentRecord, exc: OSError) -> StorageError:
+        """Marks `record` as `delete_incomplete`; the error that says so to the client."""
+        cls._mark_delete_incomplete(record, exc)
+        return StorageError(
+            "remove all of the document's files", exc, "it is listed as failed (delete_incomplete); send DELETE again"
+        )
 
     @staticmethod
     def _mark_delete_incomplete(record: DocumentRecord, exc: OSError) -> None:
@@ -517,10 +529,10 @@ class Registry:
         """
 
         def from_disk() -> CompressedDocument:
-            document = engine.load(self.cache_path(record.id))
+            document = self._load_cache(engine, record.id)
             with self._lock:
                 self.counters["cache_loads"] += 1
-                record.cache_origin = "disk"
+                record.cache_origin = self.load_origin
             return document
 
         document = self._loaded.get_or_load(record.id, from_disk)

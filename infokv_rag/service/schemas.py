@@ -117,10 +117,11 @@ class DocumentInfo(BaseModel):
     full_cache_bytes: int | None = None
     compression_ratio: float | None = None
     prefill_seconds: float | None = None
-    cache_origin: Literal["prefill", "disk"] | None = Field(
+    cache_origin: Literal["prefill", "disk", "store"] | None = Field(
         None,
         description="Where the cache in memory came from: read in this process, or loaded from disk "
-        "(after a restart: no prefill). None while not in memory.",
+        "(after a restart: no prefill) or from the shared store (another replica read it: no prefill). "
+        "None while not in memory.",
     )
 
 

@@ -36,6 +36,12 @@ class Settings:
     model: str = "default"
     """default, tiny, a local HF directory, a .gguf file or a Hugging Face hub id (org/name[@revision])."""
     data_dir: Path = field(default_factory=default_data_dir)
+    store: str | None = None
+    """A cache store shared by several service processes (Ray Serve replicas): s3://bucket/prefix,
+    file:///shared/dir or any fsspec URL (extra [scale]), or a shared local path. Documents, their owners and
+    caches then live there, and `data_dir` only stages uploads. None: everything under `data_dir`."""
+    lease_seconds: int = 30
+    """With a store: a document whose reader has not renewed its lease for this long is read by another process."""
     device: str | None = None
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
@@ -93,6 +99,8 @@ class Settings:
         for name in _INT_FIELDS:  # every count is positive
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.store is not None and self.share_caches:
+            raise ConfigError("share_caches is not available with a shared store (INFOKV_STORE)")
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError("default_max_tokens must not exceed max_new_tokens")
 
@@ -142,6 +150,7 @@ _INT_FIELDS = (
     "max_queued_uploads",
     "ingest_chunk_size",
     "loaded_documents",
+    "lease_seconds",
 )
 
 
@@ -165,7 +174,7 @@ def _parse(name: str, raw: str) -> Any:
             raise ConfigError(f"{variable} must be an integer, got {raw!r}") from None
     if name == "default_keep":
         return parse_keep(raw)
-    return raw or None if name in ("device", "dtype") else raw
+    return raw or None if name in ("device", "dtype", "store") else raw
 
 
 def parse_keep(raw: str | float | int) -> float | int:

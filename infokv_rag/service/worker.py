@@ -290,6 +290,10 @@ class ModelWorker:
         self._ingest_jobs[job.record.id] = job
         self._uploads.put(job)
 
+    def ingestions(self) -> list[str]:
+        """Ids of the documents queued or being read here."""
+        return list(self._ingest_jobs)
+
     def cancel_ingestion(self, doc_id: str) -> None:
         job = self._ingest_jobs.get(doc_id)
         if job is not None:

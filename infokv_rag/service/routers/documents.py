@@ -136,7 +136,7 @@ async def upload_document(request: Request, response: Response, service: Service
     "/documents", response_model=DocumentList, summary="List the caller's documents", responses=error_responses(401)
 )
 async def list_documents(service: ServiceDep, caller: CallerDep) -> DocumentList:
-    return DocumentList(data=[document_info(record) for record in visible_documents(service, caller)])
+    return DocumentList(data=[document_info(record) for record in await visible_documents(service, caller)])
 
 
 @router.get(
@@ -146,7 +146,7 @@ async def list_documents(service: ServiceDep, caller: CallerDep) -> DocumentList
     responses=error_responses(401, 404),
 )
 async def get_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
-    return document_info(find_document(service, caller, document_id))
+    return document_info(await find_document(service, caller, document_id))
 
 
 @router.delete(
@@ -157,7 +157,7 @@ async def get_document(document_id: str, service: ServiceDep, caller: CallerDep)
 )
 async def delete_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentDeleted:
     """Answers only once the files are gone; otherwise 507, and the document stays listed (see reason_code)."""
-    record = find_document(service, caller, document_id)
+    record = await find_document(service, caller, document_id)
     assert service.worker is not None
     service.worker.cancel_ingestion(record.id)
     await run_in_threadpool(service.registry.delete, record)
@@ -197,7 +197,7 @@ async def ask(
     service: ServiceDep,
     caller: CallerDep,
 ) -> AskResponse | StreamingResponse:  # the response_model documents the JSON answer
-    record = find_document(service, caller, document_id)
+    record = await find_document(service, caller, document_id)
     check_question(service, len(body.question))
     options = generation_options(service, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
     document = await ready_document(service, record)

@@ -117,7 +117,7 @@ async def chat_completions(
     caller: CallerDep,
 ) -> ChatCompletion | StreamingResponse:  # the response_model documents the JSON answer
     _check_model(service, body.model)
-    record = find_document(service, caller, body.document_id)
+    record = await find_document(service, caller, body.document_id)
     turns = _turns(body)
     check_question(
         service,

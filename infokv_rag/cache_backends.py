@@ -1,0 +1,269 @@
+"""Where saved caches and their records live: a local directory, or any fsspec URL shared by many processes.
+
+    backend = open_backend("/var/lib/infokv")              # LocalBackend: today's directories and renames
+    backend = open_backend("s3://bucket/prefix")            # FsspecBackend (extra [scale]); also file:///shared/dir
+    backend.publish("documents/doc_x", compressed)          # atomic; verified on load
+    backend.load(engine, "documents/doc_x")                 # CacheStoreError when absent, torn or foreign
+    backend.put("documents/doc_x", "meta.json", b"...")     # one small record, replaced in one step
+
+A key names a directory-like prefix ("documents/<id>"); under it lie small records and one published cache.
+
+An object store cannot rename a directory into place, so `FsspecBackend` publishes a cache as a version:
+  <key>/cache/<version>/tensors.safetensors, document.txt, then manifest.json (the manifest last)
+  <key>/cache/CURRENT   {"version", "manifest_sha256"}, replaced in one step once the version is complete
+A load follows CURRENT to a complete version and verifies it as a local load does (manifest checksum, every
+file's sha256, the model fingerprint). A publisher killed before CURRENT leaves a version nothing points to,
+never read. Concurrent publishers of one key each write their own version; whichever CURRENT lands last
+names a complete one. Versions other than the current one are removed by a later publish only once they
+are `STALE_SECONDS` old, so a reader that followed an older CURRENT still finds its files.
+
+Credentials and endpoints come from the usual environment of the filesystem (for s3fs: AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, or ~/.aws); this module imports fsspec only when an
+fsspec URL is opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import secrets
+import shutil
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import store
+from .errors import CacheStoreError, ConfigError
+from .files import write_atomic
+
+if TYPE_CHECKING:
+    from .document import CompressedDocument
+    from .engine import InfoKVEngine
+
+CACHE = "cache"
+CURRENT = "CURRENT"
+
+
+class CacheBackend(ABC):
+    """Records and published caches under keys; safe to share between processes (see the module docstring)."""
+
+    url: str
+
+    @abstractmethod
+    def publish(self, key: str, document: CompressedDocument) -> None:
+        """Makes `document` the cache of `key` atomically: a load sees the previous cache or this one, whole."""
+
+    @abstractmethod
+    def load(self, engine: InfoKVEngine, key: str) -> CompressedDocument:
+        """The verified cache of `key`; `CacheStoreError` when there is none, or it is damaged or foreign."""
+
+    @abstractmethod
+    def put(self, key: str, name: str, data: bytes) -> None:
+        """Writes the record `name` of `key`, replacing the old one in one step (OSError when refused)."""
+
+    @abstractmethod
+    def get(self, key: str, name: str) -> bytes:
+        """The record `name` of `key`; FileNotFoundError when there is none."""
+
+    @abstractmethod
+    def children(self, prefix: str) -> list[str]:
+        """The names of the keys directly under `prefix` (sorted; empty when there are none)."""
+
+    @abstractmethod
+    def remove(self, key: str, last: str) -> None:
+        """Removes everything under `key`, its record `last` at the end (so a partial removal still has it)."""
+
+
+class LocalBackend(CacheBackend):
+    """A local directory: caches are directories renamed into place (`infokv_rag.store.save_document`)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+        self.url = str(self.root)
+
+    def _directory(self, key: str) -> Path:
+        return self.root.joinpath(*key.split("/"))
+
+    def publish(self, key: str, document: CompressedDocument) -> None:
+        store.save_document(document, self._directory(key) / CACHE)
+
+    def load(self, engine: InfoKVEngine, key: str) -> CompressedDocument:
+        return engine.load(self._directory(key) / CACHE)
+
+    def put(self, key: str, name: str, data: bytes) -> None:
+        directory = self._directory(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / name, data)
+
+    def get(self, key: str, name: str) -> bytes:
+        return (self._directory(key) / name).read_bytes()
+
+    def children(self, prefix: str) -> list[str]:
+        directory = self._directory(prefix)
+        if not directory.is_dir():
+            return []
+        return sorted(entry.name for entry in directory.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+
+    def remove(self, key: str, last: str) -> None:
+        directory = self._directory(key)
+        if not directory.exists():
+            return
+        for entry in directory.iterdir():
+            if entry.name == last:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
+        (directory / last).unlink(missing_ok=True)
+        directory.rmdir()
+
+
+@dataclass(frozen=True)
+class _StoredFiles:
+    """One published version of a cache in an fsspec filesystem (`store.CacheFiles`)."""
+
+    fs: Any
+    path: str
+    url: str
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def read(self, name: str) -> bytes:
+        return bytes(self.fs.cat_file(posixpath.join(self.path, name)))
+
+
+def _version_name() -> str:
+    """Sorts by creation time (nanoseconds first), and is unique among concurrent publishers."""
+    return f"{time.time_ns():020d}-{secrets.token_hex(6)}"
+
+
+def _version_time(name: str) -> float | None:
+    stamp = name.split("-", 1)[0]
+    return int(stamp) / 1e9 if stamp.isdigit() else None
+
+
+class FsspecBackend(CacheBackend):
+    """Any fsspec filesystem (s3:// through s3fs, file://, gcs://, ...); see the module docstring."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError as exc:
+            raise ConfigError(
+                f"the store {url} needs fsspec (and s3fs for s3://): pip install 'infokv-rag[scale]'"
+            ) from exc
+        try:
+            # A fresh filesystem object: fsspec's shared instances would keep the endpoint and credentials
+            # of the environment they were first made in.
+            self.fs, root = url_to_fs(url, skip_instance_cache=True, **storage_options)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"cannot open the store {url}: {exc}") from exc
+        self.url = url.rstrip("/")
+        self.root = root.rstrip("/")
+
+    def _path(self, key: str, *names: str) -> str:
+        return posixpath.join(self.root, key, *names)
+
+    def publish(self, key: str, document: CompressedDocument) -> None:
+        files = store.encode_document(document)
+        version = _version_name()
+        directory = self._path(key, CACHE, version)
+        try:
+            self.fs.makedirs(directory, exist_ok=True)
+            for name, data in files.items():  # the manifest last
+                self.fs.pipe_file(posixpath.join(directory, name), data)
+            pointer = {"version": version, "manifest_sha256": hashlib.sha256(files[store.MANIFEST]).hexdigest()}
+            self._replace(self._path(key, CACHE, CURRENT), json.dumps(pointer).encode())
+        except OSError as exc:
+            raise CacheStoreError(f"cannot publish the cache to {self.url}/{key}: {exc}") from exc
+        self._sweep(key, keep=version)
+
+    def _replace(self, path: str, data: bytes) -> None:
+        """Writes `path` in one step: a whole temporary object, then moved (a rename, or a copy on S3)."""
+        temporary = f"{path}.{secrets.token_hex(6)}.tmp"
+        self.fs.pipe_file(temporary, data)
+        try:
+            self.fs.mv(temporary, path)
+        except BaseException:
+            self.fs.rm(temporary)
+            raise
+
+    def _sweep(self, key: str, keep: str) -> None:
+        """Removes versions other than `keep` that are old enough that no load can still be reading them."""
+        cutoff = time.time() - store.STALE_SECONDS
+        for name in self.children(posixpath.join(key, CACHE)):
+            created = _version_time(name)
+            if name != keep and created is not None and created < cutoff:
+                try:
+                    self.fs.rm(self._path(key, CACHE, name), recursive=True)
+                except OSError:
+                    pass  # another publisher removed it first; a later publish retries otherwise
+
+    def load(self, engine: InfoKVEngine, key: str) -> CompressedDocument:
+        where = f"{self.url}/{key}/{CACHE}"
+        try:
+            pointer = json.loads(self.get(posixpath.join(key, CACHE), CURRENT))
+            version, manifest_sha256 = str(pointer["version"]), str(pointer["manifest_sha256"])
+        except FileNotFoundError:
+            raise CacheStoreError(f"{where} holds no published cache; ingest the document again") from None
+        except OSError as exc:
+            raise CacheStoreError(f"cannot read {where}/{CURRENT} ({exc}); check the store") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CacheStoreError(f"{where}/{CURRENT} is damaged ({exc!r}); ingest the document again") from exc
+        files = _StoredFiles(self.fs, self._path(key, CACHE, version), f"{where}/{version}")
+        try:
+            manifest = files.read(store.MANIFEST)
+        except OSError as exc:
+            raise CacheStoreError(f"{files.where} has no readable manifest ({exc}); ingest again") from exc
+        if hashlib.sha256(manifest).hexdigest() != manifest_sha256:
+            raise CacheStoreError(f"{files.where}/{store.MANIFEST} is not the one published; ingest again")
+        return engine.load_files(files)
+
+    def put(self, key: str, name: str, data: bytes) -> None:
+        self.fs.makedirs(self._path(key), exist_ok=True)
+        self._replace(self._path(key, name), data)
+
+    def get(self, key: str, name: str) -> bytes:
+        return bytes(self.fs.cat_file(self._path(key, name)))
+
+    def children(self, prefix: str) -> list[str]:
+        path = self._path(prefix)
+        self.fs.invalidate_cache(path)  # other processes write here: never answer from a stale listing
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            posixpath.basename(entry["name"].rstrip("/")) for entry in entries if entry.get("type") == "directory"
+        )
+
+    def remove(self, key: str, last: str) -> None:
+        path = self._path(key)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self.fs.find(path)
+        except FileNotFoundError:
+            return
+        final = self._path(key, last)
+        others = [name for name in found if name.rstrip("/") != final]
+        if others:
+            self.fs.rm(others)
+        if final in found:
+            self.fs.rm(final)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)  # empty directories a local filesystem keeps
+
+
+def open_backend(url: str | os.PathLike[str]) -> CacheBackend:
+    """`LocalBackend` for a path, `FsspecBackend` for a URL with a scheme (s3://, file://, ...)."""
+    text = str(url)
+    if "://" in text:
+        return FsspecBackend(text)
+    return LocalBackend(text)

@@ -1,0 +1,300 @@
+"""Documents kept in a shared cache store (`--store s3://bucket/prefix`, `file:///shared/dir`, a shared path),
+so that any number of service processes (Ray Serve replicas) serve the same documents.
+
+Layout in the store (`infokv_rag.cache_backends`):
+  documents/<id>/meta.json      owner (tenant), status, counts, and the ingestion lease (who reads it, until when)
+  documents/<id>/document.json  the extracted text and page map (to read the document again anywhere)
+  documents/<id>/cache/         the published compressed cache (versions + CURRENT; verified on load)
+  pending/<id>/lease            present while the document is queued or being read (what takeovers scan)
+Only the staging of uploads being received stays on the local disk.
+
+Every request reads the document's record from the store, so a document that another process read, failed
+or deleted is seen as such here. A process that writes a record holds its ingestion lease for
+`lease_seconds`; `LeaseKeeper` renews the leases of the documents this process is reading, and takes over a
+queued or processing document whose lease has run out (its reader died): the document is read again from
+its saved text, never lost. Two processes that take over the same document at once both read it; their
+publishes are atomic, so the cache is whole either way.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..cache_backends import CacheBackend, open_backend
+from ..documents import Document
+from ..errors import ConfigError
+from .errors import StorageError
+from .registry import DELETE_INCOMPLETE, DOCUMENT, META, DocumentRecord, Registry, valid_document_id
+from .uploads import compression_config
+from .worker import IngestJob
+
+if TYPE_CHECKING:
+    from ..document import CompressedDocument
+    from ..engine import InfoKVEngine
+    from .settings import Settings
+    from .worker import ModelWorker
+
+log = logging.getLogger(__name__)
+
+DOCUMENTS = "documents"
+PENDING = "pending"
+PENDING_MARK = "lease"
+PENDING_STATUSES = ("queued", "processing")
+PROBE = "probes"
+CLAIM_SETTLE_SECONDS = 0.5
+"""After claiming an expired lease, wait this long before reading the record back to see who won."""
+
+
+def _key(doc_id: str) -> str:
+    if not valid_document_id(doc_id):  # the only place a store key is built from an id
+        raise ValueError(f"invalid document id {doc_id!r}")
+    return f"{DOCUMENTS}/{doc_id}"
+
+
+class StoreRegistry(Registry):
+    """A `Registry` whose records, texts and caches live in a `CacheBackend` shared by many processes."""
+
+    load_origin = "store"
+
+    def __init__(self, backend: CacheBackend, staging_dir: Path, loaded_documents: int, lease_seconds: float) -> None:
+        super().__init__(staging_dir, loaded_documents)
+        self.backend = backend
+        self.lease_seconds = lease_seconds
+        self.holder = secrets.token_hex(8)
+        """Names this process in the leases it writes."""
+        self.counters["takeovers"] = 0
+
+    # Start-up ------------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Refuses (ConfigError naming the store and the reason) a store this process cannot write to."""
+        probe = f"{PROBE}/{self.holder}"
+        try:
+            self.uploads_dir.mkdir(parents=True, exist_ok=True)
+            self.backend.put(probe, "probe", b"probe")
+            self.backend.get(probe, "probe")
+            self.backend.remove(probe, last="probe")
+        except OSError as exc:
+            raise ConfigError(
+                f"the store {self.backend.url} is not usable ({exc}); check its URL, credentials "
+                "(e.g. AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL) and permissions"
+            ) from None
+
+    def close(self) -> None:
+        shutil.rmtree(self.uploads_dir, ignore_errors=True)
+
+    def open(self) -> list[DocumentRecord]:
+        """Reads the store's records. Nothing is returned to read again: `LeaseKeeper` takes over documents
+        whose reader died, whichever process that was."""
+        shutil.rmtree(self.uploads_dir, ignore_errors=True)
+        self.uploads_dir.mkdir(parents=True, exist_ok=True)
+        self.list()
+        return []
+
+    # Records -------------------------------------------------------------------------------------
+
+    def _write_meta(self, record: DocumentRecord) -> None:
+        lease = {"holder": self.holder, "until": time.time() + self.lease_seconds}
+        meta = {**record.to_meta(), "lease": lease}
+        pending = record.status in PENDING_STATUSES
+        if pending:  # the mark first: a pending record without one would never be taken over
+            self.backend.put(f"{PENDING}/{record.id}", PENDING_MARK, b"")
+        self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
+        if not pending:
+            self._unmark_pending(record.id)
+
+    def _unmark_pending(self, doc_id: str) -> None:
+        self.backend.remove(f"{PENDING}/{doc_id}", last=PENDING_MARK)
+
+    def _stored_meta(self, doc_id: str) -> dict[str, Any] | None:
+        """The record as the store has it now; None when it is gone (deleted by any process)."""
+        try:
+            data = json.loads(self.backend.get(_key(doc_id), META))
+        except FileNotFoundError:
+            return None
+        if not isinstance(data, dict) or data.get("id") != doc_id:
+            raise ValueError("the record does not describe this document")
+        return data
+
+    def _refresh(self, doc_id: str) -> DocumentRecord | None:
+        try:
+            data = self._stored_meta(doc_id)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
+            with self._lock:
+                return self._records.get(doc_id)
+        with self._lock:
+            known = self._records.get(doc_id)
+            if data is None:
+                if known is not None:
+                    known.deleted = True
+                    self._records.pop(doc_id, None)
+            elif known is None:
+                known = self._records[doc_id] = DocumentRecord.from_meta(data)
+            elif data.get("lease", {}).get("holder") != self.holder:
+                # Another process wrote it last (read it, failed it): the store is right. Records this
+                # process writes itself are newer in memory (progress) than in the store.
+                fresh = DocumentRecord.from_meta(data)
+                for name in DocumentRecord.PERSISTED:
+                    setattr(known, name, getattr(fresh, name))
+        if data is None:
+            self.forget_loaded(doc_id)
+            return None
+        return known
+
+    def get(self, doc_id: str) -> DocumentRecord | None:
+        if not valid_document_id(doc_id):
+            return None
+        return self._refresh(doc_id)
+
+    def list(self) -> list[DocumentRecord]:
+        try:
+            ids = [doc_id for doc_id in self.backend.children(DOCUMENTS) if valid_document_id(doc_id)]
+        except OSError as exc:
+            log.warning("cannot list the store's documents: %s", exc)
+            return super().list()
+        with self._lock:
+            gone = set(self._records) - set(ids)
+        records = [record for record in (self._refresh(doc_id) for doc_id in [*ids, *gone]) if record is not None]
+        return sorted(records, key=lambda r: r.created_at)
+
+    def counts(self) -> dict[str, int]:
+        """Documents by status as this process last read them (health checks must not read the whole store)."""
+        counts = {"queued": 0, "processing": 0, "ready": 0, "failed": 0}
+        for record in super().list():
+            counts[record.status] += 1
+        return counts
+
+    def create(self, record: DocumentRecord, document: Document) -> None:
+        """Stores a new upload's text, then its record; StorageError leaves no record behind."""
+        body = {"text": document.text, **document.layout()}
+        try:
+            self.backend.put(_key(record.id), DOCUMENT, json.dumps(body).encode("utf-8"))
+            self._write_meta(record)
+        except OSError as exc:
+            try:
+                self.backend.remove(_key(record.id), last=META)
+            except OSError:
+                log.exception("cannot remove the partial upload %s", record.id)
+            raise StorageError("save the upload", exc) from exc
+        with self._lock:
+            self._records[record.id] = record
+
+    def read_document(self, record: DocumentRecord) -> Document:
+        data = json.loads(self.backend.get(_key(record.id), DOCUMENT))
+        return Document.from_layout(data.pop("text"), data)
+
+    def share(self, record: DocumentRecord) -> bool:
+        raise ConfigError("share_caches is not available with a shared store")  # refused by Settings first
+
+    def delete(self, record: DocumentRecord) -> None:
+        """Removes the document from the store (its record last); returns only once it is gone."""
+        with record.io_lock:
+            record.deleted = True
+            self.forget_loaded(record.id)
+            try:
+                self.backend.remove(_key(record.id), last=META)
+                self._unmark_pending(record.id)
+            except OSError as exc:
+                raise self._incomplete_delete(record, exc) from exc
+        with self._lock:
+            self._records.pop(record.id, None)
+
+    def _save_cache(self, doc_id: str, document: CompressedDocument) -> None:
+        self.backend.publish(_key(doc_id), document)
+
+    def _load_cache(self, engine: InfoKVEngine, doc_id: str) -> CompressedDocument:
+        return self.backend.load(engine, _key(doc_id))
+
+    # Leases --------------------------------------------------------------------------------------
+
+    def renew(self, record: DocumentRecord) -> None:
+        """Extends this process's lease on a document it is reading."""
+        with record.io_lock:
+            if not record.deleted and record.reason_code != DELETE_INCOMPLETE:
+                self._write_meta(record)
+
+    def claim_expired(self, busy: set[str]) -> builtins.list[DocumentRecord]:
+        """Takes over queued or processing documents whose reader's lease ran out (not those in `busy`);
+        returns the ones this process won."""
+        now = time.time()
+        claimed = []
+        for doc_id in self.backend.children(PENDING):
+            if doc_id in busy or not valid_document_id(doc_id):
+                continue
+            try:
+                data = self._stored_meta(doc_id)
+            except (OSError, ValueError) as exc:  # one unreadable record must not stop the others' takeovers
+                log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
+                continue
+            if data is None or data.get("status") not in PENDING_STATUSES:
+                self._unmark_pending(doc_id)  # left by a process killed between the record and its mark
+                continue
+            if float(data.get("lease", {}).get("until", 0)) > now:
+                continue
+            record = self._refresh(doc_id)
+            if record is not None and self.update(record, status="queued"):
+                claimed.append(record)
+        if not claimed:
+            return []
+        time.sleep(CLAIM_SETTLE_SECONDS)
+        won = []
+        for record in claimed:
+            data = self._stored_meta(record.id)
+            if data is not None and data.get("lease", {}).get("holder") == self.holder:
+                won.append(record)
+        return won
+
+
+class LeaseKeeper:
+    """Renews the leases of the documents this process reads, and takes over those whose reader died."""
+
+    def __init__(self, registry: StoreRegistry, worker: ModelWorker, settings: Settings) -> None:
+        self.registry = registry
+        self.worker = worker
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="infokv-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        interval = self.registry.lease_seconds / 3
+        while not self._stop.wait(interval):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the keeper must survive a store that fails for a while
+                log.exception("renewing or taking over ingestion leases failed")
+
+    def tick(self) -> None:
+        busy = self.worker.ingestions()
+        for doc_id in busy:
+            record = self.registry.get(doc_id)
+            if record is not None:
+                self.registry.renew(record)
+        for record in self.registry.claim_expired(set(busy)):
+            log.info("taking over %s: its reader stopped renewing its lease", record.id)
+            self.registry.counters["takeovers"] += 1
+            config = compression_config(self.settings, record.method, record.keep)
+            self.worker.submit_ingestion(IngestJob(record, config), force=True)
+
+
+def open_registry(settings: Settings) -> Registry:
+    """The local data directory's registry, or a `StoreRegistry` when `settings.store` names a store."""
+    if settings.store is None:
+        return Registry(settings.data_dir, settings.loaded_documents)
+    staging = settings.data_dir / f"staging-{secrets.token_hex(6)}"
+    return StoreRegistry(open_backend(settings.store), staging, settings.loaded_documents, settings.lease_seconds)

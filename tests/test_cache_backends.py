@@ -1,0 +1,178 @@
+"""Cache backends: a local directory, a file:// store and an S3 store (moto's server on loopback).
+
+Each backend publishes atomically (a load sees a whole cache or refuses), survives concurrent publishers of
+one key, and keeps small records (the service's ownership records) beside the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.cache_backends import CACHE, CURRENT, CacheBackend, FsspecBackend, LocalBackend, open_backend
+from infokv_rag.store import MANIFEST, TENSORS, encode_document
+
+from .conftest import CORPUS
+from .s3_server import s3_server
+from .test_store import assert_same_document
+
+pytest.importorskip("fsspec", reason="the fsspec backend needs the [scale] extra")
+
+TEXT_A = " ".join(CORPUS * 2)
+TEXT_B = " ".join(reversed(CORPUS * 3))
+QUESTION = "What is the notice period?"
+KEY = "documents/doc_1"
+
+
+@pytest.fixture(scope="module")
+def s3_bucket() -> Iterator[str]:
+    pytest.importorskip("s3fs", reason="s3:// needs the [scale] extra")
+    pytest.importorskip("moto", reason="the S3 tests need moto[server] (extra [dev])")
+    with s3_server("infokv-test"):
+        yield "s3://infokv-test"
+
+
+@pytest.fixture(params=["local", "file", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> CacheBackend:
+    if request.param == "local":
+        return open_backend(tmp_path / "store")
+    if request.param == "file":
+        return open_backend(f"file://{tmp_path}/store")
+    bucket = request.getfixturevalue("s3_bucket")
+    return open_backend(f"{bucket}/{tmp_path.name}")  # a fresh prefix per test
+
+
+@pytest.fixture(scope="module")
+def doc_a(random_engine: InfoKVEngine) -> CompressedDocument:
+    return random_engine.ingest_text(TEXT_A, CompressionConfig(keep=0.25))
+
+
+@pytest.fixture(scope="module")
+def doc_b(random_engine: InfoKVEngine) -> CompressedDocument:
+    return random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+
+
+def test_open_backend_picks_by_url(tmp_path: Path) -> None:
+    assert isinstance(open_backend(tmp_path), LocalBackend)
+    assert isinstance(open_backend(f"file://{tmp_path}"), FsspecBackend)
+
+
+def test_publish_then_load_gives_the_same_document_and_answer(
+    backend: CacheBackend, random_engine: InfoKVEngine, doc_a: CompressedDocument, doc_b: CompressedDocument
+) -> None:
+    with pytest.raises(CacheStoreError):
+        backend.load(random_engine, KEY)  # nothing published yet
+    backend.publish(KEY, doc_a)
+    loaded = backend.load(random_engine, KEY)
+    assert_same_document(loaded, doc_a)
+    assert loaded.ask(QUESTION, max_new_tokens=6) == doc_a.ask(QUESTION, max_new_tokens=6)
+    backend.publish(KEY, doc_b)  # a new publish replaces the cache
+    assert_same_document(backend.load(random_engine, KEY), doc_b)
+
+
+def test_records_beside_the_cache(backend: CacheBackend, doc_a: CompressedDocument) -> None:
+    assert backend.children("documents") == []
+    backend.put(KEY, "meta.json", b'{"owner": "tenantA"}')
+    backend.put(KEY, "meta.json", b'{"owner": "tenantB"}')
+    backend.publish(KEY, doc_a)
+    backend.put("documents/doc_2", "meta.json", b"{}")
+    assert backend.get(KEY, "meta.json") == b'{"owner": "tenantB"}'
+    assert backend.children("documents") == ["doc_1", "doc_2"]
+    with pytest.raises(FileNotFoundError):
+        backend.get(KEY, "absent.json")
+    backend.remove(KEY, last="meta.json")
+    assert backend.children("documents") == ["doc_2"]
+    with pytest.raises(FileNotFoundError):
+        backend.get(KEY, "meta.json")
+
+
+@pytest.fixture(params=["file", "s3"])
+def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> FsspecBackend:
+    if request.param == "file":
+        backend = open_backend(f"file://{tmp_path}/store")
+    else:
+        backend = open_backend(f"{request.getfixturevalue('s3_bucket')}/{tmp_path.name}")
+    assert isinstance(backend, FsspecBackend)
+    return backend
+
+
+def _version_dir(backend: FsspecBackend, name: str) -> str:
+    return f"{backend.root}/{KEY}/{CACHE}/{name}"
+
+
+def test_a_publish_killed_before_its_pointer_is_never_read(
+    shared_backend: FsspecBackend, random_engine: InfoKVEngine, doc_a: CompressedDocument, doc_b: CompressedDocument
+) -> None:
+    fs = shared_backend.fs
+    shared_backend.publish(KEY, doc_a)
+    # A second publisher died after writing some of its files: no manifest, no new CURRENT.
+    files = encode_document(doc_b)
+    fs.makedirs(_version_dir(shared_backend, "99999999999999999999-dead"), exist_ok=True)
+    fs.pipe_file(f"{_version_dir(shared_backend, '99999999999999999999-dead')}/{TENSORS}", files[TENSORS])
+    assert_same_document(shared_backend.load(random_engine, KEY), doc_a)
+
+
+def test_a_torn_or_damaged_cache_is_refused(
+    shared_backend: FsspecBackend, random_engine: InfoKVEngine, doc_a: CompressedDocument
+) -> None:
+    fs = shared_backend.fs
+    shared_backend.publish(KEY, doc_a)
+    pointer = json.loads(shared_backend.get(f"{KEY}/{CACHE}", CURRENT))
+    version = _version_dir(shared_backend, pointer["version"])
+    tensors = fs.cat_file(f"{version}/{TENSORS}")
+    fs.pipe_file(f"{version}/{TENSORS}", tensors[: len(tensors) // 2])  # truncated
+    with pytest.raises(CacheStoreError, match="sha256"):
+        shared_backend.load(random_engine, KEY)
+    fs.pipe_file(f"{version}/{TENSORS}", tensors)
+    fs.rm(f"{version}/{MANIFEST}")  # a pointer to a version without its manifest
+    with pytest.raises(CacheStoreError, match="manifest"):
+        shared_backend.load(random_engine, KEY)
+    shared_backend.put(f"{KEY}/{CACHE}", CURRENT, b"{not json")
+    with pytest.raises(CacheStoreError, match="damaged"):
+        shared_backend.load(random_engine, KEY)
+
+
+def test_concurrent_publishers_never_tear_a_cache(
+    shared_backend: FsspecBackend, random_engine: InfoKVEngine, doc_a: CompressedDocument, doc_b: CompressedDocument
+) -> None:
+    shared_backend.publish(KEY, doc_a)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    loads: list[int] = []
+
+    def publisher(document: CompressedDocument) -> None:
+        try:
+            for _ in range(3):
+                shared_backend.publish(KEY, document)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                loaded = shared_backend.load(random_engine, KEY)
+                assert loaded.document.text in (TEXT_A, TEXT_B)
+                assert_same_document(loaded, doc_a if loaded.document.text == TEXT_A else doc_b)
+                loads.append(1)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                failures.append(exc)
+                return
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    publishers = [threading.Thread(target=publisher, args=(doc,)) for doc in (doc_a, doc_b, doc_a, doc_b)]
+    for thread in readers + publishers:
+        thread.start()
+    for thread in publishers:
+        thread.join(120)
+    stop.set()
+    for thread in readers:
+        thread.join(60)
+    assert not failures, failures
+    assert loads, "the readers loaded while publishers wrote"
+    final = shared_backend.load(random_engine, KEY)
+    assert final.document.text in (TEXT_A, TEXT_B)

@@ -1,0 +1,149 @@
+"""The service on a shared cache store (INFOKV_STORE), without Ray: two service processes' worth of apps
+in one test process (each with its own engine and model worker) sharing a file:// or S3 (moto) store.
+
+What a replica of the Ray application relies on: a document read by one process is answered by another
+from the store without a prefill, tenants stay isolated through the store, a document whose reader died
+is taken over and read again, and a delete anywhere is seen everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from infokv_rag import InfoKVEngine  # noqa: E402
+from infokv_rag.cache_backends import open_backend  # noqa: E402
+from infokv_rag.documents import document_from_text  # noqa: E402
+from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.service.app import create_app  # noqa: E402
+from infokv_rag.service.registry import new_document_id  # noqa: E402
+from infokv_rag.service.settings import Settings  # noqa: E402
+
+from .s3_server import s3_server  # noqa: E402
+from .service_helpers import assert_error, bearer, upload_ready, wait_settled  # noqa: E402
+
+KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0001"
+A, B = bearer(KEY_A), bearer(KEY_B)
+SECRET = b"Memo for tenant A. The vault code is 9988776. The office closes at five."
+QUESTION = {"question": "What is the vault code?", "max_tokens": 6}
+
+
+def settings_for(tmp_path: Path, store: str, **overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "api_keys": (f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
+        "data_dir": tmp_path / "local",
+        "store": store,
+        "model": "random",
+        "warmup": False,
+        "max_new_tokens": 8,
+        "default_max_tokens": 4,
+        "default_method": "snapkv",
+    }
+    return Settings(**{**base, **overrides})
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "file":
+        yield f"file://{tmp_path}/store"
+        return
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    with s3_server("infokv-service"):
+        yield "s3://infokv-service/prefix"
+
+
+@pytest.fixture
+def second_engine(random_model_dir: Path) -> InfoKVEngine:
+    """Another engine of the same model: the second process's."""
+    return InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+
+
+def counters(client: TestClient) -> dict[str, int]:
+    return client.get("/healthz").json()["counters"]
+
+
+def test_another_process_answers_from_the_store_without_a_prefill(
+    random_engine: InfoKVEngine, second_engine: InfoKVEngine, tmp_path: Path, store_url: str
+) -> None:
+    with (
+        TestClient(create_app(settings_for(tmp_path / "a", store_url), engine=random_engine)) as first,
+        TestClient(create_app(settings_for(tmp_path / "b", store_url), engine=second_engine)) as second,
+    ):
+        doc_id = upload_ready(first, A, "memo.txt", SECRET)
+        reference = first.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
+        assert reference.status_code == 200, reference.text
+
+        assert second.get(f"/v1/documents/{doc_id}", headers=A).json()["status"] == "ready"
+        answer = second.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["answer"] == reference.json()["answer"]
+        assert counters(first)["prefills"] == 1
+        assert counters(second)["prefills"] == 0 and counters(second)["cache_loads"] == 1
+        assert second.get(f"/v1/documents/{doc_id}", headers=A).json()["cache_origin"] == "store"
+
+        # Tenants stay apart through the store: B sees nothing of A's, on either process.
+        for client in (first, second):
+            assert client.get("/v1/documents", headers=B).json()["data"] == []
+            assert_error(client.get(f"/v1/documents/{doc_id}", headers=B), 404, "document_not_found")
+            assert_error(
+                client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=B), 404, "document_not_found"
+            )
+        assert [d["id"] for d in second.get("/v1/documents", headers=A).json()["data"]] == [doc_id]
+
+        # A delete on one process is seen by the other.
+        assert second.delete(f"/v1/documents/{doc_id}", headers=A).status_code == 200
+        assert_error(first.get(f"/v1/documents/{doc_id}", headers=A), 404, "document_not_found")
+        assert first.get("/v1/documents", headers=A).json()["data"] == []
+
+
+def test_a_document_whose_reader_died_is_taken_over(
+    random_engine: InfoKVEngine, tmp_path: Path, store_url: str
+) -> None:
+    # What a reader killed mid-prefill leaves in the store: the text and a record in `processing`
+    # whose lease nobody renews.
+    backend = open_backend(store_url)
+    doc_id, now = new_document_id(), time.time()
+    document = document_from_text(SECRET.decode())
+    backend.put(
+        f"documents/{doc_id}", "document.json", json.dumps({"text": document.text, **document.layout()}).encode()
+    )
+    meta = {
+        "id": doc_id,
+        "owner": "tenantA",
+        "filename": "memo.txt",
+        "status": "processing",
+        "method": "snapkv",
+        "keep": 0.25,
+        "created_at": now,
+        "updated_at": now,
+        "tokens": 0,
+        "lease": {"holder": "dead", "until": now - 1},
+    }
+    backend.put(f"documents/{doc_id}", "meta.json", json.dumps(meta).encode())
+    backend.put(f"pending/{doc_id}", "lease", b"")
+
+    with TestClient(create_app(settings_for(tmp_path, store_url, lease_seconds=1), engine=random_engine)) as client:
+        info = wait_settled(client, doc_id, A, timeout=60)
+        assert info["status"] == "ready", info
+        assert counters(client)["takeovers"] == 1 and counters(client)["prefills"] == 1
+        assert client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).status_code == 200
+    assert backend.children("pending") == [], "a ready document is no longer pending"
+
+
+def test_a_store_refuses_cache_sharing_and_an_unusable_store(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="share_caches"):
+        settings_for(tmp_path, f"file://{tmp_path}/store", share_caches=True)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="store"):
+        create_app(settings_for(tmp_path, f"file://{tmp_path}/file/store"))
