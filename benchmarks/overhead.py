@@ -3,8 +3,9 @@
 For each document length, the same document is ingested with `full` (prefill only: no signal is
 captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
 the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
-(the fast default) and `snapkv` add no forward pass; `infokv_quality` and `kvzip` add a reconstruction
-pass per chunk.
+(the fast default: the surrogate's predicted reconstruction attention), `infokv_window` (the previous
+default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
+`kvzip` add a reconstruction pass per chunk.
 
     python benchmarks/overhead.py --tokens 1024 4096 16384
     python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
@@ -25,6 +26,17 @@ from infokv_rag.kernels import get_kernel_backend
 VARIANTS: dict[str, dict[str, object]] = {
     "snapkv": {"method": "snapkv"},
     "infokv": {"method": "infokv"},
+    "infokv_window": {
+        "method": "infokv",
+        "settings": {
+            "attention": "window",
+            "layer_budgets": "uniform",
+            "lam": 0.25,
+            "normalization": "minmax",
+            "aggregation": "sentence",
+            "units": "token",
+        },
+    },
     "infokv_entropy": {"method": "infokv", "settings": {"information": "entropy"}},
     "infokv_full_vocab": {"method": "infokv", "settings": {"entropy_vocabulary": 0}},
     "infokv_quality": {"method": "infokv_quality"},
@@ -83,7 +95,7 @@ def main() -> int:
         base = best["full"]
         cells = " | ".join(f"{best[name]:.2f} | {(best[name] - base) / base:+.1%}" for name in scored)
         print(f"| {n} | {base:.2f} | {cells} |")
-    print("\ninfokv: the defaults (surprisal over the 16,384 most frequent token ids plus the document's "
+    print("\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent token ids plus the document's "
           "tokens); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: surprisal over the "
           "whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk.")
     return 0

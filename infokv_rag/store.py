@@ -328,7 +328,7 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     )
 
 
-SETTINGS_ADDED = {"attention": "window", "layer_budgets": "uniform"}
+SETTINGS_ADDED = {"attention": "window", "layer_budgets": "uniform", "units": "token"}
 """Method settings added after their method's caches were first saved, with the value every cache saved
 before them was made with: a default may change later, what such a cache holds does not."""
 

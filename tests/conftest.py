@@ -31,7 +31,9 @@ def build_tokenizer():
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS * 20, vocab_size=400, min_frequency=1, special_tokens=["<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

@@ -34,9 +34,7 @@ def text_pdf(path: Path, pages: Sequence[str]) -> Path:
     return path
 
 
-def encrypted_pdf(
-    path: Path, pages: Sequence[str], user_password: str, owner_password: str | None = None
-) -> Path:
+def encrypted_pdf(path: Path, pages: Sequence[str], user_password: str, owner_password: str | None = None) -> Path:
     """A text PDF encrypted with AES-256; `user_password=""` makes an owner-only encrypted file."""
     writer = PdfWriter(clone_from=PdfReader(io.BytesIO(text_pdf_bytes(pages))))
     writer.encrypt(user_password, owner_password=owner_password, algorithm="AES-256")

@@ -67,8 +67,13 @@ def set_read_only(path: Path, read_only: bool = True) -> None:
         path.chmod(0o555 if read_only else 0o755)
         return
     chattr = shutil.which("chattr")
-    done = chattr is not None and subprocess.run([chattr, "+i" if read_only else "-i", str(path)],
-                                                 capture_output=True, check=False).returncode == 0
+    done = (
+        chattr is not None
+        and subprocess.run(
+            [chattr, "+i" if read_only else "-i", str(path)], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
     if not done:
         if read_only:
             pytest.skip("running as root, and `chattr +i` is not available here: cannot make a directory read-only")

@@ -116,8 +116,16 @@ def test_bad_document_exits_2_with_actionable_message(case: str, tmp_path: Path,
     build, extra, phrases = BAD_INPUTS[case]
     path = build(tmp_path)
     result = run_cli(
-        "ask", str(path), "-q", "What is the notice period?", "--model", str(random_model_dir),
-        "--store", str(tmp_path / "store"), *extra, cache_dir=tmp_path / "cache",
+        "ask",
+        str(path),
+        "-q",
+        "What is the notice period?",
+        "--model",
+        str(random_model_dir),
+        "--store",
+        str(tmp_path / "store"),
+        *extra,
+        cache_dir=tmp_path / "cache",
     )
     assert_clean_failure(result, *phrases)
     assert not (tmp_path / "store").exists(), "nothing is stored for a document that cannot be read"
@@ -126,20 +134,36 @@ def test_bad_document_exits_2_with_actionable_message(case: str, tmp_path: Path,
 def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
     assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--keep", "0", cache_dir=tmp_path), "keep")
-    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--max-new-tokens", "0", cache_dir=tmp_path), "max-new-tokens")
+    assert_clean_failure(
+        run_cli("ask", str(doc), "-q", "Q?", "--max-new-tokens", "0", cache_dir=tmp_path), "max-new-tokens"
+    )
     assert_clean_failure(run_cli("info", str(tmp_path), cache_dir=tmp_path), "not a saved document cache")
     # The model resolves after the document loads: an unknown model is refused, with the choices.
     assert_clean_failure(
         run_cli("ask", str(doc), "-q", "Q?", "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path),
-        "cannot resolve model", "default, tiny",
+        "cannot resolve model",
+        "default, tiny",
     )
 
 
 def test_ask_json_then_again_reuses_the_stored_cache(tmp_path: Path, random_model_dir: Path) -> None:
     doc = _write(tmp_path / "contract.txt", TEXT.encode())
     store = tmp_path / "store"
-    args = ("ask", str(doc), "-q", "What is the notice period?", "-q", "Who delivers the goods?",
-            "--model", str(random_model_dir), "--store", str(store), "--max-new-tokens", "6", "--json")
+    args = (
+        "ask",
+        str(doc),
+        "-q",
+        "What is the notice period?",
+        "-q",
+        "Who delivers the goods?",
+        "--model",
+        str(random_model_dir),
+        "--store",
+        str(store),
+        "--max-new-tokens",
+        "6",
+        "--json",
+    )
     first = run_cli(*args, "--verbose", cache_dir=tmp_path / "cache")
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
@@ -169,8 +193,19 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     pdf = pdfs.encrypted_pdf(tmp_path / "locked.pdf", PAGES, "s3cret")
     out_dir = tmp_path / "caches" / "locked"
     ingest = run_cli(
-        "ingest", str(pdf), "--out", str(out_dir), "--password", "s3cret", "--model", str(random_model_dir),
-        "--method", "snapkv", "--keep", "40", cache_dir=tmp_path / "cache",
+        "ingest",
+        str(pdf),
+        "--out",
+        str(out_dir),
+        "--password",
+        "s3cret",
+        "--model",
+        str(random_model_dir),
+        "--method",
+        "snapkv",
+        "--keep",
+        "40",
+        cache_dir=tmp_path / "cache",
     )
     assert ingest.returncode == 0, ingest.stderr
     saved = json.loads(ingest.stdout)
@@ -207,8 +242,19 @@ def test_hub_id_device_and_dtype_offline(tmp_path: Path, random_model_dir: Path)
     doc = _write(tmp_path / "contract.txt", TEXT.encode())
     out_dir = tmp_path / "saved"
     ingest = run_cli(
-        "ingest", str(doc), "--out", str(out_dir), "--model", repo, "--device", "cpu", "--dtype", "bf16", "--verbose",
-        cache_dir=tmp_path / "cache", env=offline,
+        "ingest",
+        str(doc),
+        "--out",
+        str(out_dir),
+        "--model",
+        repo,
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--verbose",
+        cache_dir=tmp_path / "cache",
+        env=offline,
     )
     assert ingest.returncode == 0, ingest.stderr
     assert f"model {repo} loaded in" in ingest.stderr and "(cpu, bfloat16)" in ingest.stderr

@@ -73,7 +73,7 @@ def test_questions_never_change_the_document_cache(random_engine: InfoKVEngine) 
 
 
 def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) -> None:
-    config = CompressionConfig(keep=0.2, chunk_size=64)
+    config = CompressionConfig(keep=0.2, chunk_size=64, settings={"layer_budgets": "uniform"})
     doc = random_engine.ingest_text(TEXT, config)
     n = doc.stats.document_tokens
     assert n >= 4 * config.chunk_size
@@ -82,7 +82,7 @@ def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) 
     assert doc.stats.kept_tokens_per_layer == [budget] * 3
 
 
-@pytest.mark.parametrize("method", ["kvzip", "infokv_quality"])
+@pytest.mark.parametrize("method", ["kvzip", "infokv_quality", "infokv"])
 def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     random_engine: InfoKVEngine, method: str
 ) -> None:

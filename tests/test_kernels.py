@@ -146,8 +146,21 @@ def test_interpreted_kernels_in_child_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # Every test that runs a Triton kernel has "triton" in its name; the import test needs no rerun.
     selection = "triton and not import"
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-k", selection, "--noconftest", "-p", "no:cacheprovider"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-k",
+        selection,
+        "--noconftest",
+        "-p",
+        "no:cacheprovider",
+    ]
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1]
+    )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary

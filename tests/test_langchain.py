@@ -161,7 +161,6 @@ def test_lcel_chain_invoke_stream_astream_reads_fact(fact_file: Path) -> None:
     assert "".join(asyncio.run(collect())) == answer
 
 
-
 @pytest.mark.tiny
 def test_chain_answers_are_the_engines_answers_on_a_compressed_cache(fact_file: Path) -> None:
     chat = ChatInfoKV(model="tiny", document=str(fact_file), compression=COMPRESSED, max_tokens=12)

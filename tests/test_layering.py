@@ -15,7 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = {"infokv_rag": ROOT / "infokv_rag", "infokv_rag.kernels": ROOT / "kernels", "infokv_rag.integrations": ROOT / "integrations"}
+PACKAGE_DIRS = {
+    "infokv_rag": ROOT / "infokv_rag",
+    "infokv_rag.kernels": ROOT / "kernels",
+    "infokv_rag.integrations": ROOT / "integrations",
+}
 OUTSIDE = ("benchmarks", "examples", "tests", "integrations", "kernels")
 """Top-level names the package must never import (kernels and integrations only as infokv_rag.*)."""
 ENTRY_POINTS = {"infokv_rag.cli"}
@@ -83,13 +87,22 @@ def _core(module: str) -> bool:
 
 
 def test_the_modules_are_found() -> None:
-    assert {"infokv_rag.engine", "infokv_rag.scorers.infokv", "infokv_rag.kernels.dispatch", "infokv_rag.integrations._common"} <= set(MODULES)
+    assert {
+        "infokv_rag.engine",
+        "infokv_rag.scorers.infokv",
+        "infokv_rag.kernels.dispatch",
+        "infokv_rag.integrations._common",
+    } <= set(MODULES)
 
 
 def test_the_core_imports_nothing_from_the_layers_above() -> None:
     above = ("infokv_rag.service", "infokv_rag.integrations", *OUTSIDE)
     offences = {
-        module: sorted(name for name in imports_of(module) if name == above or name.startswith(tuple(f"{a}." for a in above)) or name in above)
+        module: sorted(
+            name
+            for name in imports_of(module)
+            if name == above or name.startswith(tuple(f"{a}." for a in above)) or name in above
+        )
         for module in MODULES
         if _core(module)
     }
@@ -98,7 +111,11 @@ def test_the_core_imports_nothing_from_the_layers_above() -> None:
 
 def test_the_kernels_import_nothing_else_of_the_package() -> None:
     offences = {
-        module: sorted(name for name in imports_of(module) if name.startswith("infokv_rag") and not name.startswith("infokv_rag.kernels"))
+        module: sorted(
+            name
+            for name in imports_of(module)
+            if name.startswith("infokv_rag") and not name.startswith("infokv_rag.kernels")
+        )
         for module in MODULES
         if module.startswith("infokv_rag.kernels")
     }

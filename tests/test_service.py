@@ -42,8 +42,14 @@ QUESTION = "What is the notice period?"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 )
 
 # Fixtures and helpers ------------------------------------------------------------------------------
@@ -64,10 +70,12 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
         yield http
 
 
-def upload(client: httpx.Client, name: str, data: bytes, headers: dict[str, str] | None = None,
-           **fields: str) -> httpx.Response:
-    return client.post("/v1/documents", files={"file": (name, data)}, data=fields,
-                       headers=AUTH if headers is None else headers)
+def upload(
+    client: httpx.Client, name: str, data: bytes, headers: dict[str, str] | None = None, **fields: str
+) -> httpx.Response:
+    return client.post(
+        "/v1/documents", files={"file": (name, data)}, data=fields, headers=AUTH if headers is None else headers
+    )
 
 
 def wait_ready(client: httpx.Client, doc_id: str, timeout: float = 120) -> tuple[dict[str, Any], list[str]]:
@@ -116,9 +124,15 @@ def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:
     assert "script-src 'sha256-" in page.headers["content-security-policy"]
     schema = client.get("/openapi.json").json()
     expected = {
-        ("/v1/documents", "post"), ("/v1/documents", "get"), ("/v1/documents/{document_id}", "get"),
-        ("/v1/documents/{document_id}", "delete"), ("/v1/documents/{document_id}/ask", "post"),
-        ("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/healthz", "get"), ("/", "get"),
+        ("/v1/documents", "post"),
+        ("/v1/documents", "get"),
+        ("/v1/documents/{document_id}", "get"),
+        ("/v1/documents/{document_id}", "delete"),
+        ("/v1/documents/{document_id}/ask", "post"),
+        ("/v1/chat/completions", "post"),
+        ("/v1/models", "get"),
+        ("/healthz", "get"),
+        ("/", "get"),
     }
     documented = {(path, method) for path, item in schema["paths"].items() for method in item}
     assert expected <= documented
@@ -254,8 +268,9 @@ def test_ask_errors(client: httpx.Client, contract: dict[str, Any]) -> None:
         assert response.status_code == 404, (bad_id, response.text)
         assert response.headers["content-type"].startswith("application/json")
     assert_error(client.delete("/v1/documents/doc_" + "b" * 22, headers=AUTH), 404, "document_not_found")
-    assert_error(client.post(f"/v1/documents/{doc_id}/ask", content=b"x" * 2_000_000, headers=AUTH),
-                 413, "request_too_large")
+    assert_error(
+        client.post(f"/v1/documents/{doc_id}/ask", content=b"x" * 2_000_000, headers=AUTH), 413, "request_too_large"
+    )
 
 
 # OpenAI compatibility ----------------------------------------------------------------------------
@@ -269,14 +284,22 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
     assert [m.id for m in client.models.list()] == ["tiny"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is the contract manager?"}]
     completion = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"document_id": doc_id},
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"document_id": doc_id},
     )
     text = completion.choices[0].message.content
     assert text and text.strip() and completion.choices[0].finish_reason in ("stop", "length")
     assert completion.usage.prompt_tokens_details.cached_tokens == contract["info"]["tokens"]
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
     stream = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True},
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"document_id": doc_id},
     )
     chunks = list(stream)
@@ -295,8 +318,9 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages, extra_body={"document_id": doc_id})
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "assistant", "content": "Hi"}],
-                                       extra_body={"document_id": doc_id})
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "assistant", "content": "Hi"}], extra_body={"document_id": doc_id}
+        )
 
 
 # Scheduling --------------------------------------------------------------------------------------
@@ -305,8 +329,7 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
 def test_client_disconnect_cancels_generation(client: httpx.Client, contract: dict[str, Any]) -> None:
     before = health(client)["counters"]
     request = {"question": "Write a very long story about this contract.", "max_tokens": 64, "stream": True}
-    with client.stream("POST", f"/v1/documents/{contract['info']['id']}/ask", json=request,
-                       headers=AUTH) as stream:
+    with client.stream("POST", f"/v1/documents/{contract['info']['id']}/ask", json=request, headers=AUTH) as stream:
         for name, _ in read_sse(stream.iter_lines()):
             if name == "token":
                 break  # hang up after the first token
@@ -370,8 +393,10 @@ def test_page_uploads_and_streams_an_answer(server: ServerProcess, client: httpx
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    path = pdfs.text_pdf(tmp_path / "lease.pdf", ["Lease of the harbour warehouse.\nThe monthly rent is 900 euros.",
-                                                 "The tenant is Bob Jones."])
+    path = pdfs.text_pdf(
+        tmp_path / "lease.pdf",
+        ["Lease of the harbour warehouse.\nThe monthly rent is 900 euros.", "The tenant is Bob Jones."],
+    )
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for flag in CHROMIUM_FLAGS:

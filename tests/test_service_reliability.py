@@ -62,9 +62,18 @@ TYPED_FAILURES = set().union(*TYPED_REFUSALS.values()) | {"context_length_exceed
 def test_fuzzed_uploads_get_typed_answers_and_the_server_stays_healthy(random_engine: Any, tmp_path: Path) -> None:
     cases = corpus(tmp_path)
     assert len(cases) >= 300
-    settings = Settings(api_keys=(f"tenantA:{KEY_A}",), data_dir=tmp_path / "data", model="random", warmup=False,
-                        max_pages=20, max_upload_bytes=4 << 20, max_queued_uploads=len(cases),
-                        default_method="snapkv", max_new_tokens=4, default_max_tokens=2)
+    settings = Settings(
+        api_keys=(f"tenantA:{KEY_A}",),
+        data_dir=tmp_path / "data",
+        model="random",
+        warmup=False,
+        max_pages=20,
+        max_upload_bytes=4 << 20,
+        max_queued_uploads=len(cases),
+        default_method="snapkv",
+        max_new_tokens=4,
+        default_max_tokens=2,
+    )
     outcomes: Counter[str] = Counter()
     slowest = (0.0, "")
     accepted: list[tuple[str, str]] = []
@@ -97,8 +106,10 @@ def test_fuzzed_uploads_get_typed_answers_and_the_server_stays_healthy(random_en
         answer = client.post(f"/v1/documents/{good}/ask", json={"question": "When?", "max_tokens": 2}, headers=A)
         assert answer.status_code == 200, answer.text
         settled = time.perf_counter() - received
-    print(f"{len(cases)} fuzzed uploads: {dict(sorted(outcomes.items()))}; slowest {slowest[0]:.2f} s ({slowest[1]}); "
-          f"{settled:.1f} s for the accepted ones to settle")
+    print(
+        f"{len(cases)} fuzzed uploads: {dict(sorted(outcomes.items()))}; slowest {slowest[0]:.2f} s ({slowest[1]}); "
+        f"{settled:.1f} s for the accepted ones to settle"
+    )
     # The corpus really exercises acceptance and each kind of refusal.
     assert outcomes["accepted"] > 10 and outcomes["415 unsupported_format"] and outcomes["422 no_text"]
     assert outcomes["422 corrupt_pdf"] and outcomes["422 encrypted_pdf"] and outcomes["422 empty_document"]
@@ -108,8 +119,16 @@ def test_fuzzed_uploads_get_typed_answers_and_the_server_stays_healthy(random_en
 # Schemathesis, two tenants -----------------------------------------------------------------------
 
 SECRETS = {"A": "The vault code of tenant A is 9988776.", "B": "The locker code of tenant B is 5544332."}
-LIVE_LIMITS = {"max_upload_bytes": 4096, "max_pages": 3, "max_question_chars": 200, "max_new_tokens": 8,
-               "default_max_tokens": 4, "max_queued_uploads": 4, "default_method": "snapkv", "warmup": False}
+LIVE_LIMITS = {
+    "max_upload_bytes": 4096,
+    "max_pages": 3,
+    "max_question_chars": 200,
+    "max_new_tokens": 8,
+    "default_max_tokens": 4,
+    "max_queued_uploads": 4,
+    "default_method": "snapkv",
+    "warmup": False,
+}
 EXAMPLES_PER_OPERATION = 12
 
 
@@ -117,12 +136,19 @@ EXAMPLES_PER_OPERATION = 12
 def two_tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A live tiny-model server with one ready document per tenant."""
     root = tmp_path_factory.mktemp("schemathesis")
-    server = ServerProcess("tiny", root / "data", api_keys=[f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"],
-                           settings=LIVE_LIMITS, log_path=root / "server.log")
+    server = ServerProcess(
+        "tiny",
+        root / "data",
+        api_keys=[f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"],
+        settings=LIVE_LIMITS,
+        log_path=root / "server.log",
+    )
     server.start()
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        docs = {name: upload_ready(client, headers, f"{name}.txt", SECRETS[name].encode())
-                for name, headers in (("A", A), ("B", B))}
+        docs = {
+            name: upload_ready(client, headers, f"{name}.txt", SECRETS[name].encode())
+            for name, headers in (("A", A), ("B", B))
+        }
     yield {"server": server, "docs": docs, "turn": iter(range(10**9)), "seen": Counter()}
     server.stop()
 
@@ -161,8 +187,12 @@ def test_schema_with_two_tenants(two_tenants: dict[str, Any]) -> None:
     not work with pytest 9.)"""
     schema = schemathesis.openapi.from_url(two_tenants["server"].url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/documents", "/v1/documents/{document_id}",
-                                              "/v1/documents/{document_id}/ask", "/v1/chat/completions"}
+    assert {op.path for op in operations} >= {
+        "/v1/documents",
+        "/v1/documents/{document_id}",
+        "/v1/documents/{document_id}/ask",
+        "/v1/chat/completions",
+    }
     for operation in operations:
         modes = [schemathesis.GenerationMode.POSITIVE]
         if operation.path.startswith("/v1/") and operation.method.upper() == "POST" or "{" in operation.path:
@@ -170,9 +200,14 @@ def test_schema_with_two_tenants(two_tenants: dict[str, Any]) -> None:
         strategy = hypothesis.strategies.one_of(*(operation.as_strategy(generation_mode=mode) for mode in modes))
 
         @hypothesis.given(case=strategy)
-        @hypothesis.settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-                             suppress_health_check=list(hypothesis.HealthCheck),
-                             phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
+        @hypothesis.settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+            phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+        )
         def run(case: Any) -> None:
             _send_as_a_tenant(case, two_tenants)
 
@@ -198,8 +233,13 @@ def test_after_schemathesis_each_tenant_still_owns_exactly_its_documents(two_ten
 
 # SIGKILL and restart -----------------------------------------------------------------------------
 
-KILL_LIMITS = {"max_new_tokens": 64, "default_max_tokens": 8, "ingest_chunk_size": 32, "default_method": "snapkv",
-               "warmup": False}
+KILL_LIMITS = {
+    "max_new_tokens": 64,
+    "default_max_tokens": 8,
+    "ingest_chunk_size": 32,
+    "default_method": "snapkv",
+    "warmup": False,
+}
 QUESTION = {"question": "What is the code?", "max_tokens": 8}
 
 
@@ -210,8 +250,9 @@ def _leftovers(data: Path) -> list[str]:
         if not entry.name.startswith("doc_"):
             found.append(entry.name)
             continue
-        found += [f"{entry.name}/{p.name}" for p in entry.iterdir() if p.name not in ("meta.json", "document.json",
-                                                                                      "cache")]
+        found += [
+            f"{entry.name}/{p.name}" for p in entry.iterdir() if p.name not in ("meta.json", "document.json", "cache")
+        ]
     return found
 
 
@@ -231,13 +272,20 @@ def _wait_for(predicate: Any, what: str, timeout: float = 120) -> None:
 def _send_part_of_an_upload(port: int, text: bytes) -> socket.socket:
     """An upload whose body is a third sent: the server is inside receiving it."""
     boundary = "infokvboundary"
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.txt\"\r\n"
-            "Content-Type: text/plain\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.txt"\r\n'
+        "Content-Type: text/plain\r\n\r\n"
+    ).encode()
     body = head + text + f"\r\n--{boundary}--\r\n".encode()
     raw = socket.create_connection(("127.0.0.1", port))
-    raw.sendall((f"POST /v1/documents HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY_A}\r\n"
-                 f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 3])
+    raw.sendall(
+        (
+            f"POST /v1/documents HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY_A}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body[: len(body) // 3]
+    )
     return raw
 
 
@@ -248,9 +296,14 @@ def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
     ready, the half-received upload left nothing, and no temporary or half-written file remains."""
     data = tmp_path / "data"
     marker = tmp_path / "save-started"
-    server = ServerProcess("tiny", data, api_keys=[f"tenantA:{KEY_A}"], settings=KILL_LIMITS,
-                           log_path=tmp_path / "server.log",
-                           env={"PYTHONPATH": str(FAULTS), "INFOKV_TEST_PAUSE_SAVE": str(marker)})
+    server = ServerProcess(
+        "tiny",
+        data,
+        api_keys=[f"tenantA:{KEY_A}"],
+        settings=KILL_LIMITS,
+        log_path=tmp_path / "server.log",
+        env={"PYTHONPATH": str(FAULTS), "INFOKV_TEST_PAUSE_SAVE": str(marker)},
+    )
     long_text = make_fact_document(seed=11, target_words=300).text.encode()  # ~400 tokens: a dozen chunks
     server.start()
     client = httpx.Client(base_url=server.url, timeout=120)
@@ -269,8 +322,10 @@ def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
         created = upload(client, A, "long.txt", long_text)
         assert created.status_code == 202, created.text
         reading = created.json()["id"]
-        _wait_for(lambda: client.get(f"/v1/documents/{reading}", headers=A).json()["progress"]["tokens_done"] > 0,
-                  "the prefill to start")
+        _wait_for(
+            lambda: client.get(f"/v1/documents/{reading}", headers=A).json()["progress"]["tokens_done"] > 0,
+            "the prefill to start",
+        )
         request = {"question": "Write a long story about the vault.", "max_tokens": 64, "stream": True}
         with client.stream("POST", f"/v1/documents/{base}/ask", json=request, headers=A) as stream:
             events = read_sse(stream.iter_lines())

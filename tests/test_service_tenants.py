@@ -47,8 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def settings_for(data_dir: Path, **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "api_keys": (f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE),
-        "admin_keys": (f"ops:{KEY_ADMIN}",), "data_dir": data_dir, "model": "random", "warmup": False,
-        "max_new_tokens": 8, "default_max_tokens": 4, "default_method": "snapkv",
+        "admin_keys": (f"ops:{KEY_ADMIN}",),
+        "data_dir": data_dir,
+        "model": "random",
+        "warmup": False,
+        "max_new_tokens": 8,
+        "default_max_tokens": 4,
+        "default_method": "snapkv",
     }
     return Settings(**{**base, **overrides})
 
@@ -66,8 +71,9 @@ def client(random_engine: Any, tmp_path: Path) -> Iterator[TestClient]:
 
 
 def ask(client: TestClient, headers: dict[str, str], doc_id: str, **body: Any) -> Any:
-    return client.post(f"/v1/documents/{doc_id}/ask", json={"question": "What is the code?", "max_tokens": 2, **body},
-                       headers=headers)
+    return client.post(
+        f"/v1/documents/{doc_id}/ask", json={"question": "What is the code?", "max_tokens": 2, **body}, headers=headers
+    )
 
 
 def ids(client: TestClient, headers: dict[str, str]) -> set[str]:
@@ -100,13 +106,19 @@ def test_tenants_see_only_their_own_documents(client: TestClient) -> None:
     # Another tenant's id answers exactly like an unknown id, on every route.
     chat = {"model": "random", "messages": [{"role": "user", "content": "The code?"}], "max_tokens": 2}
     for headers in (B, BARE):
-        _same_answer(client.get(f"/v1/documents/{doc_a}", headers=headers),
-                     client.get(f"/v1/documents/{UNKNOWN}", headers=headers))
+        _same_answer(
+            client.get(f"/v1/documents/{doc_a}", headers=headers),
+            client.get(f"/v1/documents/{UNKNOWN}", headers=headers),
+        )
         _same_answer(ask(client, headers, doc_a), ask(client, headers, UNKNOWN))
-        _same_answer(client.post("/v1/chat/completions", json={**chat, "document_id": doc_a}, headers=headers),
-                     client.post("/v1/chat/completions", json={**chat, "document_id": UNKNOWN}, headers=headers))
-        _same_answer(client.delete(f"/v1/documents/{doc_a}", headers=headers),
-                     client.delete(f"/v1/documents/{UNKNOWN}", headers=headers))
+        _same_answer(
+            client.post("/v1/chat/completions", json={**chat, "document_id": doc_a}, headers=headers),
+            client.post("/v1/chat/completions", json={**chat, "document_id": UNKNOWN}, headers=headers),
+        )
+        _same_answer(
+            client.delete(f"/v1/documents/{doc_a}", headers=headers),
+            client.delete(f"/v1/documents/{UNKNOWN}", headers=headers),
+        )
         assert_error(client.get(f"/v1/documents/{doc_a}", headers=headers), 404, "document_not_found")
         listing = client.get("/v1/documents", headers=headers).text
         assert doc_a not in listing and "9988776" not in listing
@@ -184,7 +196,10 @@ def test_keys_file(tmp_path: Path) -> None:
     env = {"INFOKV_KEYS_FILE": str(keys), "INFOKV_API_KEYS": KEY_BARE}
     ring = Settings.from_env(env).keyring
     assert {(c.tenant, c.admin) for c in ring.credentials if not c.tenant.startswith("key-")} == {
-        ("tenantA", False), ("tenantB", False), ("ops", True)}
+        ("tenantA", False),
+        ("tenantB", False),
+        ("ops", True),
+    }
     assert ring.find(KEY_ADMIN).admin and not ring.find(KEY_B).admin and ring.find(KEY_BARE)
     keys.write_text(f"tenantA:{KEY_A1} superuser\n")
     with pytest.raises(ConfigError, match="line 1"):
@@ -210,11 +225,12 @@ def test_every_credential_presented_must_be_valid(client: TestClient) -> None:
     assert client.get(listing, headers={"X-API-Key": KEY_A1}).status_code == 200
     assert client.get(listing, headers={**A1, "X-API-Key": KEY_A2}).status_code == 200  # one tenant, two keys
     cases = {
-        "valid X-API-Key, invalid Bearer": ({"X-API-Key": KEY_A1, "Authorization": "Bearer wrong-key-000000"},
-                                            "invalid_api_key"),
+        "valid X-API-Key, invalid Bearer": (
+            {"X-API-Key": KEY_A1, "Authorization": "Bearer wrong-key-000000"},
+            "invalid_api_key",
+        ),
         "valid Bearer, invalid X-API-Key": ({**A1, "X-API-Key": "wrong-key-000000"}, "invalid_api_key"),
-        "valid X-API-Key, Basic scheme": ({"X-API-Key": KEY_A1, "Authorization": f"Basic {KEY_A1}"},
-                                          "invalid_api_key"),
+        "valid X-API-Key, Basic scheme": ({"X-API-Key": KEY_A1, "Authorization": f"Basic {KEY_A1}"}, "invalid_api_key"),
         "empty Bearer": ({"Authorization": "Bearer "}, "invalid_api_key"),
         "empty X-API-Key": ({"X-API-Key": ""}, "invalid_api_key"),
         "two tenants' keys": ({**A1, "X-API-Key": KEY_B}, "conflicting_api_keys"),
@@ -233,20 +249,29 @@ def test_every_credential_presented_must_be_valid(client: TestClient) -> None:
 
 def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None:
     doc = upload_ready(client, A1, "vault.txt", SECRET)
-    for bad in ({"seed": 2**70}, {"seed": -(2**70)}, {"max_tokens": 10**12}, {"max_tokens": 0},
-                {"temperature": 2.5}, {"top_p": 0}, {"top_p": 1.5}, {"stop": ["a"] * 5}, {"stop": "x" * 65}):
+    for bad in (
+        {"seed": 2**70},
+        {"seed": -(2**70)},
+        {"max_tokens": 10**12},
+        {"max_tokens": 0},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"stop": ["a"] * 5},
+        {"stop": "x" * 65},
+    ):
         assert_error(ask(client, A1, doc, **bad), 422, "invalid_request")
     assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's own limit
     for literal in ("NaN", "Infinity", "-Infinity"):  # Python's JSON reader accepts these
         raw = f'{{"question": "q", "temperature": {literal}}}'.encode()
-        response = client.post(f"/v1/documents/{doc}/ask", content=raw,
-                               headers={**A1, "content-type": "application/json"})
+        response = client.post(
+            f"/v1/documents/{doc}/ask", content=raw, headers={**A1, "content-type": "application/json"}
+        )
         assert_error(response, 422, "invalid_request")
     assert ask(client, A1, doc, seed=2**63 - 1, temperature=0.5).status_code == 200
     assert ask(client, A1, doc, seed=-(2**63), temperature=0.5).status_code == 200
     chat = {"model": "random", "messages": [{"role": "user", "content": "q"}], "document_id": doc}
-    for bad in ({"seed": 2**64}, {"max_tokens": 2**40}, {"max_completion_tokens": -1}, {"temperature": -0.1},
-                {"n": 2}):
+    for bad in ({"seed": 2**64}, {"max_tokens": 2**40}, {"max_completion_tokens": -1}, {"temperature": -0.1}, {"n": 2}):
         assert_error(client.post("/v1/chat/completions", json={**chat, **bad}, headers=A1), 422, "invalid_request")
     for keep in ("inf", "nan", "-1", "1e400", "0"):
         assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")

@@ -62,8 +62,17 @@ def test_key_matching_is_exact() -> None:
 def test_document_ids_are_random_and_never_paths(tmp_path: Path) -> None:
     ids = {new_document_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(valid_document_id(i) for i in ids)
-    for bad in ("", "..", "doc_", "doc_../../../etc/passwd", "doc_" + "a" * 21, "doc_" + "a" * 23,
-                "doc_aaaaaaaaaaaaaaaaaaaaa/", "DOC_aaaaaaaaaaaaaaaaaaaaaa", "doc_aaaaaaaaaaaaaaaaaaaa\n"):
+    for bad in (
+        "",
+        "..",
+        "doc_",
+        "doc_../../../etc/passwd",
+        "doc_" + "a" * 21,
+        "doc_" + "a" * 23,
+        "doc_aaaaaaaaaaaaaaaaaaaaa/",
+        "DOC_aaaaaaaaaaaaaaaaaaaaaa",
+        "doc_aaaaaaaaaaaaaaaaaaaa\n",
+    ):
         assert not valid_document_id(bad), bad
     registry = Registry(tmp_path)
     with pytest.raises(ValueError):
@@ -145,8 +154,9 @@ def test_anonymous_service_in_process(random_engine, tmp_path: Path) -> None:  #
 
     from infokv_rag.service.app import create_app
 
-    settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", max_new_tokens=8,
-                        default_max_tokens=4, warmup=False)
+    settings = Settings(
+        allow_anonymous=True, data_dir=tmp_path, model="random", max_new_tokens=8, default_max_tokens=4, warmup=False
+    )
     with TestClient(create_app(settings, engine=random_engine)) as client:
         assert client.get("/v1/documents").status_code == 200  # no key needed: anonymous was asked for
         text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
@@ -161,8 +171,9 @@ def test_anonymous_service_in_process(random_engine, tmp_path: Path) -> None:  #
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["usage"]["completion_tokens"] <= 4 and body["usage"]["cached_tokens"] == info["tokens"]
-        with client.stream("POST", f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 4,
-                                                                         "stream": True}) as stream:
+        with client.stream(
+            "POST", f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 4, "stream": True}
+        ) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("event:")]
         assert lines[-1] == "event: done" and "event: token" in lines
         models = client.get("/v1/models").json()
@@ -185,8 +196,9 @@ def test_unexpected_errors_are_json_without_details(random_engine, tmp_path: Pat
     with TestClient(app, raise_server_exceptions=False) as client:
         response = client.get("/boom")
         assert response.status_code == 500
-        assert response.json() == {"error": {"message": "internal server error", "type": "server_error",
-                                             "code": "internal_error"}}
+        assert response.json() == {
+            "error": {"message": "internal server error", "type": "server_error", "code": "internal_error"}
+        }
         missing = client.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         assert client.put("/healthz").json()["error"]["code"] == "method_not_allowed"

@@ -68,7 +68,10 @@ print(json.dumps({"answer": doc.ask(sys.argv[3], max_new_tokens=int(sys.argv[4])
 def ask_in_new_process(model: str, cache: Path, question: str, new_tokens: int) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", ASK_IN_NEW_PROCESS, model, str(cache), question, str(new_tokens)],
-        capture_output=True, text=True, env=child_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -113,7 +116,9 @@ def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("method", ["kvzip", "infokv_quality"])
-def test_a_cache_with_global_layer_budgets_round_trips(random_engine: InfoKVEngine, tmp_path: Path, method: str) -> None:
+def test_a_cache_with_global_layer_budgets_round_trips(
+    random_engine: InfoKVEngine, tmp_path: Path, method: str
+) -> None:
     doc = random_engine.ingest_text(TEXT_A, CompressionConfig(method=method, keep=0.25, chunk_size=64))
     loaded = random_engine.load(doc.save(tmp_path / method))
     assert_same_document(loaded, doc)
@@ -121,7 +126,9 @@ def test_a_cache_with_global_layer_budgets_round_trips(random_engine: InfoKVEngi
     assert loaded.ask(QUESTION, max_new_tokens=NEW_TOKENS) == doc.ask(QUESTION, max_new_tokens=NEW_TOKENS)
 
 
-def test_save_replaces_an_existing_cache(random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path) -> None:
+def test_save_replaces_an_existing_cache(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path
+) -> None:
     doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
     target = doc_a.save(tmp_path / "c")
     assert doc_b.save(target) == target
@@ -165,7 +172,10 @@ DAMAGE = {
         lambda d: _edit_manifest(d, lambda m: m["model"].update(fingerprint="0" * 64), False),
         r"fails its checksum",
     ),
-    "manifest-garbage": (lambda d: (d / MANIFEST).write_bytes(b'{"format_version": 1, "chec'), r"manifest\.json is damaged"),
+    "manifest-garbage": (
+        lambda d: (d / MANIFEST).write_bytes(b'{"format_version": 1, "chec'),
+        r"manifest\.json is damaged",
+    ),
     "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
@@ -220,7 +230,7 @@ FORMAT_2_CONFIGS = {
     "infokv": CompressionConfig(
         method="infokv",
         keep=0.5,
-        # Saved before `attention` and `layer_budgets` existed: made with the window and uniform budgets,
+        # Saved before `attention`, `layer_budgets` and `units` existed: made with the window and uniform budgets,
         # whatever today's defaults are.
         settings={
             "tau": 0.75,
@@ -229,6 +239,8 @@ FORMAT_2_CONFIGS = {
             "aggregation": "token",
             "attention": "window",
             "layer_budgets": "uniform",
+            "units": "token",
+            "normalization": "minmax",
         },
     ),
     "snapkv": CompressionConfig(method="snapkv", keep=40, window=8, settings={"pooling_kernel": 3}),
@@ -320,7 +332,10 @@ def test_killing_a_save_never_leaves_a_half_written_cache(
     for round_ in range(6):
         child = subprocess.Popen(
             [sys.executable, str(script), str(saved_a), str(saved_b), str(target)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
         )
         try:
             assert child.stdout is not None

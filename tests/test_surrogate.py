@@ -83,7 +83,7 @@ def test_a_fit_is_made_once_then_read_back_and_a_foreign_one_is_refitted(
 
 def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(random_engine, fitted, monkeypatch) -> None:
     monkeypatch.setattr(random_engine, "reconstruction_surrogate", fitted)
-    settings = {"attention": "predicted", "lam": 1.0, "normalization": "minmax"}
+    settings = {"lam": 1.0, "normalization": "minmax", "units": "token", "layer_budgets": "uniform"}
     config = CompressionConfig(method="infokv", keep=0.3, settings=settings)
     document = random_engine.ingest_text(TEXTS[1], config)
     ids, _, capture = _prefill(random_engine, TEXTS[1])
@@ -94,14 +94,3 @@ def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(random
         predicted = fitted.predict(layer, capture.inputs[layer])
         keep = select_tokens(predicted, protected_mask(positions, n, sinks, config.window), budget)
         assert torch.equal(kept.positions, positions.gather(1, keep))
-
-
-def test_global_budgets_from_predicted_attention_keep_the_total(random_engine, fitted, monkeypatch) -> None:
-    monkeypatch.setattr(random_engine, "reconstruction_surrogate", fitted)
-    settings = {"attention": "predicted", "layer_budgets": "global"}
-    config = CompressionConfig(method="infokv", keep=0.3, chunk_size=64, settings=settings)
-    document = random_engine.ingest_text(TEXTS[1], config)
-    n = document.stats.document_tokens
-    lengths = document.cache.lengths
-    assert sum(lengths) == len(lengths) * config.budget_for(n, document.cache.sink_tokens)
-    assert document.stats.peak_resident_tokens <= len(lengths) * (config.budget_for(n, document.cache.sink_tokens) + 64)
