@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy
 import torch
 from safetensors.torch import load, save
 from torch import Tensor
@@ -148,8 +149,10 @@ def fit_surrogate(
             moment[layer] += inputs.T @ target
         if progress is not None:
             progress(done + 1, len(texts))
-    ridge = RIDGE * torch.eye(width, dtype=torch.float64)
-    weights = torch.linalg.solve(gram + ridge, moment).float()
+    system = (gram + RIDGE * torch.eye(width, dtype=torch.float64)).numpy()
+    # numpy's solver, not torch.linalg.solve: torch's MKL LU livelocked with 2 OpenMP threads in a process
+    # that had run the service's threads (seen in CI); these systems are small (hidden + 1 per layer).
+    weights = torch.from_numpy(numpy.linalg.solve(system, moment.numpy())).float()
     return ReconstructionSurrogate(weights, engine.fingerprint)
 
 
