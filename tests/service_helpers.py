@@ -1,5 +1,6 @@
-"""What the service tests share: error checks, uploads and polling (in-process TestClient or a live httpx
-client: both have the same request methods), and making a directory read-only for real."""
+"""What the service tests share: in-process settings, error checks, uploads and polling (in-process
+TestClient or a live httpx client: both have the same request methods), and making a directory read-only
+for real."""
 
 from __future__ import annotations
 
@@ -14,6 +15,23 @@ from typing import Any
 
 import httpx
 import pytest
+
+from infokv_rag.service.settings import Settings
+
+
+def random_model_settings(data_dir: Path, api_keys: tuple[str, ...], **overrides: Any) -> Settings:
+    """An in-process service on the random model (its engine passed to `create_app`) with short answers."""
+    base: dict[str, Any] = {
+        "api_keys": api_keys,
+        "data_dir": data_dir,
+        "model": "random",
+        "warmup": False,
+        "max_new_tokens": 8,
+        "default_max_tokens": 4,
+        "default_method": "snapkv",
+    }
+    return Settings(**{**base, **overrides})
+
 
 LEAKS = ("Traceback", 'File "', "/tmp/", "/uploads/", "site-packages")
 

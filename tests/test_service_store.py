@@ -30,7 +30,7 @@ from infokv_rag.service.registry import new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
-from .service_helpers import assert_error, bearer, upload_ready, wait_settled  # noqa: E402
+from .service_helpers import assert_error, bearer, random_model_settings, upload_ready, wait_settled  # noqa: E402
 
 KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0001"
 A, B = bearer(KEY_A), bearer(KEY_B)
@@ -39,17 +39,8 @@ QUESTION = {"question": "What is the vault code?", "max_tokens": 6}
 
 
 def settings_for(tmp_path: Path, store: str, **overrides: Any) -> Settings:
-    base: dict[str, Any] = {
-        "api_keys": (f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
-        "data_dir": tmp_path / "local",
-        "store": store,
-        "model": "random",
-        "warmup": False,
-        "max_new_tokens": 8,
-        "default_max_tokens": 4,
-        "default_method": "snapkv",
-    }
-    return Settings(**{**base, **overrides})
+    keys = (f"tenantA:{KEY_A}", f"tenantB:{KEY_B}")
+    return random_model_settings(tmp_path / "local", keys, store=store, **overrides)
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -28,6 +28,7 @@ from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
 from .service_helpers import (  # noqa: E402
     assert_error,
     bearer,
+    random_model_settings,
     read_only,
     set_read_only,
     upload,
@@ -45,17 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def settings_for(data_dir: Path, **overrides: Any) -> Settings:
-    base: dict[str, Any] = {
-        "api_keys": (f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE),
-        "admin_keys": (f"ops:{KEY_ADMIN}",),
-        "data_dir": data_dir,
-        "model": "random",
-        "warmup": False,
-        "max_new_tokens": 8,
-        "default_max_tokens": 4,
-        "default_method": "snapkv",
-    }
-    return Settings(**{**base, **overrides})
+    keys = (f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE)
+    return random_model_settings(data_dir, keys, admin_keys=(f"ops:{KEY_ADMIN}",), **overrides)
 
 
 @contextlib.contextmanager
