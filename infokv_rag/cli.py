@@ -177,19 +177,14 @@ def _calibrate(args: argparse.Namespace) -> int:
         surrogate = fit_and_cache(engine, ProgressBar("calibration documents", enabled=True))
     else:
         surrogate = engine.reconstruction_surrogate
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "fingerprint": surrogate.fingerprint,
-                "cached": str(cached_path(surrogate.fingerprint))
-                if cached_path(surrogate.fingerprint).is_file()
-                else None,
-                "seconds": round(time.perf_counter() - started, 1),
-            },
-            indent=2,
-        )
-    )
+    cached = cached_path(surrogate.fingerprint)
+    report = {
+        "model": args.model,
+        "fingerprint": surrogate.fingerprint,
+        "cached": str(cached) if cached.is_file() else None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(report, indent=2))
     return 0
 
 

@@ -64,7 +64,7 @@ class InfoKVEngine:
     def reconstruction_surrogate(self) -> ReconstructionSurrogate:
         """The model's fitted predictor of reconstruction importance (`surrogate.py`): shipped, cached or
         fitted on first use."""
-        return surrogate_for(self)
+        return surrogate_for(self).on(self.runner.device)
 
     @classmethod
     def from_pretrained(

@@ -77,6 +77,10 @@ class ReconstructionSurrogate:
         weights = self.weights[layer].to(residual.device)
         return (features(residual) @ weights).T.exp()
 
+    def on(self, device: torch.device) -> ReconstructionSurrogate:
+        """The same fit with its weights on `device`, so that `predict` moves nothing per chunk."""
+        return ReconstructionSurrogate(self.weights.to(device), self.fingerprint)
+
     def to_bytes(self) -> bytes:
         metadata = {"format": str(FORMAT), "fingerprint": self.fingerprint}
         return save({"weights": self.weights.contiguous()}, metadata=metadata)
