@@ -8,9 +8,11 @@ import torch
 from torch import Tensor
 
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
+from infokv_rag.config import recall_tokens
 from infokv_rag.documents import Document
 from infokv_rag.ingestion import Ingestion, signal_capture
 from infokv_rag.prompt import Turn
+from infokv_rag.recall import Recall
 
 
 @torch.inference_mode()
@@ -45,9 +47,13 @@ def compress_variants(
             information = informations[key]
         cache = full_cache.working_copy(0)
         ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), information)
-        frozen, stats, information_reference = ingestion.finish(cache)
-        stats.pages = len(document.pages)
-        results.append(CompressedDocument(engine, frozen, config, document, stats, information_reference))
+        result = ingestion.finish(cache)
+        result.stats.pages = len(document.pages)
+        results.append(
+            CompressedDocument(
+                engine, result.cache, config, document, result.stats, result.information_reference, result.cold_tier
+            )
+        )
     return results
 
 
@@ -55,14 +61,26 @@ def compress_variants(
 def teacher_forced_logits(document: CompressedDocument, turns: Sequence[Turn], continuation: Sequence[int]) -> Tensor:
     """Next-token logits (len(continuation) + 1, vocab) after the conversation, fed `continuation`.
 
-    Row i is the distribution of continuation token i (the last row, of the token after it).
+    Row i is the distribution of continuation token i (the last row, of the token after it). The
+    conversation recalls from the cold tier as an answer would (`config.recall`), the continuation does not.
     """
     engine = document.engine
     runner = engine.runner
     suffix = engine.prompt.conversation_ids(turns)
-    ids = torch.tensor([*suffix, *continuation], device=runner.device)
     n = document.cache.document_tokens
+    budget = recall_tokens(document.config.recall, n) if document.cold_tier is not None else 0
     with engine.lock:
-        session = document.cache.working_copy(len(ids))
-        hidden = runner.forward(ids, torch.arange(n, n + len(ids), device=runner.device), session)
-        return runner.logits(hidden[len(suffix) - 1 :])
+        session = document.cache.working_copy(len(suffix) + len(continuation) + budget)
+        recall = Recall(document.cold_tier, session, budget) if document.cold_tier is not None and budget else None
+        hidden = runner.forward(
+            torch.tensor(suffix, device=runner.device),
+            torch.arange(n, n + len(suffix), device=runner.device),
+            session,
+            recall=recall,
+        )
+        rows = [hidden[-1:]]
+        if continuation:
+            start = n + len(suffix)
+            positions = torch.arange(start, start + len(continuation), device=runner.device)
+            rows.append(runner.forward(torch.tensor(list(continuation), device=runner.device), positions, session))
+        return runner.logits(torch.cat(rows))

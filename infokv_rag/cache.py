@@ -107,6 +107,20 @@ class _LayerBuffer:
         self.scores[:, self.length : end] = scores
         self.length = end
 
+    def insert(self, before_last: int, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
+        """Inserts entries ahead of the last `before_last` ones (which stay last, for the causal mask).
+
+        keys, values: (kv_heads, k, head_dim); positions: (kv_heads, k); scores: (k,).
+        """
+        added = keys.shape[1]
+        self._reserve(self.length + added)
+        start, end = self.length - before_last, self.length + added
+        for name, new in (("keys", keys), ("values", values), ("positions", positions), ("scores", scores)):
+            buffer = getattr(self, name)
+            buffer[:, start + added : end] = buffer[:, start : self.length].clone()
+            buffer[:, start : start + added] = new
+        self.length = end
+
     def live(self, name: str) -> Tensor:
         return getattr(self, name)[:, : self.length]
 
@@ -116,6 +130,18 @@ class _LayerBuffer:
         self.length = indices.shape[1]
         for name, tensor in kept.items():
             getattr(self, name)[:, : self.length] = tensor
+
+    def evict(self, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keeps tokens `indices` like `retain`; returns what it drops: keys, values (kv_heads, dropped,
+        head_dim) and positions (kv_heads, dropped), in buffer order (every head drops as many)."""
+        heads = indices.shape[0]
+        kept = torch.zeros(heads, self.length, dtype=torch.bool, device=indices.device).scatter_(1, indices, True)
+        dropped_indices = (~kept).nonzero()[:, 1].reshape(heads, -1)
+        keys, values, positions = (
+            gather_tokens(self.live(name), dropped_indices) for name in ("keys", "values", "positions")
+        )
+        self.retain(indices)
+        return keys, values, positions
 
     def freeze(self) -> LayerKV:
         return LayerKV(*(self.live(name).clone() for name in ("keys", "values", "positions", "scores")))

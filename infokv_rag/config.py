@@ -15,6 +15,22 @@ if TYPE_CHECKING:
     from .scorers.base import Method
 
 DEFAULT_METHOD = "infokv"
+COLD_BITS = (4, 8)
+
+
+def check_recall(recall: float | int) -> None:
+    """A recall budget is a ratio in [0, 1] of the document's tokens or a token count >= 0."""
+    if isinstance(recall, bool) or not isinstance(recall, (int, float)):
+        raise ConfigError(f"recall must be a ratio in [0, 1] or a token count, not {recall!r}")
+    if isinstance(recall, float) and not 0.0 <= recall <= 1.0:
+        raise ConfigError(f"recall ratio must be in [0, 1], got {recall}")
+    if isinstance(recall, int) and recall < 0:
+        raise ConfigError(f"recall token count must be >= 0, got {recall}")
+
+
+def recall_tokens(recall: float | int, document_tokens: int) -> int:
+    """Entries recalled per (layer, KV head) for a `recall` budget (see `check_recall`)."""
+    return round(recall * document_tokens) if isinstance(recall, float) else recall
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,11 @@ class CompressionConfig:
     adaptive_budget: bool = False
     """Redistribute the total budget across layers: more where scores are flat (per-layer lengths differ)."""
     seed: int = 0
+    recall: float | int = 0
+    """Keep what compression evicts in a cold tier and, per question, recall this much of it: a ratio of the
+    document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
+    cold_bits: int = 4
+    """Width of the cold tier's codes: 4 or 8."""
     settings: MethodSettings | Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +92,9 @@ class CompressionConfig:
         for name in ("sink_tokens", "window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_recall(self.recall)
+        if self.cold_bits not in COLD_BITS:
+            raise ConfigError(f"cold_bits must be one of {COLD_BITS}, got {self.cold_bits}")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
         object.__setattr__(self, "settings", method.settings_from(self.settings))
@@ -90,9 +114,20 @@ class CompressionConfig:
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
         return min(document_tokens, max(wanted, protected))
 
+    @property
+    def keeps_cold_tier(self) -> bool:
+        return bool(self.recall) and self.method_spec.compresses
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the shared fields and `settings`, a dict of every setting of the method."""
-        return dataclasses.asdict(self)
+        """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.
+
+        Without a cold tier its fields are left out: such a config reads as it did before they existed
+        (saved caches and their store keys keep their meaning).
+        """
+        data = dataclasses.asdict(self)
+        if not self.recall:
+            del data["recall"], data["cold_bits"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:

@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
+from .config import recall_tokens
 from .errors import ConfigError, ContextLengthError
 from .generation import Generation, GenerationOptions, TextAssembler, TokenSampler, Usage, logits_entropy
 from .prompt import Turn
+from .recall import Recall
 from .selection import select_tokens
 from .signals import InformationSettings
 
@@ -44,15 +46,32 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
             f"({len(suffix)} tokens) and the recent window need {protected + options.eviction_slack}"
         )
+    recall = _recall_tokens(document, options, protected)
     usage = Usage(prompt_tokens=len(suffix), cached_tokens=n)
     assembler = TextAssembler(engine.tokenizer, options.stop)
-    return Generation(_decode(document, suffix, options, usage, assembler), usage, assembler.ids)
+    return Generation(_decode(document, suffix, options, recall, usage, assembler), usage, assembler.ids)
+
+
+def _recall_tokens(document: CompressedDocument, options: GenerationOptions, protected: int) -> int:
+    """Cold entries per (layer, KV head) this answer recalls; under `max_cache_tokens`, no more than fit
+    beside what eviction must keep."""
+    recall = document.config.recall if options.recall is None else options.recall
+    tokens = recall_tokens(recall, document.cache.document_tokens)
+    if tokens and document.cold_tier is None:
+        raise ConfigError(
+            "this document has no cold tier to recall from: ingest it with CompressionConfig(recall=...) > 0, "
+            "or ask with recall=0"
+        )
+    if options.max_cache_tokens is not None:
+        tokens = min(tokens, options.max_cache_tokens - protected - options.eviction_slack)
+    return tokens
 
 
 def _decode(
     document: CompressedDocument,
     suffix: list[int],
     options: GenerationOptions,
+    recall_budget: int,
     usage: Usage,
     assembler: TextAssembler,
 ) -> Iterator[str]:
@@ -61,7 +80,8 @@ def _decode(
     n = document.cache.document_tokens
     started = time.perf_counter()
     with engine.lock:
-        session = document.cache.working_copy(len(suffix) + options.max_new_tokens)
+        session = document.cache.working_copy(len(suffix) + options.max_new_tokens + recall_budget)
+    recall = Recall(document.cold_tier, session, recall_budget) if document.cold_tier and recall_budget else None
     sampler = TokenSampler(options, runner.device)
     question_end = n + len(suffix)
     pending = torch.tensor(suffix, device=runner.device)
@@ -70,11 +90,14 @@ def _decode(
     usage.finish_reason = "length"
     for _ in range(options.max_new_tokens):
         with engine.lock:
+            incoming = len(pending) + (recall.tokens if recall is not None else 0)
             if options.max_cache_tokens is not None:
-                _evict(session, document, options, position, len(pending), question_end)
+                _evict(session, document, options, position, incoming, question_end)
             positions = torch.arange(position, position + len(pending), device=runner.device)
-            hidden = runner.forward(pending, positions, session, token_scores=pending_scores)
+            hidden = runner.forward(pending, positions, session, token_scores=pending_scores, recall=recall)
             logits = runner.logits(hidden[-1])
+        if recall is not None:
+            usage.recalled_tokens, recall = sum(recall.recalled), None
         usage.max_resident_tokens = max(usage.max_resident_tokens, *session.lengths)
         position += len(pending)
         token = sampler(logits)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import decoding, store
 from .cache import DocumentCache
+from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .generation import Generation, GenerationOptions
@@ -34,6 +35,8 @@ class CompressedDocument:
     information_reference: Tensor | None = None
     """(n,) sorted information values (entropy or surprisal, as configured) of the document tokens, when
     the method computed them; decode-time eviction ranks generated tokens among them."""
+    cold_tier: ColdTier | None = None
+    """What compression evicted, kept to be recalled per question, when `config.recall` asked for it."""
 
     def generate(self, turns: Sequence[Turn], options: GenerationOptions | None = None) -> Generation:
         """Answers a conversation ((role, content) turns after the document); see `ask` for options."""
@@ -49,8 +52,13 @@ class CompressedDocument:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         max_cache_tokens: int | None = None,
+        recall: float | int | None = None,
     ) -> Iterator[str]:
-        """Yields the answer's text pieces as they are generated."""
+        """Yields the answer's text pieces as they are generated.
+
+        `recall` (a ratio of the document's tokens or a token count per layer and KV head; 0: off) is how
+        much of the cold tier the question may bring back; default `config.recall`.
+        """
         options = GenerationOptions.build(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -58,6 +66,7 @@ class CompressedDocument:
             stop=stop,
             seed=seed,
             max_cache_tokens=max_cache_tokens,
+            recall=recall,
         )
         yield from self.generate(question_turns(question), options)
 

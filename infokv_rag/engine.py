@@ -182,9 +182,11 @@ class InfoKVEngine:
                 f"the document is {len(ids)} tokens but the model's context window is {self.context_window} "
                 f"tokens (and questions need room too); split the document or use a model with a longer context"
             )
-        cache, stats, information = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
-        stats.pages = len(document.pages)
-        return CompressedDocument(self, cache, config, document, stats, information_reference=information)
+        result = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
+        result.stats.pages = len(document.pages)
+        return CompressedDocument(
+            self, result.cache, config, document, result.stats, result.information_reference, result.cold_tier
+        )
 
     def load(self, directory: str | os.PathLike[str]) -> CompressedDocument:
         """Loads a cache saved with `CompressedDocument.save`; refuses another model's or a damaged one."""
@@ -194,5 +196,5 @@ class InfoKVEngine:
         """Loads a saved cache from wherever `files` reads it (a directory, an object store), verified as `load`."""
         saved = store.load_files(self, files)
         return CompressedDocument(
-            self, saved.cache, saved.config, saved.document, saved.stats, saved.information_reference
+            self, saved.cache, saved.config, saved.document, saved.stats, saved.information_reference, saved.cold_tier
         )

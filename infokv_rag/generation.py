@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .config import check_recall
 from .errors import ConfigError
 
 
@@ -27,8 +28,13 @@ class GenerationOptions:
     seed: int | None = None
     max_cache_tokens: int | None = None
     eviction_slack: int = 16
+    recall: float | int | None = None
+    """Cold-tier entries the question may recall per (layer, KV head): a ratio of the document's tokens or
+    a count; 0: none; None: the document's `CompressionConfig.recall`."""
 
     def __post_init__(self) -> None:
+        if self.recall is not None:
+            check_recall(self.recall)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -139,6 +145,8 @@ class Usage:
     time_to_first_token: float | None = None
     max_resident_tokens: int = 0
     """Most tokens held by any layer (per KV head) while answering."""
+    recalled_tokens: int = 0
+    """Cold-tier entries the question recalled, per KV head, summed over layers."""
 
 
 class Generation:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .cache import DocumentCache, KVCache, gather_tokens
+from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
 from .reconstruction import reconstruction_attention
@@ -60,6 +61,8 @@ class DocumentStats:
     pages: int = 1
     peak_resident_tokens: int = 0
     """Most tokens held over all layers (per KV head) at any time during ingestion."""
+    cold_bytes: int = 0
+    """Bytes of the cold tier (evicted entries, quantised), when one is kept; `cache_bytes` is the hot cache."""
 
     @property
     def kept_tokens(self) -> int:
@@ -71,6 +74,18 @@ class DocumentStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "kept_tokens": self.kept_tokens, "compression_ratio": self.compression_ratio}
+
+
+@dataclass
+class IngestionResult:
+    """What reading one document produced."""
+
+    cache: DocumentCache
+    stats: DocumentStats
+    information_reference: Tensor | None
+    """(n,) the sorted information values of the document tokens, when the method computed them."""
+    cold_tier: ColdTier | None
+    """The evicted entries, when the config keeps a cold tier."""
 
 
 def signal_capture(engine: InfoKVEngine, window: int, signals: frozenset[str]) -> SignalCapture:
@@ -122,10 +137,13 @@ class Ingestion:
         self.global_budgets = isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "global"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
         self.peak_resident = 0
+        self.evicted: list[list[tuple[Tensor, Tensor, Tensor]]] | None = (
+            [[] for _ in range(self.runner.num_layers)] if config.keeps_cold_tier else None
+        )
+        """Per layer, the (keys, values, positions) each compression dropped, when a cold tier is kept."""
 
     @torch.inference_mode()
-    def run(self, progress: ProgressCallback | None) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
-        """Returns the frozen cache, the stats and the sorted information reference (None when not computed)."""
+    def run(self, progress: ProgressCallback | None) -> IngestionResult:
         cache = self.runner.new_cache()
         chunk = self.config.chunk_size
         for start in range(0, self.n, chunk):
@@ -139,8 +157,11 @@ class Ingestion:
                 progress(end, self.n)
         return self.finish(cache)
 
-    def finish(self, cache: KVCache) -> tuple[DocumentCache, DocumentStats, Tensor | None]:
+    def finish(self, cache: KVCache) -> IngestionResult:
         frozen = cache.freeze(self.n, self.sinks)
+        clock = time.perf_counter()
+        cold = ColdTier.build(self.evicted, self.config.cold_bits) if self.evicted is not None else None
+        self.timings["compression"] += time.perf_counter() - clock
         stats = DocumentStats(
             document_tokens=self.n,
             kept_tokens_per_layer=frozen.lengths,
@@ -152,9 +173,10 @@ class Ingestion:
             method=self.config.method,
             keep=self.config.keep,
             peak_resident_tokens=self.peak_resident,
+            cold_bytes=cold.nbytes if cold is not None else 0,
         )
         information = self.information.sort().values if self.information is not None else None
-        return frozen, stats, information
+        return IngestionResult(frozen, stats, information, cold)
 
     def forward_chunk(self, cache: KVCache, capture: SignalCapture, start: int, end: int) -> Tensor:
         """Prefills tokens [start, end) into `cache`; returns their final hidden states (end - start, hidden)."""
@@ -286,7 +308,10 @@ class Ingestion:
                 continue
             protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
             keep = select_tokens(layer_scores, protected, budget)
-            layer.retain(keep)
+            if self.evicted is not None:
+                self.evicted[index].append(layer.evict(keep))
+            else:
+                layer.retain(keep)
             accumulated = self.accumulated[index]
             if accumulated is not None:
                 self.accumulated[index] = gather_tokens(accumulated, keep)

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import KVCache
+from .recall import Recall
 from .signals import ForwardCapture
 
 ATTENTION_NAME = "infokv_sdpa"
@@ -40,6 +41,9 @@ def _attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    recall: Recall | None = kwargs.get("infokv_recall")
+    if recall is not None:
+        key, value = recall.extend(cast(int, module.layer_idx), query, scaling or query.shape[-1] ** -0.5)
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < q_len < kv_len:
@@ -91,10 +95,12 @@ class ModelRunner:
         cache: KVCache,
         capture: ForwardCapture | None = None,
         token_scores: Tensor | None = None,
+        recall: Recall | None = None,
     ) -> Tensor:
         """input_ids, positions: (q,) -> final normalised hidden states (q, hidden).
 
-        Appends the tokens to every layer of `cache` (with `token_scores` (q,) as their eviction priority).
+        Appends the tokens to every layer of `cache` (with `token_scores` (q,) as their eviction priority),
+        and with `recall`, ahead of them the cold entries their queries recall.
         """
         cache.pending_positions = positions
         cache.pending_scores = (
@@ -113,6 +119,7 @@ class ModelRunner:
                 position_embeddings=rotary,
                 infokv_forward=True,
                 infokv_capture=capture,
+                infokv_recall=recall,
             )
             if capture is not None:
                 capture.record_layer_change(index, hidden[0], updated[0])

@@ -6,11 +6,14 @@ A saved cache is a directory:
   tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
                        (kv_heads, kept_L); information_reference (n,) when the method computed it
   document.txt         the document text (page spans in the manifest index into it)
+  cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
+                       then memory-mapped from a local directory (a page is read when a question recalls it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one flat
-dict of every field) is read too, each field that the method does not take dropped.
+Format 4 may hold a cold tier; format 3 stores the config as its shared fields plus `settings`, the
+method's own; format 2 (one flat dict of every field) is read too, each field that the method does not
+take dropped.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import errno
 import glob
 import hashlib
 import json
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,26 +38,28 @@ from safetensors.torch import load, save
 
 from . import scorers
 from .cache import DocumentCache, LayerKV
+from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
-from .files import fsync_dir, write_synced
+from .files import fsync_dir, safetensors_views, write_synced
 from .ingestion import DocumentStats, ProgressCallback
 
 if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
+COLD = "cold.safetensors"
 STALE_SECONDS = 3600.0
 """Leftover staging / retired directories of a save killed this long ago are removed by the next save."""
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | bytearray | mmap.mmap) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -73,6 +80,7 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         tensors["information_reference"] = document.information_reference.detach().cpu().contiguous()
     tensor_bytes = save(tensors)
     text_bytes = document.document.text.encode("utf-8")
+    cold = {COLD: save(document.cold_tier.tensors())} if document.cold_tier is not None else {}
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
@@ -86,13 +94,15 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         },
         "stats": document.stats.to_dict(),
         "files": {
-            TENSORS: {"sha256": _sha256(tensor_bytes), "bytes": len(tensor_bytes)},
-            TEXT: {"sha256": _sha256(text_bytes), "bytes": len(text_bytes)},
+            name: {"sha256": _sha256(data), "bytes": len(data)}
+            for name, data in {TENSORS: tensor_bytes, TEXT: text_bytes, **cold}.items()
         },
     }
+    if document.cold_tier is not None:
+        manifest["cold_tier"] = {"bits": document.cold_tier.bits}
     manifest["checksum"] = _manifest_checksum(manifest)
     # The manifest goes last: a cache whose manifest is missing is never loadable.
-    return {TENSORS: tensor_bytes, TEXT: text_bytes, MANIFEST: json.dumps(manifest, indent=1).encode()}
+    return {TENSORS: tensor_bytes, TEXT: text_bytes, **cold, MANIFEST: json.dumps(manifest, indent=1).encode()}
 
 
 def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
@@ -218,7 +228,8 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
     # The version first: another format may checksum its manifest differently.
     version = manifest.get("format_version")
     if version not in READABLE_VERSIONS:
-        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+        *earlier, latest = READABLE_VERSIONS
+        readable = f"{', '.join(str(v) for v in earlier)} and {latest}"
         raise CacheStoreError(
             f"{path} uses cache format {version!r}, but this version of infokv-rag reads formats {readable}; "
             "ingest the document again (or load it with the infokv-rag version that saved it)"
@@ -256,6 +267,7 @@ class SavedDocument:
     document: Document
     stats: DocumentStats
     information_reference: torch.Tensor | None
+    cold_tier: ColdTier | None
 
 
 def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> SavedDocument:
@@ -319,13 +331,42 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
+    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]))
+    cold = None
+    if COLD in manifest["files"]:
+        cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
+        cold = ColdTier.from_tensors(cold_tensors, cache, int(manifest["cold_tier"]["bits"]), path)
     return SavedDocument(
-        DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"])),
+        cache,
         config,
         Document.from_layout(text, manifest["document"]),
         DocumentStats(**stats_fields),
         information.to(runner.device) if information is not None else None,
+        cold,
     )
+
+
+def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The cold tier's tensors, verified: views of a memory map for a local directory (nothing is read
+    into memory but what the checksum reads through), else parsed from the bytes read."""
+    where = f"{files.where}/{COLD}"
+    try:
+        if isinstance(files, DirectoryFiles):
+            with open(files.path / COLD, "rb") as handle:
+                buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            if len(buffer) != record["bytes"] or _sha256(buffer) != record["sha256"]:
+                raise CacheStoreError(
+                    f"{where} fails its sha256 check (truncated or modified); delete {files.where} and ingest again"
+                )
+        else:
+            buffer = bytearray(_read_verified(files, COLD, record))
+        return safetensors_views(buffer)
+    except FileNotFoundError as exc:
+        raise CacheStoreError(f"{where} is missing; delete {files.where} and ingest the document again") from exc
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        if isinstance(exc, InfoKVError):
+            raise
+        raise CacheStoreError(f"{where} cannot be read ({exc}); delete {files.where} and ingest again") from exc
 
 
 SETTINGS_ADDED = {"attention": "window", "layer_budgets": "uniform", "units": "token"}

@@ -16,9 +16,7 @@ reconstruction pass over the calibration documents: about three minutes for `def
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from torch import Tensor
 
 from .errors import CacheStoreError
 from .evaluation import make_fact_document
-from .files import write_atomic
+from .files import safetensors_header, write_atomic
 from .models import cache_root
 from .reconstruction import reconstruction_attention
 
@@ -92,7 +90,7 @@ class ReconstructionSurrogate:
         """Refuses a fit made for another model or of another shape (`CacheStoreError`)."""
         try:
             tensors = load(data)
-            metadata = _metadata(data)
+            metadata = safetensors_header(data)[0].get("__metadata__", {})
         except Exception as error:  # safetensors raises several types for damaged files
             raise CacheStoreError(f"unreadable reconstruction surrogate: {error}") from error
         if metadata.get("format") != str(FORMAT) or metadata.get("fingerprint") != fingerprint:
@@ -101,13 +99,6 @@ class ReconstructionSurrogate:
         if weights is None or tuple(weights.shape) != (layers, hidden + 1, kv_heads):
             raise CacheStoreError("reconstruction surrogate has the wrong shape for this model")
         return cls(weights.float(), fingerprint)
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file (the JSON header after its 8-byte length)."""
-    (length,) = struct.unpack("<Q", data[:8])
-    header: dict[str, dict[str, str]] = json.loads(data[8 : 8 + length])
-    return header.get("__metadata__", {})
 
 
 class _LayerInputs:

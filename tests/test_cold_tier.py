@@ -1,0 +1,196 @@
+"""The cold tier and per-question recall (issue 13), on the random 3-layer model from conftest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
+from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier, dequantize, quantize
+from infokv_rag.config import recall_tokens
+from infokv_rag.generation import GenerationOptions
+from infokv_rag.prompt import question_turns
+from infokv_rag.recall import Recall, best_entries, page_scores
+from infokv_rag.store import COLD, MANIFEST, _manifest_checksum
+
+from .conftest import CORPUS
+
+TEXT = " ".join(CORPUS * 8)
+QUESTION = "What is the notice period?"
+
+
+def question_log_probs(document: CompressedDocument, recall: int) -> torch.Tensor:
+    """Log-probabilities (q, vocab) over the question tokens, recalling `recall` entries per (layer, KV head)."""
+    engine = document.engine
+    ids = engine.prompt.conversation_ids(question_turns(QUESTION))
+    n = document.cache.document_tokens
+    session = document.cache.working_copy(len(ids) + recall)
+    with torch.inference_mode():
+        assert document.cold_tier is not None or not recall
+        plan = Recall(document.cold_tier, session, recall) if document.cold_tier is not None and recall else None
+        hidden = engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
+        return torch.log_softmax(engine.runner.logits(hidden), dim=-1)
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_round_trip_within_half_a_step(bits: int) -> None:
+    torch.manual_seed(0)
+    values = torch.randn(2, 5, 16) * 3
+    low, high = values.amin(dim=-1, keepdim=True), values.amax(dim=-1, keepdim=True)
+    codes = quantize(values, low.expand_as(values), high.expand_as(values), bits)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 5, 16 * bits // 8)
+    restored = dequantize(codes, low.expand_as(values), high.expand_as(values), bits)
+    step = (high - low) / (2**bits - 1)
+    assert bool(((restored - values).abs() <= step / 2 + 1e-5).all())
+
+
+def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: InfoKVEngine) -> None:
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1, cold_bits=8))
+    assert doc.cold_tier is not None
+    n = doc.cache.document_tokens
+    for hot, cold, whole in zip(doc.cache.layers, doc.cold_tier.layers, full.cache.layers, strict=True):
+        together = torch.cat([hot.positions, cold.positions], dim=1).sort(dim=1).values
+        assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
+        assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
+        indices = torch.arange(cold.length).expand(cold.positions.shape[0], -1)
+        keys, values = cold.entries(indices, bits=8)
+        original_keys = torch.gather(whole.keys, 1, cold.positions.unsqueeze(-1).expand_as(keys))
+        original_values = torch.gather(whole.values, 1, cold.positions.unsqueeze(-1).expand_as(values))
+        # 8-bit codes: within half a step of each page's (keys) or group's (values) range.
+        assert float((keys - original_keys).abs().max()) <= 0.01 * float(original_keys.abs().max())
+        assert float((values - original_values).abs().max()) <= 0.01 * float(original_values.abs().max())
+    assert doc.stats.cold_bytes == doc.cold_tier.nbytes > 0
+    assert random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25)).cold_tier is None
+
+
+def test_page_bounds_are_upper_bounds_and_the_best_pages_are_recalled() -> None:
+    torch.manual_seed(1)
+    keys = torch.randn(2, 3 * PAGE_TOKENS + 5, 16)
+    tier = ColdTier.build([[(keys, keys.clone(), torch.arange(keys.shape[1]).expand(2, -1))]], bits=8)
+    cold = tier.layers[0]
+    query = torch.randn(4, 3, 16)
+    restored, _ = cold.entries(torch.arange(cold.length).expand(2, -1), bits=8)
+    grouped = query.reshape(2, 6, 16)
+    exact = grouped @ restored.transpose(1, 2)  # (kv_heads, queries, entries)
+    pages = torch.arange(cold.length) // PAGE_TOKENS
+    for page in range(4):
+        upper = grouped.clamp_min(0) @ cold.key_high[:, page].float().unsqueeze(-1) + grouped.clamp_max(
+            0
+        ) @ cold.key_low[:, page].float().unsqueeze(-1)
+        assert bool((exact[:, :, pages == page] <= upper + 1e-2).all())
+    scores = page_scores(query, cold.key_low, cold.key_high, 0.25)
+    assert scores.shape == (2, 4)
+    chosen = best_entries(torch.tensor([[0.1, 0.2, 0.3, 0.9], [0.9, 0.1, 0.2, 0.3]]), cold.length, 40)
+    # Head 0: the partial last page (5 entries), page 2, then the first 3 of page 1; head 1: pages 0 and 3,
+    # then the first 3 of page 2.
+    assert chosen.shape == (2, 40)
+    assert chosen[0].tolist() == [*range(PAGE_TOKENS, PAGE_TOKENS + 3), *range(2 * PAGE_TOKENS, cold.length)]
+    last = [*range(3 * PAGE_TOKENS, cold.length)]
+    assert chosen[1].tolist() == [*range(PAGE_TOKENS), *range(2 * PAGE_TOKENS, 2 * PAGE_TOKENS + 3), *last]
+
+
+def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine) -> None:
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=1.0, cold_bits=8))
+    reference = question_log_probs(full, 0)
+    without = kl(reference, question_log_probs(doc, 0))
+    everything = kl(reference, question_log_probs(doc, doc.cache.document_tokens))
+    some = kl(reference, question_log_probs(doc, 64))
+    assert everything < 1e-6 < without
+    assert everything < some < without
+
+
+def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    before = [(layer.keys.clone(), layer.positions.clone()) for layer in doc.cache.layers]
+    first = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6))
+    first_text = first.text()
+    expected = recall_tokens(0.1, doc.cache.document_tokens)
+    assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)  # type: ignore[union-attr]
+    doc.ask("Who delivers the goods?", max_new_tokens=6, recall=0.5)
+    assert doc.ask(QUESTION, max_new_tokens=6) == first_text
+    off = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6, recall=0))
+    off.text()
+    assert off.usage.recalled_tokens == 0
+    for (keys, positions), layer in zip(before, doc.cache.layers, strict=True):
+        assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
+
+
+def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.2))
+    cap = max(doc.cache.lengths) + 40
+    generation = doc.generate([("user", "Summarise.")], GenerationOptions(max_new_tokens=80, max_cache_tokens=cap))
+    generation.text()
+    assert generation.usage.recalled_tokens > 0
+    assert generation.usage.max_resident_tokens <= cap
+
+
+def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:
+    for bad in ({"recall": 1.5}, {"recall": -3}, {"recall": True}, {"cold_bits": 2}):
+        with pytest.raises(ConfigError):
+            CompressionConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="recall"):
+        GenerationOptions(recall=2.0)
+    plain = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    with pytest.raises(ConfigError, match="no cold tier"):
+        plain.ask(QUESTION, recall=0.1)
+    # Without a cold tier a config reads as it did before the cold tier existed (store keys unchanged).
+    assert "recall" not in CompressionConfig().to_dict()
+    assert CompressionConfig(recall=0.1).to_dict()["recall"] == 0.1
+
+
+def test_a_saved_cold_tier_is_mapped_verified_and_answers_the_same(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    answer = doc.ask(QUESTION, max_new_tokens=8)
+    path = doc.save(tmp_path / "doc")
+    loaded = random_engine.load(path)
+    assert loaded.cold_tier is not None and loaded.stats == doc.stats
+    assert loaded.ask(QUESTION, max_new_tokens=8) == answer
+    for got, want in zip(loaded.cold_tier.layers, doc.cold_tier.layers, strict=True):  # type: ignore[union-attr]
+        assert torch.equal(got.key_codes, want.key_codes) and torch.equal(got.positions, want.positions)
+
+    tampered = shutil.copytree(path, tmp_path / "tampered")
+    data = bytearray((tampered / COLD).read_bytes())
+    data[-1] ^= 1
+    (tampered / COLD).write_bytes(bytes(data))
+    with pytest.raises(CacheStoreError, match="sha256"):
+        random_engine.load(tampered)
+
+    truncated = shutil.copytree(path, tmp_path / "truncated")
+    (truncated / COLD).write_bytes((path / COLD).read_bytes()[:-100])
+    with pytest.raises(CacheStoreError, match="sha256"):
+        random_engine.load(truncated)
+
+    missing = shutil.copytree(path, tmp_path / "missing")
+    (missing / COLD).unlink()
+    with pytest.raises(CacheStoreError, match="missing"):
+        random_engine.load(missing)
+
+
+def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    other = random_engine.ingest_text(" ".join(CORPUS * 5), CompressionConfig(keep=0.25, recall=0.1))
+    path = doc.save(tmp_path / "doc")
+    other_path = other.save(tmp_path / "other")
+    # The other document's cold tier, with the manifest re-signed to match it: only its shapes betray it.
+    shutil.copy(other_path / COLD, path / COLD)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][COLD] = json.loads((other_path / MANIFEST).read_text())["files"][COLD]
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CacheStoreError, match="does not match the hot cache"):
+        random_engine.load(path)
+
