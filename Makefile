@@ -65,7 +65,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not tiny and not default and not scale"
 
 # The Ray Serve application on a local Ray instance (2 tiny-model replicas; a file:// store, then S3 on a local
-# moto server; ~2.5 min on 2 cores).
+# moto server; ~4 min on 2 cores).
 test-scale: models
 	$(PY) -m pytest -q -m scale
 

@@ -9,13 +9,14 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from infokv_rag.service.launcher import read_sse
 from infokv_rag.service.settings import Settings
 
 
@@ -73,6 +74,38 @@ def upload_ready(client: httpx.Client, headers: dict[str, str], name: str, data:
     info = wait_settled(client, created.json()["id"], headers)
     assert info["status"] == "ready", info
     return str(info["id"])
+
+
+def hang_up_after_first_token(stream: httpx.Response) -> None:
+    """Reads an answer's event stream until its first token, then stops: the caller closes the connection."""
+    for name, _ in read_sse(stream.iter_lines()):
+        if name == "token":
+            return
+    raise AssertionError("the stream ended before its first token")
+
+
+def wait_answer_ended(
+    read_health: Callable[[], dict[str, Any]], before: dict[str, int], timeout: float = 60
+) -> dict[str, Any]:
+    """The health (from `read_health`) once an answer ended since the counters `before`, cancelled or completed,
+    and nothing is decoding; at the timeout, as it is then (for the caller's assertions to report)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = read_health()
+        counters = health["counters"]
+        ended = any(counters[name] != before[name] for name in ("generations_cancelled", "generations_completed"))
+        if (ended and health["queue"]["active_generations"] == 0) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.2)
+
+
+def assert_answer_cancelled(health: dict[str, Any], before: dict[str, int]) -> None:
+    """One answer was cancelled since the counters `before`, none completed, and none is running."""
+    counters = health["counters"]
+    assert counters["generations_cancelled"] == before["generations_cancelled"] + 1, counters
+    assert counters["generations_completed"] == before["generations_completed"], counters
+    assert counters["generated_tokens"] == before["generated_tokens"], counters
+    assert health["queue"]["active_generations"] == 0, health["queue"]
 
 
 def set_read_only(path: Path, read_only: bool = True) -> None:

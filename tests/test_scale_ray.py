@@ -6,7 +6,10 @@ For each store, the tests share one application and run in order (each leaves do
    same (JSON and SSE) from the store, with no prefill of its own;
 2. a replica killed while it reads an upload loses nothing: another takes the document over, and it answers;
 3. after the whole application is stopped and started again, every ready document answers without a prefill;
-4. two tenants stay isolated through the ingress and the store.
+4. two tenants stay isolated through the ingress and the store;
+5. a replica whose answer queues are full answers the next question with the single-process service's 503
+   busy (Ray does not queue it instead), and takes questions again once they drained;
+6. a client that hangs up on a streamed answer cancels its generation on the replica.
 Marked `scale` (`make test-scale`); bounded by explicit deadlines, loopback only.
 """
 
@@ -35,6 +38,7 @@ from infokv_rag.service.ray_app import (  # noqa: E402
     APP_NAME,
     ForwardedRequest,
     ResponseStart,
+    app_builder,
     build_app,
     routing_key,
     run_asgi,
@@ -42,7 +46,13 @@ from infokv_rag.service.ray_app import (  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
-from .service_helpers import assert_error, bearer  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    assert_answer_cancelled,
+    assert_error,
+    bearer,
+    hang_up_after_first_token,
+    wait_answer_ended,
+)
 
 pytestmark = [pytest.mark.scale, pytest.mark.tiny]
 
@@ -50,6 +60,8 @@ KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0001"
 A, B = bearer(KEY_A), bearer(KEY_B)
 MEMO = b"Memo for tenant A. The vault code is 9988776. The office closes at five."
 QUESTION = {"question": "What is the vault code?", "max_tokens": 8}
+STORY = {"question": "Write a very long story about this memo.", "max_tokens": 64, "stream": True}
+"""An answer that decodes for seconds (64 tokens), streamed: it holds its place in a replica's queues."""
 CLAUSE = "Clause {n}. The supplier delivers {n} crates of parts every week, and the buyer pays within {n} days."
 DEADLINE = 240.0
 """Seconds any one wait may take (model loads and prefills on a shared 2-core machine)."""
@@ -66,8 +78,10 @@ def _settings(tmp: Path, store: str) -> Settings:
         api_keys=(f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
         warmup=False,
         default_method="snapkv",
-        max_new_tokens=16,
+        max_new_tokens=64,
         default_max_tokens=8,
+        max_active_generations=1,  # small queues, for the backpressure test to fill
+        max_queued_generations=1,
         lease_seconds=3,
         ingest_chunk_size=64,
     )
@@ -189,6 +203,24 @@ def test_serve_ray_refuses_to_start_without_a_store(
     assert "--store" in capsys.readouterr().err
 
 
+def test_serve_run_arguments_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve run infokv_rag.service.ray_app:app_builder key=value ...` passes its arguments as strings: each is
+    a setting that wins over its INFOKV_* variable, except the replicas' count and resources."""
+    built: dict[str, Any] = {}
+
+    def capture(settings: Settings, replicas: int, replica_cpus: float, replica_gpus: float) -> None:
+        built.update(settings=settings, replicas=replicas, replica_cpus=replica_cpus, replica_gpus=replica_gpus)
+
+    monkeypatch.setattr("infokv_rag.service.ray_app.build_app", capture)
+    for name, value in {"API_KEYS": f"tenantA:{KEY_A}", "STORE": "file:///env", "MODEL": "default"}.items():
+        monkeypatch.setenv(f"INFOKV_{name}", value)
+    app_builder({"replicas": "3", "replica_cpus": "0.5", "model": "tiny", "max_queued_generations": "5"})
+    settings = built.pop("settings")
+    assert built == {"replicas": 3, "replica_cpus": 0.5, "replica_gpus": 0.0}
+    assert (settings.model, settings.store, settings.max_queued_generations) == ("tiny", "file:///env", 5)
+    assert settings.keyring
+
+
 def test_another_replica_answers_from_the_store_without_a_prefill(ingress: str) -> None:
     with httpx.Client(base_url=ingress, timeout=DEADLINE) as client:
         uploaded = request(client, "POST", "/v1/documents", headers=A, files={"file": ("memo.txt", MEMO)})
@@ -266,3 +298,64 @@ def test_tenants_stay_isolated_through_the_store(ingress: str) -> None:
                 "document_not_found",
             )
         assert request(client, "GET", "/healthz").status_code == 200
+
+
+def replica_health(client: httpx.Client, replica: str) -> dict[str, Any]:
+    """/healthz of one replica: Ray sends a request about no document to any replica, so ask until it answers."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = client.get("/healthz")
+        assert response.status_code == 200, response.text
+        if response.headers["x-infokv-replica"] == replica:
+            return dict(response.json())
+        assert time.monotonic() < deadline, f"replica {replica} did not answer /healthz"
+
+
+def test_a_full_replica_answers_busy_then_takes_questions_again(ingress: str) -> None:
+    """A replica holds `max_active + max_queued` answers and refuses the next one at once with the single-process
+    service's 503 busy and Retry-After; Ray must neither queue it in front of the replica nor turn it into
+    another error. The answers it held are all given, then it answers again."""
+    settings: Settings = shared["settings"]
+    per_replica = settings.max_active_generations + settings.max_queued_generations
+    doc_id = next(iter(shared["answers"]))
+    path = f"/v1/documents/{doc_id}/ask"
+    with httpx.Client(base_url=ingress, timeout=60) as client, contextlib.ExitStack() as streams:
+        # Routing by document is best effort, so the held answers may land on either replica: answers are
+        # opened one by one until one is refused, which must happen by the time both replicas are full.
+        held: list[tuple[str, Iterator[tuple[str, str]]]] = []  # replica, events
+        for _ in range(2 * per_replica + 1):
+            response = streams.enter_context(client.stream("POST", path, json=STORY, headers=A))
+            if response.status_code != 200:
+                break
+            replica, events = response.headers["x-infokv-replica"], read_sse(response.iter_lines())
+            if replica not in {r for r, _ in held}:
+                # Decoding once it sent a token: the replica's queue is free for the next one (it would
+                # refuse an answer that came before its decoding thread took the first one).
+                assert next(events)[0] == "token"
+            held.append((replica, events))
+        response.read()
+        assert_error(response, 503, "busy")
+        assert response.headers["retry-after"] == "2"
+        full = response.headers["x-infokv-replica"]
+        assert [r for r, _ in held].count(full) == per_replica
+
+        for _, events in held:
+            assert list(events)[-1][0] == "done"
+        deadline = time.monotonic() + 60
+        while True:
+            answer = client.post(path, json=QUESTION, headers=A)  # not `ask`: it would retry a 503
+            assert answer.status_code == 200, answer.text
+            if answer.headers["x-infokv-replica"] == full:
+                break
+            assert time.monotonic() < deadline, f"the replica {full} was not asked again"
+
+
+def test_a_client_that_hangs_up_cancels_the_answer_on_its_replica(ingress: str) -> None:
+    doc_id = next(iter(shared["answers"]))
+    with httpx.Client(base_url=ingress, timeout=60) as client:
+        with client.stream("POST", f"/v1/documents/{doc_id}/ask", json=STORY, headers=A) as stream:
+            assert stream.status_code == 200, stream.read()
+            replica = stream.headers["x-infokv-replica"]
+            before = replica_health(client, replica)["counters"]  # the answer runs for seconds yet
+            hang_up_after_first_token(stream)
+        assert_answer_cancelled(wait_answer_ended(lambda: replica_health(client, replica), before), before)

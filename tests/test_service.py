@@ -19,7 +19,7 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.service.launcher import ServerProcess, read_sse
 
 from . import pdf_factory as pdfs
-from .service_helpers import assert_error
+from .service_helpers import assert_answer_cancelled, assert_error, hang_up_after_first_token, wait_answer_ended
 
 pytestmark = pytest.mark.tiny
 
@@ -330,19 +330,8 @@ def test_client_disconnect_cancels_generation(client: httpx.Client, contract: di
     before = health(client)["counters"]
     request = {"question": "Write a very long story about this contract.", "max_tokens": 64, "stream": True}
     with client.stream("POST", f"/v1/documents/{contract['info']['id']}/ask", json=request, headers=AUTH) as stream:
-        for name, _ in read_sse(stream.iter_lines()):
-            if name == "token":
-                break  # hang up after the first token
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        counters = health(client)["counters"]
-        if counters["generations_cancelled"] > before["generations_cancelled"]:
-            break
-        time.sleep(0.2)
-    assert counters["generations_cancelled"] == before["generations_cancelled"] + 1, counters
-    assert counters["generations_completed"] == before["generations_completed"]
-    assert counters["generated_tokens"] == before["generated_tokens"]
-    assert health(client)["queue"]["active_generations"] == 0
+        hang_up_after_first_token(stream)
+    assert_answer_cancelled(wait_answer_ended(lambda: health(client), before), before)
 
 
 def test_prefill_does_not_block_answers_and_delete_cancels_it(
