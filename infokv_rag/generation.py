@@ -79,7 +79,9 @@ class TokenSampler:
     def __call__(self, logits: Tensor) -> int:
         if self.generator is None:
             return int(logits.argmax())
-        probs = torch.softmax(logits / self.options.temperature, dim=-1)
+        # Shifted and in float64: a temperature near zero underflows float32 (and softmax turns to NaN);
+        # then the most likely token alone is left, as the limit of sampling at temperature 0.
+        probs = torch.softmax((logits - logits.max()).double() / self.options.temperature, dim=-1).float()
         if self.options.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             outside = sorted_probs.cumsum(0) - sorted_probs >= self.options.top_p

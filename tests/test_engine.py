@@ -194,6 +194,14 @@ def test_a_top_p_below_float32_range_still_samples_the_most_likely_token(random_
     assert doc.generate(question_turns("What is the notice period?"), options).text() == greedy.text()
 
 
+def test_a_temperature_near_zero_samples_like_greedy(random_engine: InfoKVEngine) -> None:
+    # Found by the service's schema fuzzer: logits / 4e-69 overflowed to inf and softmax gave NaN.
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    greedy = doc.ask("What is the notice period?", max_new_tokens=4)
+    for top_p in (1.0, 1e-12):
+        assert doc.ask("What is the notice period?", max_new_tokens=4, temperature=4.38e-69, top_p=top_p) == greedy
+
+
 def test_words_run_from_one_whitespace_to_the_next(random_engine: InfoKVEngine) -> None:
     text = " Since version 1.13.22 the pump"
     ids = random_engine.tokenizer(text, add_special_tokens=False)["input_ids"]

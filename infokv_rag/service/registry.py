@@ -446,11 +446,12 @@ class Registry:
                 shutil.rmtree(staging, ignore_errors=True)
             for name in ("tokens", "kept_tokens", "cache_bytes", "full_cache_bytes", "compression_ratio"):
                 setattr(record, name, getattr(donor, name))
+            # Counted before the record reads ready, so that whoever sees it ready sees the count too.
+            with self._lock:
+                self.counters["cache_shares"] += 1
             record.status, record.prefill_seconds = "ready", 0.0
             record.progress_done = record.progress_total = record.tokens
             self._save_status(record)
-        with self._lock:
-            self.counters["cache_shares"] += 1
         return True
 
     def delete(self, record: DocumentRecord) -> None:
