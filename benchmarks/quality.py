@@ -286,6 +286,8 @@ def main() -> int:
     parser.add_argument("--words", type=int, default=900)
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--methods", nargs="+", choices=method_names(), default=[m for m in method_names() if m != "full"])
+    parser.add_argument("--recalls", type=float, nargs="+", default=[],
+                        help="also infokv with a cold tier, recalling this ratio per question (issue 13)")
     parser.add_argument("--ablate", action="store_true", help="also sweep each InfoKV knob (dev split)")
     parser.add_argument("--no-sample", action="store_true", help="skip the Apache-2.0 PDF questions")
     parser.add_argument("--max-new-tokens", type=int, default=20)
@@ -311,6 +313,10 @@ def main() -> int:
             name = f"{method}@{keep}"
             configs[name] = CompressionConfig(method=method, keep=keep, chunk_size=8192)
             labels[name] = (method, str(keep))
+        for recall in args.recalls:
+            name = f"infokv+recall{recall}@{keep}"
+            configs[name] = CompressionConfig(keep=keep, recall=recall, chunk_size=8192)
+            labels[name] = (f"infokv + recall {recall}", str(keep))
         if args.ablate:
             for knob, change in ABLATIONS.items():
                 name = f"infokv[{knob}]@{keep}"

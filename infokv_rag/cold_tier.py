@@ -1,10 +1,10 @@
 """The cold tier: every cache entry that compression evicted, kept compactly to be recalled per question.
 
 Per layer, each KV head's evicted entries are kept in position order, cut into pages of `PAGE_TOKENS`
-entries. Keys are quantised per channel within a page (key outliers live in channels), between the
-page's per-channel min and max; the same min and max bound q.k over the page from above (Quest), so
-the summary that ranks pages for a question costs nothing extra. Values are quantised per token in
-groups of `VALUE_GROUP` channels. Codes are `bits` = 8 or 4 wide (two 4-bit codes per byte).
+entries. Keys are quantised per channel within a page (key outliers live in channels, KIVI), between
+the page's per-channel min and max, which also bound q.k over the page from above (Quest); values are
+quantised per token in groups of `VALUE_GROUP` channels. Codes are `bits` = 8 or 4 wide (two 4-bit
+codes per byte).
 
 Shapes of one layer with m evicted entries per KV head and p = ceil(m / PAGE_TOKENS) pages:
   key_codes, value_codes  (kv_heads, m, head_dim * bits // 8) uint8
@@ -96,23 +96,20 @@ class ColdLayer:
             positions=positions,
         )
 
-    def entries(self, indices: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-        """Dequantised keys and values (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
+    def keys(self, indices: Tensor, bits: int) -> Tensor:
+        """Dequantised keys (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
         pages = indices // PAGE_TOKENS
-        keys = dequantize(
-            gather_tokens(self.key_codes, indices),
-            gather_tokens(self.key_low, pages),
-            gather_tokens(self.key_high, pages),
-            bits,
-        )
-        values = dequantize(
-            gather_tokens(self.value_codes, indices),
-            *_per_channel(
-                gather_tokens(self.value_low, indices), gather_tokens(self.value_high, indices), self.key_low.shape[-1]
-            ),
-            bits,
-        )
-        return keys, values
+        low, high = gather_tokens(self.key_low, pages), gather_tokens(self.key_high, pages)
+        return dequantize(gather_tokens(self.key_codes, indices), low, high, bits)
+
+    def values(self, indices: Tensor, bits: int) -> Tensor:
+        """Dequantised values (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
+        low, high = gather_tokens(self.value_low, indices), gather_tokens(self.value_high, indices)
+        return dequantize(gather_tokens(self.value_codes, indices), *_per_channel(low, high, self.head_dim), bits)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.key_low.shape[-1])
 
 
 def value_group(head_dim: int) -> int:

@@ -1,11 +1,13 @@
-"""Recall: while a question is prefilled, each layer brings back the cold pages its queries need.
+"""Recall: while a question is prefilled, each layer brings back the cold entries its queries need.
 
-For every layer, the question's queries rank the layer's cold pages by the most attention each page can
-draw (the upper bound of q.k from the page's per-channel key range, as Quest does, turned into a softmax
-over pages per query head and question token and summed over the KV group's heads and the tokens); the
-best pages' entries, up to the recall budget per KV head, are dequantised and put into the answer's own
-working cache ahead of the question, so the question and the answer attend to them. The document's
-cache is never modified: a recall lives and dies with one answer's working copy.
+For every layer, the question's queries score each cold entry by the attention it would receive: its
+share of each query's softmax over the layer's hot keys (the question's own causally) and all cold keys,
+summed over the KV group's query heads and the question's tokens. The best entries, up to the recall
+budget per KV head, are dequantised and put into the answer's own working cache ahead of the question,
+so the question and the answer attend to them. Scoring reads every cold key of the layer (half of the
+cold tier's bytes; values are read only for the recalled entries): page upper bounds of q.k (Quest)
+would read less, but ranked the entries that answers need far worse on the real-document dev split
+(README, "Cold tier"). The document's cache is never modified: a recall lives and dies with one answer.
 """
 
 from __future__ import annotations
@@ -15,34 +17,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cache import KVCache
-from .cold_tier import PAGE_TOKENS, ColdTier
+from .cache import KVCache, gather_tokens
+from .cold_tier import ColdTier
 
 RECALLED_SCORE = 1.0
 """Eviction priority of a recalled entry while answering: as high as the question's own tokens."""
 
 
-def page_scores(query: Tensor, key_low: Tensor, key_high: Tensor, scaling: float) -> Tensor:
-    """How much attention each cold page can draw: query (heads, q, head_dim), page ranges
-    (kv_heads, pages, head_dim) -> (kv_heads, pages)."""
-    kv_heads, heads = key_low.shape[0], query.shape[0]
-    grouped = query.float().reshape(kv_heads, (heads // kv_heads) * query.shape[1], -1)
-    # Per channel, q * k is largest at k's max where q > 0 and at its min where q < 0.
-    bound = grouped.clamp_min(0) @ key_high.float().transpose(1, 2) + grouped.clamp_max(0) @ key_low.float().transpose(
-        1, 2
-    )
-    return torch.softmax(bound * scaling, dim=-1).sum(dim=1)
+def attention_mass(query: Tensor, cold_keys: Tensor, hot_keys: Tensor, scaling: float) -> Tensor:
+    """The attention each cold entry would receive from the question.
 
-
-def best_entries(scores: Tensor, entries: int, count: int) -> Tensor:
-    """Indices (kv_heads, count), ascending, of the entries of the best-scored pages: scores (kv_heads, pages)
-    over `entries` entries per head in pages of `PAGE_TOKENS` (the last page may be partial)."""
-    order = scores.argsort(dim=1, descending=True, stable=True)
-    indices = (order.unsqueeze(-1) * PAGE_TOKENS + torch.arange(PAGE_TOKENS, device=scores.device)).flatten(1)
-    # The last page's missing entries go to the end, so each head takes `count` real entries.
-    missing = (indices >= entries).to(torch.int8)
-    indices = indices.gather(1, missing.argsort(dim=1, stable=True))[:, :count]
-    return indices.sort(dim=1).values
+    query: (heads, q, head_dim) of the question's q tokens; cold_keys: (kv_heads, m, head_dim); hot_keys:
+    (kv_heads, length, head_dim) whose last q are the question's own. Returns (kv_heads, m).
+    """
+    kv_heads, heads, q = cold_keys.shape[0], query.shape[0], query.shape[1]
+    grouped = query.float().reshape(kv_heads, heads // kv_heads * q, -1)
+    cold = grouped @ cold_keys.float().transpose(1, 2) * scaling
+    hot = grouped @ hot_keys.float().transpose(1, 2) * scaling
+    # A question token sees the question only up to itself.
+    future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
+    hot[:, :, hot.shape[2] - q :].masked_fill_(future, -torch.inf)
+    total = torch.logsumexp(torch.cat([cold, hot], dim=2), dim=2, keepdim=True)
+    return (cold - total).exp().sum(dim=1)
 
 
 @dataclass
@@ -66,13 +62,13 @@ class Recall:
         count = min(self.tokens, cold.length)
         if count:
             device = query.device
-            scores = page_scores(query[0], cold.key_low.to(device), cold.key_high.to(device), scaling)
-            indices = best_entries(scores, cold.length, count).cpu()
-            keys, values = cold.entries(indices, self.cold.bits)
+            cold_keys = cold.keys(torch.arange(cold.length).expand(cold.positions.shape[0], -1), self.cold.bits)
+            mass = attention_mass(query[0], cold_keys.to(device), layer.live("keys"), scaling)
+            indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
             layer.insert(
                 query.shape[2],
-                keys.to(device=device, dtype=layer.keys.dtype),
-                values.to(device=device, dtype=layer.values.dtype),
+                gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
+                cold.values(indices, self.cold.bits).to(device=device, dtype=layer.values.dtype),
                 cold.positions.gather(1, indices).to(device),
                 torch.full((count,), RECALLED_SCORE, device=device),
             )

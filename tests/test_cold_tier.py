@@ -14,7 +14,7 @@ from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier, dequantize, quantize
 from infokv_rag.config import recall_tokens
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-from infokv_rag.recall import Recall, best_entries, page_scores
+from infokv_rag.recall import Recall, attention_mass
 from infokv_rag.store import COLD, MANIFEST, _manifest_checksum
 
 from .conftest import CORPUS
@@ -62,7 +62,7 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
         assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
         assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
         indices = torch.arange(cold.length).expand(cold.positions.shape[0], -1)
-        keys, values = cold.entries(indices, bits=8)
+        keys, values = cold.keys(indices, bits=8), cold.values(indices, bits=8)
         original_keys = torch.gather(whole.keys, 1, cold.positions.unsqueeze(-1).expand_as(keys))
         original_values = torch.gather(whole.values, 1, cold.positions.unsqueeze(-1).expand_as(values))
         # 8-bit codes: within half a step of each page's (keys) or group's (values) range.
@@ -72,30 +72,33 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
     assert random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25)).cold_tier is None
 
 
-def test_page_bounds_are_upper_bounds_and_the_best_pages_are_recalled() -> None:
+def test_page_ranges_bound_the_keys_and_their_dot_products() -> None:
     torch.manual_seed(1)
     keys = torch.randn(2, 3 * PAGE_TOKENS + 5, 16)
     tier = ColdTier.build([[(keys, keys.clone(), torch.arange(keys.shape[1]).expand(2, -1))]], bits=8)
     cold = tier.layers[0]
-    query = torch.randn(4, 3, 16)
-    restored, _ = cold.entries(torch.arange(cold.length).expand(2, -1), bits=8)
-    grouped = query.reshape(2, 6, 16)
+    restored = cold.keys(torch.arange(cold.length).expand(2, -1), bits=8)
+    grouped = torch.randn(2, 6, 16)
     exact = grouped @ restored.transpose(1, 2)  # (kv_heads, queries, entries)
     pages = torch.arange(cold.length) // PAGE_TOKENS
     for page in range(4):
-        upper = grouped.clamp_min(0) @ cold.key_high[:, page].float().unsqueeze(-1) + grouped.clamp_max(
-            0
-        ) @ cold.key_low[:, page].float().unsqueeze(-1)
+        low, high = cold.key_low[:, page].float().unsqueeze(-1), cold.key_high[:, page].float().unsqueeze(-1)
+        upper = grouped.clamp_min(0) @ high + grouped.clamp_max(0) @ low
         assert bool((exact[:, :, pages == page] <= upper + 1e-2).all())
-    scores = page_scores(query, cold.key_low, cold.key_high, 0.25)
-    assert scores.shape == (2, 4)
-    chosen = best_entries(torch.tensor([[0.1, 0.2, 0.3, 0.9], [0.9, 0.1, 0.2, 0.3]]), cold.length, 40)
-    # Head 0: the partial last page (5 entries), page 2, then the first 3 of page 1; head 1: pages 0 and 3,
-    # then the first 3 of page 2.
-    assert chosen.shape == (2, 40)
-    assert chosen[0].tolist() == [*range(PAGE_TOKENS, PAGE_TOKENS + 3), *range(2 * PAGE_TOKENS, cold.length)]
-    last = [*range(3 * PAGE_TOKENS, cold.length)]
-    assert chosen[1].tolist() == [*range(PAGE_TOKENS), *range(2 * PAGE_TOKENS, 2 * PAGE_TOKENS + 3), *last]
+
+
+def test_attention_mass_is_the_share_of_attention_each_cold_entry_would_get() -> None:
+    torch.manual_seed(2)
+    heads, kv_heads, q, dim = 4, 2, 3, 8
+    query, cold, hot = torch.randn(heads, q, dim), torch.randn(kv_heads, 10, dim), torch.randn(kv_heads, 7, dim)
+    mass = attention_mass(query, cold, hot, 0.5)
+    # Directly: all keys with the hot ones last, a bottom-right causal mask over the question's own q.
+    keys = torch.cat([cold, hot], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+    logits = query @ keys.transpose(1, 2) * 0.5
+    logits[:, :, -q:] += torch.full((q, q), -torch.inf).triu(1)
+    probs = torch.softmax(logits, dim=-1)[:, :, :10]
+    expected = probs.reshape(kv_heads, heads // kv_heads, q, 10).sum(dim=(1, 2))
+    assert torch.allclose(mass, expected, atol=1e-5)
 
 
 def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine) -> None:
