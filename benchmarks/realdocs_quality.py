@@ -8,7 +8,8 @@ document: what the model answers closed-book).
 
 A question is document-dependent when the full cache answers it right and the blank document does not.
 Per row: the share of the document-dependent questions it still answers (overall and per kind), accuracy
-over all questions, exact agreement with the full cache's answer, mean KL(full || row) of next-token
+over all questions, exact agreement with the full cache's answer (same text), agreement of the verdict
+(right or wrong as the full cache's answer is), mean KL(full || row) of next-token
 distributions teacher-forced on the full cache's answer, cache bytes and ingestion seconds relative to
 `full` (with the time split from `doc.stats`). `kvpress:PRESS@KEEP` rows are NVIDIA kvpress's presses on
 the same prompt token ids and questions (benchmarks/kvpress_peer.py in `.venv-kvpress`; their KL is against
@@ -256,6 +257,7 @@ def row_metrics(label: str, results: Sequence[QuestionResult], ingests: Sequence
         "share": share(kept, len(dependent)),
         "by_kind": by_kind,
         "agreement": share(sum(r.agrees(label) for r in results), len(results)),
+        "verdict_agreement": share(sum(r.correct(label) == r.correct(FULL) for r in results), len(results)),
         "kl": sum(r.kl.get(label, 0.0) for r in results) / len(results) if results else None,
     }
     if ingests:
@@ -276,8 +278,8 @@ def table(metrics: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| row | questions | accuracy | document-dependent kept | "
         + " | ".join(KINDS)
-        + " | agreement with full | KL(full‖row) | bytes × full | ingest × full (split, s) |",
-        "|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|",
+        + " | same answer as full | same verdict as full | KL(full‖row) | bytes × full | ingest × full (split, s) |",
+        "|---|---|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|",
     ]
     for label, m in metrics.items():
         kinds = [
@@ -291,7 +293,7 @@ def table(metrics: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {label} | {m['questions']} | {m['accuracy']:.3f} | {_count(m['kept'], m['dependent'])} | "
             + " | ".join(kinds)
-            + f" | {m['agreement']:.3f} | {m['kl']:.3f} | {size} | {ingest} |"
+            + f" | {m['agreement']:.3f} | {m['verdict_agreement']:.3f} | {m['kl']:.3f} | {size} | {ingest} |"
         )
     return "\n".join(lines)
 

@@ -172,6 +172,11 @@ class KVCache:
         return [layer.length for layer in self.layers]
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the live keys and values over all layers."""
+        return sum(2 * layer.live("keys").numel() * layer.keys.element_size() for layer in self.layers)
+
+    @property
     def resident_tokens(self) -> int:
         """Tokens held over all layers (per KV head)."""
         return sum(self.lengths)

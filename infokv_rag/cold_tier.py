@@ -96,11 +96,15 @@ class ColdLayer:
             positions=positions,
         )
 
-    def keys(self, indices: Tensor, bits: int) -> Tensor:
-        """Dequantised keys (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
-        pages = indices // PAGE_TOKENS
-        low, high = gather_tokens(self.key_low, pages), gather_tokens(self.key_high, pages)
-        return dequantize(gather_tokens(self.key_codes, indices), low, high, bits)
+    def all_keys(self, bits: int) -> Tensor:
+        """Every dequantised key (kv_heads, m, head_dim) float32, in position order."""
+        heads, pages, dim = self.key_low.shape
+
+        def per_entry(ranges: Tensor) -> Tensor:
+            spread = ranges.unsqueeze(2).expand(heads, pages, PAGE_TOKENS, dim)
+            return spread.reshape(heads, pages * PAGE_TOKENS, dim)[:, : self.length]
+
+        return dequantize(self.key_codes, per_entry(self.key_low), per_entry(self.key_high), bits)
 
     def values(self, indices: Tensor, bits: int) -> Tensor:
         """Dequantised values (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""

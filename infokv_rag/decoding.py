@@ -99,6 +99,7 @@ def _decode(
         if recall is not None:
             usage.recalled_tokens, recall = sum(recall.recalled), None
         usage.max_resident_tokens = max(usage.max_resident_tokens, *session.lengths)
+        usage.peak_cache_bytes = max(usage.peak_cache_bytes, session.nbytes)
         position += len(pending)
         token = sampler(logits)
         if usage.time_to_first_token is None:

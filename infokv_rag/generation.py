@@ -147,6 +147,9 @@ class Usage:
     time_to_first_token: float | None = None
     max_resident_tokens: int = 0
     """Most tokens held by any layer (per KV head) while answering."""
+    peak_cache_bytes: int = 0
+    """Most bytes of keys and values the answer's working cache held over all layers (document entries,
+    recalled ones, the question and the answer so far), counted from its live tensors."""
     recalled_tokens: int = 0
     """Cold-tier entries the question recalled, per KV head, summed over layers."""
 

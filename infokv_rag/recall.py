@@ -37,7 +37,7 @@ def attention_mass(query: Tensor, cold_keys: Tensor, hot_keys: Tensor, scaling: 
     # A question token sees the question only up to itself.
     future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
     hot[:, :, hot.shape[2] - q :].masked_fill_(future, -torch.inf)
-    total = torch.logsumexp(torch.cat([cold, hot], dim=2), dim=2, keepdim=True)
+    total = torch.logaddexp(cold.logsumexp(dim=2, keepdim=True), hot.logsumexp(dim=2, keepdim=True))
     return (cold - total).exp().sum(dim=1)
 
 
@@ -62,7 +62,7 @@ class Recall:
         count = min(self.tokens, cold.length)
         if count:
             device = query.device
-            cold_keys = cold.keys(torch.arange(cold.length).expand(cold.positions.shape[0], -1), self.cold.bits)
+            cold_keys = cold.all_keys(self.cold.bits)
             mass = attention_mass(query[0], cold_keys.to(device), layer.live("keys"), scaling)
             indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
             layer.insert(

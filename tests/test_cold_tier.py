@@ -62,7 +62,7 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
         assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
         assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
         indices = torch.arange(cold.length).expand(cold.positions.shape[0], -1)
-        keys, values = cold.keys(indices, bits=8), cold.values(indices, bits=8)
+        keys, values = cold.all_keys(bits=8), cold.values(indices, bits=8)
         original_keys = torch.gather(whole.keys, 1, cold.positions.unsqueeze(-1).expand_as(keys))
         original_values = torch.gather(whole.values, 1, cold.positions.unsqueeze(-1).expand_as(values))
         # 8-bit codes: within half a step of each page's (keys) or group's (values) range.
@@ -77,7 +77,7 @@ def test_page_ranges_bound_the_keys_and_their_dot_products() -> None:
     keys = torch.randn(2, 3 * PAGE_TOKENS + 5, 16)
     tier = ColdTier.build([[(keys, keys.clone(), torch.arange(keys.shape[1]).expand(2, -1))]], bits=8)
     cold = tier.layers[0]
-    restored = cold.keys(torch.arange(cold.length).expand(2, -1), bits=8)
+    restored = cold.all_keys(bits=8)
     grouped = torch.randn(2, 6, 16)
     exact = grouped @ restored.transpose(1, 2)  # (kv_heads, queries, entries)
     pages = torch.arange(cold.length) // PAGE_TOKENS
@@ -119,6 +119,11 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
     first_text = first.text()
     expected = recall_tokens(0.1, doc.cache.document_tokens)
     assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)  # type: ignore[union-attr]
+    # The working cache held the hot entries, the recalled ones, the question and the answer fed back.
+    entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
+    held = sum(doc.cache.lengths) + first.usage.recalled_tokens
+    fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes
     doc.ask("Who delivers the goods?", max_new_tokens=6, recall=0.5)
     assert doc.ask(QUESTION, max_new_tokens=6) == first_text
     off = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6, recall=0))

@@ -136,6 +136,8 @@ def test_dependent_share_accuracy_agreement_and_kl() -> None:
         "manual": {"dependent": 1, "kept": 1, "share": 1.0},
     }
     assert metrics["agreement"] == 0.2
+    # Right or wrong as the full cache: the first and the last questions.
+    assert metrics["verdict_agreement"] == 0.4
     assert metrics["kl"] == pytest.approx((0.1 + 0.5 + 0.9 + 0.2 + 0.3) / 5)
     assert "bytes_ratio" not in metrics
 
@@ -143,6 +145,7 @@ def test_dependent_share_accuracy_agreement_and_kl() -> None:
 def test_reference_rows_by_definition() -> None:
     full, blank = row_metrics(FULL, RESULTS), row_metrics(NO_DOCUMENT, RESULTS)
     assert (full["share"], full["agreement"], full["kl"], full["accuracy"]) == (1.0, 1.0, 0.0, 0.8)
+    assert full["verdict_agreement"] == 1.0
     assert (blank["kept"], blank["share"], blank["accuracy"]) == (0, 0.0, 0.2)
 
 
@@ -175,7 +178,7 @@ def test_table_shows_counts_per_row_and_kind() -> None:
     markdown = table({label: row_metrics(label, RESULTS) for label in (FULL, NO_DOCUMENT, ROW)})
     lines = markdown.splitlines()
     assert len(lines) == 5 and lines[0].startswith("| row |")
-    assert lines[4].startswith(f"| {ROW} | 5 | 0.600 | 2/3 (67%) | 1/2 (50%) | 1/1 (100%) | 0.200 | 0.400 | - | - |")
+    assert lines[4].startswith(f"| {ROW} | 5 | 0.600 | 2/3 (67%) | 1/2 (50%) | 1/1 (100%) | 0.200 | 0.400 | 0.400 | - | - |")
 
 
 # --- one small run on the tiny model --------------------------------------------------------------------
