@@ -457,11 +457,11 @@ class Registry:
                 shutil.rmtree(staging, ignore_errors=True)
             for name in ("tokens", "kept_tokens", "cache_bytes", "cold_bytes", "full_cache_bytes", "compression_ratio"):
                 setattr(record, name, getattr(donor, name))
+            with self._lock:  # counted before the record reads ready: a client polling for it sees the share
+                self.counters["cache_shares"] += 1
             record.status, record.prefill_seconds = "ready", 0.0
             record.progress_done = record.progress_total = record.tokens
             self._save_status(record)
-        with self._lock:
-            self.counters["cache_shares"] += 1
         return True
 
     def delete(self, record: DocumentRecord) -> None:
