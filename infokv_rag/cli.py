@@ -8,27 +8,31 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_METHOD, CompressionConfig
+from .config import COLD_BITS, DEFAULT_METHOD, CompressionConfig
 from .errors import ConfigError, InfoKVError
 from .placement import dtype_name
 from .scorers import method_names
 
 
-def _keep(value: str) -> float | int:
-    """`0.25` is a ratio, `512` a token count."""
-    try:
-        return int(value)
-    except ValueError:
+def _ratio_or_count(flag: str, example: str) -> Callable[[str], float | int]:
+    """A parser of `flag`'s value: `0.25` is a ratio, `512` a token count (the config checks the range)."""
+
+    def parse(value: str) -> float | int:
         try:
-            return float(value)
+            return int(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"--keep takes a ratio like 0.25 or a token count like 512, not {value!r}"
-            ) from None
+            try:
+                return float(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{flag} takes a ratio like {example} or a token count like 512, not {value!r}"
+                ) from None
+
+    return parse
 
 
 class ProgressBar:
@@ -85,7 +89,19 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
-    parser.add_argument("--keep", type=_keep, default=0.25, help="ratio (0.25) or token count (512)")
+    parser.add_argument(
+        "--keep", type=_ratio_or_count("--keep", "0.25"), default=0.25, help="ratio (0.25) or token count (512)"
+    )
+    parser.add_argument(
+        "--recall",
+        type=_ratio_or_count("--recall", "0.1"),
+        default=0,
+        help="keep what compression evicts in a cold tier and recall this much of it per question: "
+        "ratio (0.1) or token count (64); 0: no cold tier",
+    )
+    parser.add_argument(
+        "--cold-bits", type=int, choices=COLD_BITS, default=4, help="width of the cold tier's codes (with --recall)"
+    )
     _add_model_options(parser)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
     _add_verbose(parser)
@@ -164,7 +180,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> CompressionConfig:
-    return CompressionConfig(method=args.method, keep=args.keep)
+    return CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, cold_bits=args.cold_bits)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -274,6 +290,7 @@ def _run(args: argparse.Namespace) -> int:
                 "seconds": round(time.perf_counter() - started, 3),
                 "time_to_first_token": generation.usage.time_to_first_token,
                 "completion_tokens": generation.usage.completion_tokens,
+                "recalled_tokens": generation.usage.recalled_tokens,
             }
         )
     if args.json:

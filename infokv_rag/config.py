@@ -93,6 +93,9 @@ class CompressionConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_recall(self.recall)
+        if self.recall and not method.compresses:
+            # Nothing is evicted, so no answer could ever recall anything: every ask would fail instead.
+            raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
         if self.cold_bits not in COLD_BITS:
             raise ConfigError(f"cold_bits must be one of {COLD_BITS}, got {self.cold_bits}")
         if self.chunk_size < max(1, self.window):
@@ -116,7 +119,7 @@ class CompressionConfig:
 
     @property
     def keeps_cold_tier(self) -> bool:
-        return bool(self.recall) and self.method_spec.compresses
+        return bool(self.recall)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.

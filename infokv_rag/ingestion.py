@@ -160,7 +160,12 @@ class Ingestion:
     def finish(self, cache: KVCache) -> IngestionResult:
         frozen = cache.freeze(self.n, self.sinks)
         clock = time.perf_counter()
-        cold = ColdTier.build(self.evicted, self.config.cold_bits) if self.evicted is not None else None
+        cold = None
+        if self.evicted is not None:
+            for pieces, layer in zip(self.evicted, frozen.layers, strict=True):
+                if not pieces:  # the layer never exceeded its budget: its cold layer is empty, not missing
+                    pieces.append((layer.keys[:, :0], layer.values[:, :0], layer.positions[:, :0]))
+            cold = ColdTier.build(self.evicted, self.config.cold_bits)
         self.timings["compression"] += time.perf_counter() - clock
         stats = DocumentStats(
             document_tokens=self.n,

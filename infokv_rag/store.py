@@ -398,7 +398,12 @@ class CacheStore:
         self.root = Path(root).expanduser()
 
     def key(self, document_sha256: str, fingerprint: str, config: CompressionConfig) -> str:
-        material = json.dumps([document_sha256, fingerprint, config.to_dict()], sort_keys=True)
+        stored = config.to_dict()
+        if config.recall:
+            # The recall budget is only each answer's default: caches that differ in it alone hold the same
+            # bytes, so asking with another budget reuses the stored cache instead of reading it again.
+            stored["recall"] = True
+        material = json.dumps([document_sha256, fingerprint, stored], sort_keys=True)
         return _sha256(material.encode())[:32]
 
     def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig) -> Path:
@@ -416,7 +421,9 @@ class CacheStore:
         path = self.path_for(engine, document, config)
         if (path / MANIFEST).is_file():
             try:
-                return engine.load(path), True
+                stored = engine.load(path)
+                stored.config = config  # the stored cache answers with this config's recall by default
+                return stored, True
             except InfoKVError:
                 pass  # damaged or stale entry: fall through and rebuild it
         compressed = engine.ingest_document(document, config, progress=progress)
@@ -443,6 +450,18 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "document": {**manifest["document"], "pages": len(manifest["document"]["pages"])},
         "tokens": manifest["tokens"],
         "stats": manifest["stats"],
+        "cold_tier": _describe_cold_tier(manifest),
         "library_version": manifest["library_version"],
         "format_version": manifest["format_version"],
+    }
+
+
+def _describe_cold_tier(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """Its code width, bytes (as `cache_bytes` counts the hot cache's) and file bytes; None without one."""
+    if COLD not in manifest["files"]:
+        return None
+    return {
+        "bits": manifest["cold_tier"]["bits"],
+        "bytes": manifest["stats"]["cold_bytes"],
+        "file_bytes": manifest["files"][COLD]["bytes"],
     }

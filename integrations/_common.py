@@ -161,6 +161,7 @@ class AdapterFields(Protocol):
     top_p: float
     seed: int | None
     max_cache_tokens: int | None
+    recall: float | int | None
 
 
 def adapter_model_name(model: str | None, document: Any) -> str:
@@ -203,7 +204,7 @@ def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = N
 # Generation ----------------------------------------------------------------------------------------
 
 
-CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens")
+CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens", "recall")
 """Generation settings an adapter holds as fields, each of which a call's kwargs may override."""
 
 
@@ -217,6 +218,7 @@ def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: Sequence[
         stop=[s for s in (stop or ()) if s],
         seed=options["seed"],
         max_cache_tokens=options["max_cache_tokens"],
+        recall=options["recall"],
     )
 
 
@@ -265,6 +267,7 @@ class AnswerInfo:
             "model_name": self.model_name,
             "finish_reason": self.usage.finish_reason,
             "time_to_first_token": self.usage.time_to_first_token,
+            "recalled_tokens": self.usage.recalled_tokens,
             "document": {"source": self.source, "pages": self.pages, "tokens": self.usage.cached_tokens},
             "compression": self.stats,
         }

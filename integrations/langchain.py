@@ -131,7 +131,8 @@ class _InfoKVFields(BaseModel):
     document_text: str | None = None
     """The document's text, when there is no file (used instead of `document`)."""
     compression: CompressionConfig | None = None
-    """How a document given as a file or text is compressed (default: InfoKV, keep 0.25)."""
+    """How a document given as a file or text is compressed (default: InfoKV, keep 0.25); `recall` > 0 in it
+    also keeps a cold tier of what compression evicts, to be recalled per question."""
     device: str | None = None
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
@@ -143,6 +144,8 @@ class _InfoKVFields(BaseModel):
     seed: int | None = None
     max_cache_tokens: int | None = None
     """Cap on the cached tokens per layer while answering (evicts past it); None: no cap."""
+    recall: float | int | None = None
+    """How much of the cold tier each answer recalls (ratio or token count; 0: none); None: the document's."""
     streaming: bool = False
 
     @field_validator("compression", mode="before")
@@ -194,6 +197,7 @@ class _InfoKVFields(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_cache_tokens": self.max_cache_tokens,
+            "recall": self.recall,
         }
 
 
@@ -203,7 +207,7 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
     Usage metadata counts the document tokens served from the cache as `input_token_details.cache_read`
     (and within `input_tokens`); `response_metadata` carries the model name, finish reason and the
     document's compression stats. Per-call options: `document`, `document_text`, `model`, `max_tokens`,
-    `temperature`, `top_p`, `seed`, `max_cache_tokens` (via `.bind(...)` or invoke kwargs) and `stop`.
+    `temperature`, `top_p`, `seed`, `max_cache_tokens`, `recall` (via `.bind(...)` or invoke kwargs) and `stop`.
     """
 
     @property

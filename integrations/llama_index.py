@@ -94,7 +94,7 @@ class InfoKV(CustomLLM):
 
     `metadata.context_window` is what is left for messages and the answer: the model's window minus the
     document tokens held (at their original positions) by the cache. Per-call kwargs: `document`,
-    `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`, `stop`.
+    `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`, `recall`, `stop`.
     """
 
     model: str | None = Field(
@@ -102,7 +102,9 @@ class InfoKV(CustomLLM):
     )
     document: Any = Field(default=None, description="a .pdf/.txt/.md path, saved cache dir or CompressedDocument")
     document_text: str | None = Field(default=None, description="the document's text, when there is no file")
-    compression: CompressionConfig | None = Field(default=None, description="how a file or text is compressed")
+    compression: CompressionConfig | None = Field(
+        default=None, description="how a file or text is compressed (recall > 0 also keeps a cold tier)"
+    )
     device: str | None = Field(default=None, description="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     dtype: str | None = Field(default=None, description="auto (bf16 on CUDA, fp32 elsewhere), bf16, fp16, fp32")
     max_tokens: int = Field(default=256, gt=0, description="most tokens generated per answer")
@@ -111,6 +113,9 @@ class InfoKV(CustomLLM):
     stop: list[str] | None = None
     seed: int | None = None
     max_cache_tokens: int | None = None
+    recall: float | int | None = Field(
+        default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
+    )
 
     _opened: CompressedDocument | None = PrivateAttr(default=None)
 

@@ -231,6 +231,56 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     assert_clean_failure(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache"), "sha256", "ingest again")
 
 
+def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--recall", "1.5", cache_dir=tmp_path), "recall")
+    assert_clean_failure(
+        run_cli(
+            "ingest", str(doc), "--out", str(tmp_path / "out"), "--method", "full", "--recall", "64", cache_dir=tmp_path
+        ),
+        "recall",
+        "evicts",
+    )
+
+
+def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path) -> None:
+    doc = _write(tmp_path / "contract.txt", " ".join(CORPUS * 6).encode())
+    out_dir = tmp_path / "cold"
+    common = ("--model", str(random_model_dir), "--keep", "0.25")
+    ingest = run_cli(
+        "ingest",
+        str(doc),
+        "--out",
+        str(out_dir),
+        *common,
+        "--recall",
+        "0.1",
+        "--cold-bits",
+        "8",
+        cache_dir=tmp_path / "cache",
+    )
+    assert ingest.returncode == 0, ingest.stderr
+    saved = json.loads(ingest.stdout)
+    assert 0 < saved["cache_bytes"] < saved["full_cache_bytes"] and saved["cold_bytes"] > 0
+    info = run_cli("info", str(out_dir), cache_dir=tmp_path / "cache")
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["config"]["recall"] == 0.1 and described["config"]["cold_bits"] == 8
+    cold = described["cold_tier"]
+    assert cold["bits"] == 8 and cold["bytes"] == saved["cold_bytes"] and cold["file_bytes"] > cold["bytes"]
+
+    ask = ("ask", str(doc), "-q", "What is the notice period?", *common, "--store", str(tmp_path / "store"))
+    ask += ("--max-new-tokens", "2", "--json")
+    first = json.loads(run_cli(*ask, "--recall", "16", cache_dir=tmp_path / "cache").stdout)
+    assert first["reused_cache"] is False and first["answers"][0]["recalled_tokens"] == 16 * 3
+    assert first["stats"]["cold_bytes"] > 0 and first["stats"]["cache_bytes"] > 0
+    # Another budget asks the stored cache (no second prefill); 0 recalls nothing, from the hot cache alone.
+    second = json.loads(run_cli(*ask, "--recall", "4", cache_dir=tmp_path / "cache").stdout)
+    assert second["reused_cache"] is True and second["answers"][0]["recalled_tokens"] == 4 * 3
+    plain = json.loads(run_cli(*ask, cache_dir=tmp_path / "cache").stdout)
+    assert plain["answers"][0]["recalled_tokens"] == 0 and plain["stats"]["cold_bytes"] == 0
+
+
 def test_hub_id_device_and_dtype_offline(tmp_path: Path, random_model_dir: Path) -> None:
     """`--model org/name` reads the HF cache (offline, laid out here), `--device` and `--dtype` choose the placement."""
     repo = "infokv-test/random-llama"

@@ -12,10 +12,11 @@ import torch
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier, dequantize, quantize
 from infokv_rag.config import recall_tokens
+from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.recall import Recall, attention_mass
-from infokv_rag.store import COLD, MANIFEST, _manifest_checksum
+from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
 
 from .conftest import CORPUS
 
@@ -202,3 +203,38 @@ def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
     with pytest.raises(CacheStoreError, match="does not match the hot cache"):
         random_engine.load(path)
 
+
+def test_recall_needs_a_method_that_evicts() -> None:
+    # A full cache evicts nothing: with a default recall every ask would fail for want of a cold tier.
+    with pytest.raises(ConfigError, match="evicts"):
+        CompressionConfig(method="full", recall=0.1)
+    assert not CompressionConfig(method="full").keeps_cold_tier
+
+
+def test_layers_that_evict_nothing_keep_an_empty_cold_tier(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=100_000, recall=0.1))
+    assert doc.cold_tier is not None and [layer.length for layer in doc.cold_tier.layers] == [0, 0, 0]
+    generation = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=4))
+    answer = generation.text()
+    assert generation.usage.recalled_tokens == 0
+    loaded = random_engine.load(doc.save(tmp_path / "doc"))
+    assert loaded.cold_tier is not None and loaded.ask(QUESTION, max_new_tokens=4) == answer
+
+
+def test_the_store_keeps_one_cache_whatever_the_recall_budget(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "store")
+    document = document_from_text(TEXT)
+    first, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=0.1))
+    assert not reused and first.config.recall == 0.1
+    # Another budget reads the same bytes: the stored cache, answering with the budget asked for.
+    again, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=16))
+    assert reused and again.config.recall == 16 and again.cold_tier is not None
+    generation = again.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=2))
+    generation.text()
+    assert generation.usage.recalled_tokens == 16 * len(again.cold_tier.layers)
+    # Another code width, or no cold tier, is another cache.
+    _, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=0.1, cold_bits=8))
+    assert not reused
+    plain, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25))
+    assert not reused and plain.cold_tier is None
+    assert len(list(store.root.iterdir())) == 3

@@ -22,12 +22,13 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from infokv_rag import CompressionConfig
-from infokv_rag.errors import ModelError
+from infokv_rag.errors import ConfigError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations._common import get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
 from infokv_rag.store import save_document
 
+from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
 
 SUITE_TEXT = (
@@ -290,3 +291,39 @@ def test_lcel_chain_on_default_model_reads_compressed_fact() -> None:
     chain = _chain(chat)
     answer = "".join(chain.stream({"question": "What is the phone number of the account manager?"}))
     assert "555-0142" in answer
+
+
+# The cold tier, on the random model -------------------------------------------------------------------
+
+COLD_TEXT = " ".join(CORPUS * 6)
+COLD = {"keep": 0.25, "recall": 0.1, "cold_bits": 8}
+
+
+def test_recall_from_compression_and_per_call(random_model_dir: Path) -> None:
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2)
+    document = chat.compressed_document()
+    assert document.cold_tier is not None and document.cold_tier.bits == 8
+    layers = len(document.cold_tier.layers)
+    by_default = chat.invoke("What is the notice period?")
+    assert by_default.response_metadata["recalled_tokens"] > 0  # the compression's recall
+    compression = by_default.response_metadata["compression"]
+    assert compression["cold_bytes"] == document.stats.cold_bytes > 0 and compression["cache_bytes"] > 0
+    bound = chat.bind(recall=16).invoke("What is the notice period?")
+    assert bound.response_metadata["recalled_tokens"] == 16 * layers
+    expected = document.generate(
+        [("user", "What is the notice period?")], GenerationOptions(max_new_tokens=2, recall=16)
+    )
+    assert bound.content == expected.text()
+    assert chat.invoke("What is the notice period?", recall=0).response_metadata["recalled_tokens"] == 0
+
+    llm = InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2, recall=4)
+    result = llm.generate(["What is the notice period?"])
+    info = result.generations[0][0].generation_info
+    assert info is not None and info["recalled_tokens"] == 4 * layers
+    assert llm._identifying_params["recall"] == 4 and llm._identifying_params["compression"]["recall"] == 0.1
+
+
+def test_recall_without_a_cold_tier_is_refused(random_model_dir: Path) -> None:
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression={"keep": 0.25}, max_tokens=2)
+    with pytest.raises(ConfigError, match="no cold tier"):
+        chat.invoke("What is the notice period?", recall=0.1)

@@ -20,6 +20,7 @@ from infokv_rag.integrations._common import document_from_pages, get_engine, sup
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
 
+from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
 from .pdf_factory import text_pdf
 
@@ -178,3 +179,32 @@ def test_example_llamaindex_query_engine_runs(fact_pdf: Path) -> None:
     assert lines[1] == "Q: Who is the account manager?"
     assert lines[2].startswith("A: ") and "Lindqvist" in lines[2]
     assert lines[3].startswith("pages: 2")
+
+
+# The cold tier, on the random model -------------------------------------------------------------------
+
+COLD_TEXT = " ".join(CORPUS * 6)
+COLD = {"keep": 0.25, "recall": 0.1, "cold_bits": 8}
+
+
+def test_recall_from_compression_and_per_call(random_model_dir: Path, tmp_path: Path) -> None:
+    llm = InfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2)
+    document = llm.compressed_document()
+    assert document.cold_tier is not None and document.cold_tier.bits == 8
+    layers = len(document.cold_tier.layers)
+    by_default = llm.complete("What is the notice period?")
+    assert by_default.additional_kwargs["recalled_tokens"] > 0  # the compression's recall
+    assert by_default.additional_kwargs["compression"]["cold_bytes"] == document.stats.cold_bytes > 0
+    per_call = llm.complete("What is the notice period?", recall=16)
+    assert per_call.additional_kwargs["recalled_tokens"] == 16 * layers
+    expected = document.generate(
+        [("user", "What is the notice period?")], GenerationOptions(max_new_tokens=2, recall=16)
+    )
+    assert per_call.text == expected.text()
+    chat = llm.chat([ChatMessage(role=MessageRole.USER, content="Q?")], recall=0)
+    assert chat.additional_kwargs["recalled_tokens"] == 0
+
+    path = tmp_path / "contract.txt"
+    path.write_text(COLD_TEXT)
+    engine = DocumentQueryEngine.from_file(path, model=str(random_model_dir), compression=COLD, max_tokens=2, recall=4)
+    assert engine.query("What is the notice period?").metadata["recalled_tokens"] == 4 * layers

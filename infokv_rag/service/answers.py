@@ -17,7 +17,7 @@ from ..generation import GenerationOptions
 from .dependencies import Service
 from .errors import ServiceError, error_body, from_core
 from .registry import DocumentRecord
-from .uploads import compression_config
+from .uploads import record_config
 from .worker import Event, GenerationJob, IngestJob, QueueFull
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def _rebuild(service: Service, record: DocumentRecord) -> None:
     service.registry.forget_loaded(record.id)
     if not service.registry.update(record, status="queued", reason=None, reason_code=None):
         return
-    config = compression_config(service.settings, record.method, record.keep)
+    config = record_config(service.settings, record)
     service.worker.submit_ingestion(IngestJob(record, config), force=True)
 
 
@@ -80,13 +80,23 @@ def check_question(service: Service, chars: int, *, what: str = "question", limi
 
 def generation_options(
     service: Service,
+    record: DocumentRecord,
     max_tokens: int | None,
     temperature: float | None,
     top_p: float | None,
     stop: str | Sequence[str] | None,
     seed: int | None,
+    recall: float | int | None,
 ) -> GenerationOptions:
     settings = service.settings
+    if recall and not record.recall:
+        # Said here, before the document loads, in the upload's terms (the core would refuse it as well).
+        raise ServiceError(
+            422,
+            "no_cold_tier",
+            f"document {record.id} was uploaded without a cold tier, so it has nothing to recall: ask without "
+            "'recall' (or with 0), or upload it again with the form field 'recall' (e.g. 0.1)",
+        )
     max_tokens = max_tokens or settings.default_max_tokens
     if max_tokens > settings.max_new_tokens:
         raise ServiceError(
@@ -102,6 +112,7 @@ def generation_options(
             top_p=top_p,
             stop=stops,
             seed=seed,
+            recall=recall,
         )
     except ConfigError as exc:
         raise ServiceError(422, "invalid_option", str(exc)) from exc

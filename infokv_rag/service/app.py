@@ -152,7 +152,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from ..engine import InfoKVEngine
-        from .uploads import compression_config
+        from .uploads import record_config
         from .worker import IngestJob, ModelWorker
 
         leases: LeaseKeeper | None = None
@@ -173,9 +173,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
                 leases.start()
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
-                worker.submit_ingestion(
-                    IngestJob(record, compression_config(settings, record.method, record.keep)), force=True
-                )
+                worker.submit_ingestion(IngestJob(record, record_config(settings, record)), force=True)
             service.started_at = time.time()
             yield
         finally:

@@ -79,12 +79,17 @@ class DocumentRecord:
     keep: float | int
     created_at: float
     updated_at: float
+    recall: float | int = 0
+    """Each question's default recall from the cold tier; 0: the document has no cold tier."""
+    cold_bits: int | None = None
+    """Width of the cold tier's codes; None without a cold tier."""
     size_bytes: int = 0
     pages: int = 0
     skipped_pages: list[int] = field(default_factory=list)
     tokens: int = 0
     kept_tokens: int | None = None
     cache_bytes: int | None = None
+    cold_bytes: int | None = None
     full_cache_bytes: int | None = None
     compression_ratio: float | None = None
     prefill_seconds: float | None = None
@@ -109,6 +114,8 @@ class DocumentRecord:
         "status",
         "method",
         "keep",
+        "recall",
+        "cold_bits",
         "created_at",
         "updated_at",
         "size_bytes",
@@ -117,6 +124,7 @@ class DocumentRecord:
         "tokens",
         "kept_tokens",
         "cache_bytes",
+        "cold_bytes",
         "full_cache_bytes",
         "compression_ratio",
         "prefill_seconds",
@@ -399,6 +407,7 @@ class Registry:
             record.tokens = stats.document_tokens
             record.kept_tokens = stats.kept_tokens
             record.cache_bytes = stats.cache_bytes
+            record.cold_bytes = stats.cold_bytes
             record.full_cache_bytes = stats.full_cache_bytes
             record.compression_ratio = round(stats.compression_ratio, 6)
             record.prefill_seconds = round(stats.prefill_seconds + stats.scoring_seconds + stats.compression_seconds, 3)
@@ -428,6 +437,8 @@ class Registry:
                 and other.sha256 == record.sha256
                 and other.method == record.method
                 and other.keep == record.keep
+                and other.recall == record.recall
+                and other.cold_bits == record.cold_bits
             ),
             None,
         )
@@ -444,7 +455,7 @@ class Registry:
                 raise StorageError("copy a shared cache", exc) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-            for name in ("tokens", "kept_tokens", "cache_bytes", "full_cache_bytes", "compression_ratio"):
+            for name in ("tokens", "kept_tokens", "cache_bytes", "cold_bytes", "full_cache_bytes", "compression_ratio"):
                 setattr(record, name, getattr(donor, name))
             # Counted before the record reads ready, so that whoever sees it ready sees the count too.
             with self._lock:

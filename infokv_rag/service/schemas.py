@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from ..config import COLD_BITS
 from ..scorers import method_names
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -29,6 +30,10 @@ Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Recall = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP)]
+"""A recall budget: a ratio in [0, 1] of the document's tokens like 0.1, or a token count like 64 (an integer
+is a count), per layer and KV head; 0: none."""
+ColdBits = Annotated[int, Field(ge=min(COLD_BITS), le=max(COLD_BITS), json_schema_extra={"enum": list(COLD_BITS)})]
 MethodName = Annotated[str, Field(json_schema_extra={"enum": list(method_names())})]
 """A method of the registry (`infokv_rag.scorers.method_names`); an unknown one is refused with its choices."""
 
@@ -108,12 +113,21 @@ class DocumentInfo(BaseModel):
     updated_at: int
     method: str
     keep: float | int
+    recall: float | int = Field(
+        0, description="What each question recalls from the cold tier by default (0: the document has none)."
+    )
+    cold_bits: int | None = Field(None, description="Width of the cold tier's codes; None without a cold tier.")
     size_bytes: int
     pages: int = Field(description="Pages with text.")
     skipped_pages: list[int] = Field(description="PDF pages whose text could not be extracted.")
     tokens: int = Field(description="Document tokens (the uncompressed prefix).")
     kept_tokens: int | None = Field(None, description="Tokens kept over all layers, per KV head.")
-    cache_bytes: int | None = Field(None, description="Bytes of the compressed cache's keys and values.")
+    cache_bytes: int | None = Field(
+        None, description="Bytes of the compressed (hot) cache's keys and values, the memory an answer starts from."
+    )
+    cold_bytes: int | None = Field(
+        None, description="Bytes of the cold tier (what compression evicted, quantised; on disk); 0 without one."
+    )
     full_cache_bytes: int | None = None
     compression_ratio: float | None = None
     prefill_seconds: float | None = None
@@ -150,6 +164,12 @@ class UploadForm(BaseModel):
     keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
         None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count)."
     )
+    recall: Recall | None = Field(
+        None,
+        description="Keep what compression evicts in a cold tier, and by default recall this much of it per "
+        "question (ratio like 0.1 or token count like 64; each question may change it). Default 0: no cold tier.",
+    )
+    cold_bits: ColdBits | None = Field(None, description="Width of the cold tier's codes, 4 or 8 (default 4).")
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
     password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(
         None, description="Password of an encrypted PDF."
@@ -168,6 +188,11 @@ class AskRequest(BaseModel):
     top_p: TopP = 1.0
     stop: Stop = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters.")
     seed: Seed | None = Field(None, description="Seed for sampling (temperature > 0), a 64-bit integer.")
+    recall: Recall | None = Field(
+        None,
+        description="How much of the document's cold tier this question may recall (ratio like 0.1 or token count "
+        "like 64; 0: none). Default: the document's upload `recall`.",
+    )
     stream: bool = Field(
         False,
         description="Stream the answer as Server-Sent Events: `token` events "
@@ -181,6 +206,9 @@ class AskUsage(BaseModel):
     cached_tokens: int = Field(description="Document tokens served from the compressed cache.")
     completion_tokens: int
     total_tokens: int
+    recalled_tokens: int = Field(
+        description="Cold-tier entries the question recalled, per KV head, summed over layers (0 without recall)."
+    )
 
 
 class Timings(BaseModel):
@@ -241,6 +269,9 @@ class ChatCompletionRequest(BaseModel):
     top_p: TopP | None = None
     stop: Stop = None
     seed: Seed | None = None
+    recall: Recall | None = Field(
+        None, description="Cold-tier recall of this answer, as in /ask (extension field; send it with `extra_body`)."
+    )
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -267,6 +298,7 @@ class ChatUsage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    recalled_tokens: int = Field(description="Cold-tier entries recalled, as in /ask (extension field).")
 
 
 class ChatCompletion(BaseModel):

@@ -173,12 +173,12 @@ def _parse(name: str, raw: str) -> Any:
         except ValueError:
             raise ConfigError(f"{variable} must be an integer, got {raw!r}") from None
     if name == "default_keep":
-        return parse_keep(raw)
+        return parse_ratio_or_count(raw, "keep")
     return raw or None if name in ("device", "dtype", "store") else raw
 
 
-def parse_keep(raw: str | float | int) -> float | int:
-    """`0.25` is a ratio, `512` a token count (as on the command line)."""
+def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
+    """`0.25` is a ratio, `512` a token count (as on the command line); `name` is the option's, for errors."""
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         return raw
     text = str(raw).strip()
@@ -189,4 +189,4 @@ def parse_keep(raw: str | float | int) -> float | int:
     try:
         return float(text)
     except ValueError:
-        raise ConfigError(f"keep must be a ratio like 0.25 or a token count like 512, not {text!r}") from None
+        raise ConfigError(f"{name} must be a ratio like 0.25 or a token count like 512, not {text!r}") from None

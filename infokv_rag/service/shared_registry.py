@@ -33,7 +33,7 @@ from ..documents import Document
 from ..errors import ConfigError
 from .errors import StorageError
 from .registry import DELETE_INCOMPLETE, DOCUMENT, META, DocumentRecord, Registry, valid_document_id
-from .uploads import compression_config
+from .uploads import record_config
 from .worker import IngestJob
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ class LeaseKeeper:
         for record in self.registry.claim_expired(set(busy)):
             log.info("taking over %s: its reader stopped renewing its lease", record.id)
             self.registry.counters["takeovers"] += 1
-            config = compression_config(self.settings, record.method, record.keep)
+            config = record_config(self.settings, record)
             self.worker.submit_ingestion(IngestJob(record, config), force=True)
 
 

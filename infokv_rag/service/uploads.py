@@ -11,7 +11,7 @@ import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -21,15 +21,15 @@ from ..config import CompressionConfig
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
 from .errors import ServiceError, StorageError, from_core
 from .schemas import FORM_FIELD_BYTES
-from .settings import Settings, parse_keep
+from .settings import Settings, parse_ratio_or_count
 
 if TYPE_CHECKING:
     from ..documents import Document
     from ..engine import InfoKVEngine
-    from .registry import Registry
+    from .registry import DocumentRecord, Registry
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
-_FIELDS = ("method", "keep", "password")
+_FIELDS = ("method", "keep", "recall", "cold_bits", "password")
 
 TOKENIZE_PIECE_CHARS = 16_384
 """Text is tokenized in pieces of about this many characters, so that counting stops early."""
@@ -50,6 +50,8 @@ class StagedUpload:
     size: int
     method: str | None
     keep: str | None
+    recall: str | None
+    cold_bits: str | None
     password: str | None
 
     def discard(self) -> None:
@@ -123,19 +125,46 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
     finally:
         await form.close()
     return StagedUpload(
-        directory, path, name, size, fields["method"] or None, fields["keep"] or None, fields["password"] or None
+        directory,
+        path,
+        name,
+        size,
+        *(fields[option] or None for option in ("method", "keep", "recall", "cold_bits", "password")),
     )
 
 
-def compression_config(settings: Settings, method: str | None, keep: str | float | int | None) -> CompressionConfig:
+def compression_config(
+    settings: Settings,
+    method: str | None,
+    keep: str | float | int | None,
+    recall: str | float | int | None = None,
+    cold_bits: str | int | None = None,
+) -> CompressionConfig:
+    """The config of an upload's form fields (text) or of a record (typed); None: the server's default."""
+    cold: dict[str, Any] = {}
+    try:
+        if recall is not None:
+            cold["recall"] = parse_ratio_or_count(recall, "recall")
+        if cold_bits is not None:
+            cold["cold_bits"] = int(cold_bits)
+    except ValueError:
+        raise ServiceError(422, "invalid_option", f"cold_bits must be 4 or 8, not {str(cold_bits)[:40]!r}") from None
+    except ConfigError as exc:
+        raise ServiceError(422, "invalid_option", str(exc)) from exc
     try:
         return CompressionConfig(
             method=method or settings.default_method,
-            keep=parse_keep(keep) if keep is not None else settings.default_keep,
+            keep=parse_ratio_or_count(keep, "keep") if keep is not None else settings.default_keep,
             chunk_size=settings.ingest_chunk_size,
+            **cold,
         )
     except ConfigError as exc:
         raise ServiceError(422, "invalid_option", str(exc)) from exc
+
+
+def record_config(settings: Settings, record: DocumentRecord) -> CompressionConfig:
+    """The config a document was uploaded with, to read it again (a restart, a lost cache, a takeover)."""
+    return compression_config(settings, record.method, record.keep, record.recall, record.cold_bits)
 
 
 def _pdf_page_count(path: Path) -> int | None:

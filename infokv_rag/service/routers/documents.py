@@ -61,12 +61,15 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
         updated_at=int(record.updated_at),
         method=record.method,
         keep=record.keep,
+        recall=record.recall,
+        cold_bits=record.cold_bits,
         size_bytes=record.size_bytes,
         pages=record.pages,
         skipped_pages=record.skipped_pages,
         tokens=record.tokens,
         kept_tokens=record.kept_tokens,
         cache_bytes=record.cache_bytes,
+        cold_bytes=record.cold_bytes,
         full_cache_bytes=record.full_cache_bytes,
         compression_ratio=record.compression_ratio,
         prefill_seconds=record.prefill_seconds,
@@ -96,7 +99,7 @@ async def upload_document(request: Request, response: Response, service: Service
     settings = service.settings
     staged = await receive_upload(request, service.registry, settings)
     try:
-        config = compression_config(settings, staged.method, staged.keep)
+        config = compression_config(settings, staged.method, staged.keep, staged.recall, staged.cold_bits)
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
         record = DocumentRecord(
@@ -107,6 +110,8 @@ async def upload_document(request: Request, response: Response, service: Service
             status="queued",
             method=config.method,
             keep=config.keep,
+            recall=config.recall,
+            cold_bits=config.cold_bits if config.keeps_cold_tier else None,
             created_at=now,
             updated_at=now,
             size_bytes=staged.size,
@@ -176,6 +181,7 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.prompt_tokens + usage.cached_tokens + usage.completion_tokens,
+            recalled_tokens=usage.recalled_tokens,
         ),
         timings=job.timings(),  # type: ignore[arg-type]
     )
@@ -199,7 +205,9 @@ async def ask(
 ) -> AskResponse | StreamingResponse:  # the response_model documents the JSON answer
     record = await find_document(service, caller, document_id)
     check_question(service, len(body.question))
-    options = generation_options(service, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
+    options = generation_options(
+        service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
+    )
     document = await ready_document(service, record)
     job = await start_answer(service, document, question_turns(body.question), options)
     answer_id = "ans_" + secrets.token_urlsafe(12)

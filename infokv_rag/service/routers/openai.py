@@ -91,6 +91,7 @@ def _usage(job: GenerationJob) -> ChatUsage:
         completion_tokens=usage.completion_tokens,
         total_tokens=prompt + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        recalled_tokens=usage.recalled_tokens,
     )
 
 
@@ -126,7 +127,14 @@ async def chat_completions(
         limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
     )
     options = generation_options(
-        service, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p, body.stop, body.seed
+        service,
+        record,
+        body.max_completion_tokens or body.max_tokens,
+        body.temperature,
+        body.top_p,
+        body.stop,
+        body.seed,
+        body.recall,
     )
     document = await ready_document(service, record)
     job = await start_answer(service, document, turns, options)

@@ -1,0 +1,140 @@
+"""The cold tier through the service (issue 13): upload options, per-question recall on /ask, its SSE stream
+and the OpenAI route, sizes in the document's info, a restart, a lost cache and a shared store.
+
+In-process on the random 3-layer model (`create_app(settings, engine=random_engine)` and a TestClient).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from infokv_rag import InfoKVEngine  # noqa: E402
+from infokv_rag.service.app import create_app  # noqa: E402
+
+from .conftest import CORPUS  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    assert_error,
+    bearer,
+    random_model_settings,
+    upload,
+    upload_ready,
+    wait_settled,
+)
+
+KEY = "key-tenant-a-0001"
+A = bearer(KEY)
+# Long enough that every layer evicts more than the budgets asked for below.
+LONG = " ".join(CORPUS * 6).encode()
+LAYERS = 3
+
+
+def running(engine: InfoKVEngine, data_dir: Path, **overrides: Any) -> TestClient:
+    return TestClient(create_app(random_model_settings(data_dir, (f"tenantA:{KEY}",), **overrides), engine=engine))
+
+
+@pytest.fixture
+def client(random_engine: InfoKVEngine, tmp_path: Path) -> Iterator[TestClient]:
+    with running(random_engine, tmp_path / "data") as http:
+        yield http
+
+
+def ask(client: TestClient, doc_id: str, **body: Any) -> Any:
+    return client.post(
+        f"/v1/documents/{doc_id}/ask",
+        json={"question": "What is the notice period?", "max_tokens": 2, **body},
+        headers=A,
+    )
+
+
+def recalled(response: Any) -> int:
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["recalled_tokens"])
+
+
+def test_upload_with_recall_then_ask_json_sse_and_chat(client: TestClient) -> None:
+    doc_id = upload_ready(client, A, "contract.txt", LONG, recall="0.1", cold_bits="8")
+    info = client.get(f"/v1/documents/{doc_id}", headers=A).json()
+    assert info["recall"] == 0.1 and info["cold_bits"] == 8
+    assert 0 < info["cache_bytes"] < info["full_cache_bytes"] and info["cold_bytes"] > 0
+
+    by_default = recalled(ask(client, doc_id))  # the upload's recall
+    assert by_default > 0
+    assert recalled(ask(client, doc_id, recall=16)) == 16 * LAYERS
+    assert recalled(ask(client, doc_id, recall=0)) == 0
+
+    with client.stream(
+        "POST",
+        f"/v1/documents/{doc_id}/ask",
+        json={"question": "Q?", "max_tokens": 2, "recall": 8, "stream": True},
+        headers=A,
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[-1].removeprefix("data: "))["usage"]["recalled_tokens"] == 8 * LAYERS
+
+    chat = {"model": "random", "messages": [{"role": "user", "content": "Q?"}], "document_id": doc_id, "max_tokens": 2}
+    completion = client.post("/v1/chat/completions", json={**chat, "recall": 4}, headers=A)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["recalled_tokens"] == 4 * LAYERS
+
+
+def test_bad_recall_options_are_4xx(client: TestClient) -> None:
+    for fields in ({"recall": "1.5"}, {"recall": "-3"}, {"recall": "lots"}, {"cold_bits": "3"}, {"cold_bits": "x"}):
+        assert_error(upload(client, A, "a.txt", LONG, **fields), 422, "invalid_option")
+    assert_error(upload(client, A, "a.txt", LONG, method="full", recall="0.1"), 422, "invalid_option")
+
+    plain = upload_ready(client, A, "plain.txt", LONG)
+    info = client.get(f"/v1/documents/{plain}", headers=A).json()
+    assert info["recall"] == 0 and info["cold_bits"] is None and info["cold_bytes"] == 0
+    for bad in (1.5, -1, "lots"):
+        assert_error(ask(client, plain, recall=bad), 422, "invalid_request")
+    assert_error(ask(client, plain, recall=0.1), 422, "no_cold_tier")
+    chat = {"model": "random", "messages": [{"role": "user", "content": "Q?"}], "document_id": plain, "recall": 8}
+    assert_error(client.post("/v1/chat/completions", json=chat, headers=A), 422, "no_cold_tier")
+    assert recalled(ask(client, plain, recall=0)) == 0
+
+
+def test_a_restart_and_a_lost_cache_keep_the_cold_tier(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        doc_id = upload_ready(client, A, "contract.txt", LONG, recall="16")
+        answer = ask(client, doc_id)
+    with running(random_engine, data) as client:
+        again = ask(client, doc_id)
+        assert recalled(again) == 16 * LAYERS and again.json()["answer"] == answer.json()["answer"]
+        health = client.get("/healthz").json()["counters"]
+        assert health["prefills"] == 0 and health["cache_loads"] == 1
+    # A cache lost on disk is read again with the options of its upload, cold tier included.
+    shutil.rmtree(data / "documents" / doc_id / "cache")
+    with running(random_engine, data) as client:
+        assert_error(ask(client, doc_id), 409, "cache_rebuilding")
+        assert wait_settled(client, doc_id, A)["cold_bytes"] > 0
+        rebuilt = ask(client, doc_id)
+        assert recalled(rebuilt) == 16 * LAYERS and rebuilt.json()["answer"] == answer.json()["answer"]
+
+
+def test_the_shared_store_publishes_and_loads_the_cold_tier(
+    random_engine: InfoKVEngine, random_model_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
+    store = f"file://{tmp_path}/store"
+    second_engine = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+    with running(random_engine, tmp_path / "a", store=store) as first:
+        doc_id = upload_ready(first, A, "contract.txt", LONG, recall="16", cold_bits="8")
+        reference = ask(first, doc_id)
+    with running(second_engine, tmp_path / "b", store=store) as second:
+        answer = ask(second, doc_id)
+        assert recalled(answer) == 16 * LAYERS and answer.json()["answer"] == reference.json()["answer"]
+        info = second.get(f"/v1/documents/{doc_id}", headers=A).json()
+        assert info["cache_origin"] == "store" and info["cold_bits"] == 8 and info["cold_bytes"] > 0
+        assert second.get("/healthz").json()["counters"]["prefills"] == 0
