@@ -132,6 +132,14 @@ class CompressionConfig:
             del data["recall"], data["cold_bits"]
         return data
 
+    def cache_identity(self) -> dict[str, Any]:
+        """What the compressed cache's bytes depend on: `to_dict` with the recall budget, only each answer's
+        default, reduced to whether a cold tier is kept."""
+        data = self.to_dict()
+        if self.recall:
+            data["recall"] = True
+        return data
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:
         known = {f.name for f in dataclasses.fields(cls)}

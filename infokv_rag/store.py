@@ -398,12 +398,9 @@ class CacheStore:
         self.root = Path(root).expanduser()
 
     def key(self, document_sha256: str, fingerprint: str, config: CompressionConfig) -> str:
-        stored = config.to_dict()
-        if config.recall:
-            # The recall budget is only each answer's default: caches that differ in it alone hold the same
-            # bytes, so asking with another budget reuses the stored cache instead of reading it again.
-            stored["recall"] = True
-        material = json.dumps([document_sha256, fingerprint, stored], sort_keys=True)
+        # Caches that differ only in their recall budget hold the same bytes: asking with another budget
+        # reuses the stored cache instead of reading the document again.
+        material = json.dumps([document_sha256, fingerprint, config.cache_identity()], sort_keys=True)
         return _sha256(material.encode())[:32]
 
     def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig) -> Path:
