@@ -350,12 +350,28 @@ def test_a_full_replica_answers_busy_then_takes_questions_again(ingress: str) ->
             assert time.monotonic() < deadline, f"the replica {full} was not asked again"
 
 
+def every_replica_health(client: httpx.Client, replicas: int = 2) -> dict[str, dict[str, Any]]:
+    """/healthz of each replica, by id: Ray sends a request about no document to any replica, so ask until
+    every one has answered."""
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < replicas:
+        response = client.get("/healthz")
+        assert response.status_code == 200, response.text
+        seen[response.headers["x-infokv-replica"]] = dict(response.json())
+        assert time.monotonic() < deadline, f"only replicas {sorted(seen)} answered /healthz"
+    return seen
+
+
 def test_a_client_that_hangs_up_cancels_the_answer_on_its_replica(ingress: str) -> None:
     doc_id = next(iter(shared["answers"]))
     with httpx.Client(base_url=ingress, timeout=60) as client:
+        # Counters first: read while the answer runs, the health round trips (to a random replica each) would
+        # leave a loaded machine time to finish the answer before the hang-up reaches the replica.
+        before = {replica: health["counters"] for replica, health in every_replica_health(client).items()}
         with client.stream("POST", f"/v1/documents/{doc_id}/ask", json=STORY, headers=A) as stream:
             assert stream.status_code == 200, stream.read()
             replica = stream.headers["x-infokv-replica"]
-            before = replica_health(client, replica)["counters"]  # the answer runs for seconds yet
             hang_up_after_first_token(stream)
-        assert_answer_cancelled(wait_answer_ended(lambda: replica_health(client, replica), before), before)
+        ended = wait_answer_ended(lambda: replica_health(client, replica), before[replica])
+        assert_answer_cancelled(ended, before[replica])
