@@ -8,11 +8,10 @@ import torch
 from torch import Tensor
 
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.config import recall_tokens
+from infokv_rag.decoding import recall_budget, working_session
 from infokv_rag.documents import Document
 from infokv_rag.ingestion import Ingestion, signal_capture
 from infokv_rag.prompt import Turn
-from infokv_rag.recall import Recall
 
 
 @torch.inference_mode()
@@ -68,10 +67,8 @@ def teacher_forced_logits(document: CompressedDocument, turns: Sequence[Turn], c
     runner = engine.runner
     suffix = engine.prompt.conversation_ids(turns)
     n = document.cache.document_tokens
-    budget = recall_tokens(document.config.recall, n) if document.cold_tier is not None else 0
     with engine.lock:
-        session = document.cache.working_copy(len(suffix) + len(continuation) + budget)
-        recall = Recall(document.cold_tier, session, budget) if document.cold_tier is not None and budget else None
+        session, recall = working_session(document, len(suffix) + len(continuation), recall_budget(document, None))
         hidden = runner.forward(
             torch.tensor(suffix, device=runner.device),
             torch.arange(n, n + len(suffix), device=runner.device),

@@ -46,32 +46,39 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
             f"({len(suffix)} tokens) and the recent window need {protected + options.eviction_slack}"
         )
-    recall = _recall_tokens(document, options, protected)
+    budget = recall_budget(document, options.recall)
+    if options.max_cache_tokens is not None:
+        # No more than fits beside what eviction must keep.
+        budget = min(budget, options.max_cache_tokens - protected - options.eviction_slack)
     usage = Usage(prompt_tokens=len(suffix), cached_tokens=n)
     assembler = TextAssembler(engine.tokenizer, options.stop)
-    return Generation(_decode(document, suffix, options, recall, usage, assembler), usage, assembler.ids)
+    return Generation(_decode(document, suffix, options, budget, usage, assembler), usage, assembler.ids)
 
 
-def _recall_tokens(document: CompressedDocument, options: GenerationOptions, protected: int) -> int:
-    """Cold entries per (layer, KV head) this answer recalls; under `max_cache_tokens`, no more than fit
-    beside what eviction must keep."""
-    recall = document.config.recall if options.recall is None else options.recall
-    tokens = recall_tokens(recall, document.cache.document_tokens)
+def recall_budget(document: CompressedDocument, recall: float | int | None) -> int:
+    """Cold entries per (layer, KV head) an answer recalls for `recall` (None: the document's default)."""
+    tokens = recall_tokens(document.config.recall if recall is None else recall, document.cache.document_tokens)
     if tokens and document.cold_tier is None:
         raise ConfigError(
             "this document has no cold tier to recall from: ingest it with CompressionConfig(recall=...) > 0, "
             "or ask with recall=0"
         )
-    if options.max_cache_tokens is not None:
-        tokens = min(tokens, options.max_cache_tokens - protected - options.eviction_slack)
     return tokens
+
+
+def working_session(document: CompressedDocument, extra_tokens: int, recall: int) -> tuple[KVCache, Recall | None]:
+    """A working copy of the document's cache with room for `extra_tokens` and `recall` cold entries per
+    layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
+    session = document.cache.working_copy(extra_tokens + recall)
+    cold = document.cold_tier
+    return session, Recall(cold, session, recall) if cold is not None and recall else None
 
 
 def _decode(
     document: CompressedDocument,
     suffix: list[int],
     options: GenerationOptions,
-    recall_budget: int,
+    budget: int,
     usage: Usage,
     assembler: TextAssembler,
 ) -> Iterator[str]:
@@ -80,8 +87,7 @@ def _decode(
     n = document.cache.document_tokens
     started = time.perf_counter()
     with engine.lock:
-        session = document.cache.working_copy(len(suffix) + options.max_new_tokens + recall_budget)
-    recall = Recall(document.cold_tier, session, recall_budget) if document.cold_tier and recall_budget else None
+        session, recall = working_session(document, len(suffix) + options.max_new_tokens, budget)
     sampler = TokenSampler(options, runner.device)
     question_end = n + len(suffix)
     pending = torch.tensor(suffix, device=runner.device)

@@ -12,10 +12,11 @@ import torch
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier, dequantize, quantize
 from infokv_rag.config import recall_tokens
+from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-from infokv_rag.recall import Recall, attention_mass
+from infokv_rag.recall import attention_mass
 from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
 
 from .conftest import CORPUS
@@ -29,10 +30,9 @@ def question_log_probs(document: CompressedDocument, recall: int) -> torch.Tenso
     engine = document.engine
     ids = engine.prompt.conversation_ids(question_turns(QUESTION))
     n = document.cache.document_tokens
-    session = document.cache.working_copy(len(ids) + recall)
+    session, plan = working_session(document, len(ids), recall)
+    assert (plan is not None) == bool(recall)
     with torch.inference_mode():
-        assert document.cold_tier is not None or not recall
-        plan = Recall(document.cold_tier, session, recall) if document.cold_tier is not None and recall else None
         hidden = engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
         return torch.log_softmax(engine.runner.logits(hidden), dim=-1)
 
