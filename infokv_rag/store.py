@@ -29,9 +29,10 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from safetensors.torch import load, save
@@ -200,6 +201,14 @@ class DirectoryFiles:
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
+    def map(self, name: str) -> mmap.mmap | bytearray:
+        """The file's bytes, memory-mapped copy-on-write (writable, so tensors can view them; an empty file,
+        which cannot be mapped, is read)."""
+        with open(self.path / name, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                return bytearray()
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a saved cache (format and checksum checked, files not yet)."""
@@ -241,10 +250,18 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
     return manifest
 
 
+Buffer = TypeVar("Buffer", bound="bytes | bytearray | mmap.mmap")
+
+
 def _read_verified(files: CacheFiles, name: str, record: dict[str, Any]) -> bytes:
+    return _verified(files, name, record, lambda: files.read(name))
+
+
+def _verified(files: CacheFiles, name: str, record: dict[str, Any], read: Callable[[], Buffer]) -> Buffer:
+    """What `read` returns of file `name`, refused unless its size and sha256 are the manifest's `record`."""
     path = files.where
     try:
-        data = files.read(name)
+        data = read()
     except FileNotFoundError as exc:
         raise CacheStoreError(f"{path}/{name} is missing; delete {path} and ingest the document again") from exc
     except OSError as exc:
@@ -349,24 +366,14 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
 def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The cold tier's tensors, verified: views of a memory map for a local directory (nothing is read
     into memory but what the checksum reads through), else parsed from the bytes read."""
-    where = f"{files.where}/{COLD}"
+    read = (lambda: files.map(COLD)) if isinstance(files, DirectoryFiles) else (lambda: bytearray(files.read(COLD)))
+    buffer = _verified(files, COLD, record, read)
     try:
-        if isinstance(files, DirectoryFiles):
-            with open(files.path / COLD, "rb") as handle:
-                buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-            if len(buffer) != record["bytes"] or _sha256(buffer) != record["sha256"]:
-                raise CacheStoreError(
-                    f"{where} fails its sha256 check (truncated or modified); delete {files.where} and ingest again"
-                )
-        else:
-            buffer = bytearray(_read_verified(files, COLD, record))
         return safetensors_views(buffer)
-    except FileNotFoundError as exc:
-        raise CacheStoreError(f"{where} is missing; delete {files.where} and ingest the document again") from exc
-    except (OSError, ValueError, KeyError, struct.error) as exc:
-        if isinstance(exc, InfoKVError):
-            raise
-        raise CacheStoreError(f"{where} cannot be read ({exc}); delete {files.where} and ingest again") from exc
+    except (ValueError, KeyError, struct.error) as exc:
+        raise CacheStoreError(
+            f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"
+        ) from exc
 
 
 SETTINGS_ADDED = {"attention": "window", "layer_budgets": "uniform", "units": "token"}
