@@ -12,25 +12,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import COLD_BITS, DEFAULT_METHOD, CompressionConfig
+from .config import COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_ratio_or_count
 from .errors import ConfigError, InfoKVError
 from .placement import dtype_name
 from .scorers import method_names
 
 
-def _ratio_or_count(flag: str, example: str) -> Callable[[str], float | int]:
+def _ratio_or_count(flag: str) -> Callable[[str], float | int]:
     """A parser of `flag`'s value: `0.25` is a ratio, `512` a token count (the config checks the range)."""
 
     def parse(value: str) -> float | int:
         try:
-            return int(value)
-        except ValueError:
-            try:
-                return float(value)
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"{flag} takes a ratio like {example} or a token count like 512, not {value!r}"
-                ) from None
+            return parse_ratio_or_count(value, flag)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
     return parse
 
@@ -90,11 +85,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument(
-        "--keep", type=_ratio_or_count("--keep", "0.25"), default=0.25, help="ratio (0.25) or token count (512)"
+        "--keep", type=_ratio_or_count("--keep"), default=0.25, help="ratio (0.25) or token count (512)"
     )
     parser.add_argument(
         "--recall",
-        type=_ratio_or_count("--recall", "0.1"),
+        type=_ratio_or_count("--recall"),
         default=0,
         help="keep what compression evicts in a cold tier and recall this much of it per question: "
         "ratio (0.1) or token count (64); 0: no cold tier",

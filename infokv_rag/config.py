@@ -28,6 +28,21 @@ def check_recall(recall: float | int) -> None:
         raise ConfigError(f"recall token count must be >= 0, got {recall}")
 
 
+def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
+    """`0.25` is a ratio, `512` a token count (as on the command line); `name` is the option's, for errors."""
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be a ratio like 0.25 or a token count like 512, not {text!r}") from None
+
+
 def recall_tokens(recall: float | int, document_tokens: int) -> int:
     """Entries recalled per (layer, KV head) for a `recall` budget (see `check_recall`)."""
     return round(recall * document_tokens) if isinstance(recall, float) else recall

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_METHOD
+from ..config import DEFAULT_METHOD, parse_ratio_or_count
 from ..errors import ConfigError
 from ..placement import dtype_name
 from .tenants import KeyRing, read_keys_file, split_entries
@@ -175,18 +175,3 @@ def _parse(name: str, raw: str) -> Any:
     if name == "default_keep":
         return parse_ratio_or_count(raw, "keep")
     return raw or None if name in ("device", "dtype", "store") else raw
-
-
-def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
-    """`0.25` is a ratio, `512` a token count (as on the command line); `name` is the option's, for errors."""
-    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        return raw
-    text = str(raw).strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{name} must be a ratio like 0.25 or a token count like 512, not {text!r}") from None

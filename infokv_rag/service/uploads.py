@@ -17,11 +17,11 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from ..config import CompressionConfig
+from ..config import CompressionConfig, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
 from .errors import ServiceError, StorageError, from_core
 from .schemas import FORM_FIELD_BYTES
-from .settings import Settings, parse_ratio_or_count
+from .settings import Settings
 
 if TYPE_CHECKING:
     from ..documents import Document
