@@ -97,14 +97,23 @@ class ColdLayer:
         )
 
     def all_keys(self, bits: int) -> Tensor:
-        """Every dequantised key (kv_heads, m, head_dim) float32, in position order."""
+        """Every dequantised key (kv_heads, m, head_dim) float32, in position order.
+
+        Laid out channel-major (a transposed view), so that recall's q.k over them is one contiguous
+        product; decoded page by page against the page's range, broadcast: recall decodes every key per question.
+        """
         heads, pages, dim = self.key_low.shape
-
-        def per_entry(ranges: Tensor) -> Tensor:
-            spread = ranges.unsqueeze(2).expand(heads, pages, PAGE_TOKENS, dim)
-            return spread.reshape(heads, pages * PAGE_TOKENS, dim)[:, : self.length]
-
-        return dequantize(self.key_codes, per_entry(self.key_low), per_entry(self.key_high), bits)
+        keys = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
+        codes = self.key_codes.transpose(1, 2)
+        if bits == 4:
+            keys[:, 0::2, : self.length] = codes & 15
+            keys[:, 1::2, : self.length] = codes >> 4
+        else:
+            keys[:, :, : self.length] = codes
+        low = self.key_low.float().transpose(1, 2).unsqueeze(3)
+        step = (self.key_high.float().transpose(1, 2).unsqueeze(3) - low).clamp_min(1e-8) / (2**bits - 1)
+        keys.view(heads, dim, pages, PAGE_TOKENS).mul_(step).add_(low)
+        return keys[:, :, : self.length].transpose(1, 2)
 
     def values(self, indices: Tensor, bits: int) -> Tensor:
         """Dequantised values (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
