@@ -134,7 +134,8 @@ class Ingestion:
         }
         """Per signal, per layer (kv_heads, length) values aligned with the resident tokens."""
         settings = config.settings
-        self.global_budgets = isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "global"
+        self.layer_budgets = settings.layer_budgets if isinstance(settings, LayerBudgetSettings) else "uniform"
+        self.global_budgets = self.layer_budgets != "uniform"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
         self.peak_resident = 0
         self.evicted: list[list[tuple[Tensor, Tensor, Tensor]]] | None = (
@@ -300,7 +301,8 @@ class Ingestion:
         clock = time.perf_counter()
         minimum = min(self.sinks + self.config.window, self.budget)
         if self.global_budgets:
-            budgets = global_budgets(comparable, self.budget * len(scores), minimum)
+            per_layer = "max" if self.layer_budgets == "neediest_head" else "mean"
+            budgets = global_budgets(comparable, self.budget * len(scores), minimum, per_layer)
         elif self.config.adaptive_budget and self.config.method_spec.compresses:
             normalized = [normalize(s, "minmax") for s in scores]
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)

@@ -67,12 +67,13 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
     return budgets
 
 
-def global_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int]:
+def global_budgets(scores: list[Tensor], total: int, minimum: int, per_layer: str = "mean") -> list[int]:
     """Splits `total` tokens over layers by one threshold on scores comparable across layers (KVzip).
 
-    scores: per layer (kv_heads, length_l). A layer gets the mean over its heads of how many of its
-    scores pass the threshold that keeps `total` tokens per KV head overall, at least `minimum` and at
-    most its length; the sum is exactly `min(total, sum of lengths)`.
+    scores: per layer (kv_heads, length_l). A layer gets, over its heads, the mean (`per_layer="mean"`) or
+    the most (`"max"`) of how many of each head's scores pass the threshold, at least `minimum` and at most
+    its length; the threshold is the one that keeps `total` tokens per KV head overall ("mean"), or the
+    highest whose layer shares fit in `total` ("max"); the sum is exactly `min(total, sum of lengths)`.
     """
     lengths = [layer.shape[1] for layer in scores]
     total = min(total, sum(lengths))
@@ -81,8 +82,25 @@ def global_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int]:
         raise ValueError(f"{len(scores)} layers of at least {minimum} tokens do not fit in {total}")
     heads = scores[0].shape[0]
     pooled = torch.cat([layer.float().reshape(-1) for layer in scores])
-    threshold = pooled.topk(min(total * heads, pooled.numel())).values[-1] if total else torch.inf
-    wanted = [float((layer.float() >= threshold).sum()) / heads for layer in scores]
+
+    def wanted_at(threshold: Tensor) -> list[float]:
+        passing = [(layer.float() >= threshold).sum(dim=1).float() for layer in scores]
+        return [float(count.max() if per_layer == "max" else count.mean()) for count in passing]
+
+    if per_layer == "max" and total:
+        # The layers' shares only grow as the threshold falls: bisect over the scores for the lowest that fits.
+        candidates = pooled.sort(descending=True).values
+        fits, low, high = 0, 0, len(candidates) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            if sum(wanted_at(candidates[middle])) <= total:
+                fits, low = middle, middle + 1
+            else:
+                high = middle - 1
+        wanted = wanted_at(candidates[fits])
+    else:
+        kept = min(total * heads, pooled.numel())
+        wanted = wanted_at(pooled.topk(kept).values[-1] if kept else pooled.new_tensor(torch.inf))
     budgets = [max(floor, min(length, round(w))) for floor, length, w in zip(floors, lengths, wanted, strict=True)]
     # Rounding and the floors move the sum off `total`: settle the difference one token at a time on
     # the layer whose share is furthest from what it wanted, within its bounds.

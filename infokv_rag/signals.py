@@ -79,7 +79,7 @@ class InformationSettings(MethodSettings):
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-LayerBudgets = Literal["uniform", "global"]
+LayerBudgets = Literal["uniform", "global", "neediest_head"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,10 @@ class LayerBudgetSettings(MethodSettings):
     layer_budgets: LayerBudgets = "uniform"
     """"uniform": every layer keeps the same number of tokens; "global": one threshold over every
     layer's `Scorer.comparable_scores` decides, so layers whose tokens matter more keep more (KVzip),
-    the total staying (layers x budget)."""
+    the total staying (layers x budget): a layer keeps the mean over its KV heads of what passes;
+    "neediest_head": the same, but a layer keeps what its neediest KV head wants (a layer's heads share one
+    length, so the others keep as many of their own best): within one layer one head often wants nearly
+    every token and another almost none, and the mean cuts the first to half."""
 
 
 class ForwardCapture(Protocol):

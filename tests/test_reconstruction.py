@@ -56,3 +56,14 @@ def test_global_budgets_follow_the_scores_and_keep_the_total():
     mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     assert sum(global_budgets(mixed, total=4 * 20, minimum=8)) == 80
     assert global_budgets(mixed, total=10_000, minimum=8) == [50] * 4
+
+
+def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants():
+    # Layer 0: one head wants every token, the other none; layer 1: both want a quarter.
+    wanting = torch.stack([torch.full((100,), 0.9), torch.full((100,), 0.1)])
+    quarter = torch.cat([torch.full((2, 25), 0.8), torch.full((2, 75), 0.2)], dim=1)
+    assert global_budgets([wanting, quarter], total=2 * 60, minimum=10) == [35, 85]  # the mean cuts layer 0
+    assert global_budgets([wanting, quarter], total=2 * 60, minimum=10, per_layer="max") == [100, 20]
+    mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    assert sum(global_budgets(mixed, total=4 * 20, minimum=8, per_layer="max")) == 80
+    assert global_budgets(mixed, total=10_000, minimum=8, per_layer="max") == [50] * 4

@@ -74,10 +74,10 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     def validate(self) -> None:
         super().validate()
         check_pooling_kernel(self.pooling_kernel)
-        if self.layer_budgets == "global" and self.attention == "window":
+        if self.layer_budgets != "uniform" and self.attention == "window":
             raise ConfigError(
-                'layer_budgets="global" needs attention="reconstruction" or "predicted" (window scores differ '
-                "in scale per layer)"
+                f'layer_budgets="{self.layer_budgets}" needs attention="reconstruction" or "predicted" (window '
+                "scores differ in scale per layer)"
             )
 
     def weighted(self, tau: float, lam: float) -> InfoKVSettings:
@@ -112,7 +112,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         if settings.lam < 1:
             needs |= {INFORMATION} if settings.tau > 0 else set()
             needs |= {EVOLUTION} if settings.tau < 1 else set()
-        if settings.lam > 0 or settings.layer_budgets == "global":
+        if settings.lam > 0 or settings.layer_budgets != "uniform":
             needs |= {ATTENTION_SIGNALS[settings.attention]}
         if settings.lam > 0 and settings.accumulated_attention:
             needs |= {ACCUMULATED_ATTENTION}
