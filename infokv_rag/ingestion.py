@@ -6,7 +6,8 @@ input (when the method reads it), a reconstruction pass (when the method reads i
 tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
 (always after the last chunk) every layer is scored by the method's scorer and cut to its budget. So a
 layer never holds more than budget + chunk tokens; with global layer budgets the layers together never
-hold more than layers x (budget + chunk).
+hold more than layers x (budget + chunk). A config that keeps a cold tier holds every entry until the
+end, and is compressed once, after the last chunk.
 """
 
 from __future__ import annotations
@@ -226,7 +227,10 @@ class Ingestion:
             if self.global_budgets
             else max(cache.lengths) > self.budget
         )
-        if final or over:
+        # With a cold tier every entry stays in memory until the end anyway, so compressing early would
+        # save nothing: later chunks then attend to the whole document, as in the full cache, and
+        # recalling every cold entry restores the full cache (up to the codes' precision).
+        if final or (over and self.evicted is None):
             self._compress(cache, capture, end, final)
         compression = self.timings["compression"] - compression_before
         self.timings["scoring"] += time.perf_counter() - clock - compression

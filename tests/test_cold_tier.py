@@ -111,9 +111,13 @@ def test_attention_mass_is_the_share_of_attention_each_cold_entry_would_get() ->
     assert bool(sharp.isfinite().all()) and torch.allclose(sharp, expected, atol=1e-5)
 
 
-def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine) -> None:
+@pytest.mark.parametrize("chunk_size", [2048, 64])
+def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine, chunk_size: int) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
-    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=1.0, cold_bits=8))
+    # In chunks too: with a cold tier, later chunks are computed over the whole document, not a compressed one.
+    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size)
+    doc = random_engine.ingest_text(TEXT, config)
+    assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
     reference = question_log_probs(full, 0)
     without = kl(reference, question_log_probs(doc, 0))
     everything = kl(reference, question_log_probs(doc, doc.cache.document_tokens))
