@@ -54,7 +54,7 @@ def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str
             first = max(index for index, start in enumerate(starts) if start <= found)
             last = max(index for index, start in enumerate(starts) if start < found + len(needle))
             spans.append(range(first, last + 1))
-            begin = found + 1
+            begin = found + len(needle)
     return spans
 
 

@@ -1,0 +1,36 @@
+"""benchmarks/answer_coverage.py: answers found in the document's tokens, and the share of them a cache keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.answer_coverage import answer_spans, coverage, kept_entries
+from infokv_rag import CompressionConfig, InfoKVEngine
+
+
+def test_answers_are_found_in_the_document_tokens_wherever_they_occur(random_engine: InfoKVEngine) -> None:
+    text = "The notice period is 30 days. After the term, notice within 30 days ends it; see Section 4."
+    ids = random_engine.prompt.document_ids(text)
+    spans = answer_spans(random_engine, ids, ["30 DAYS", "Section 9"])
+    assert len(spans) == 2, "both occurrences, case-insensitively; an answer that is not there has none"
+    for span in spans:
+
+        def text(start: int, stop: int) -> str:
+            return random_engine.tokenizer.decode(ids[start:stop]).lower()
+
+        # The span holds the answer, and no token less does.
+        assert "30 days" in text(span.start, span.stop)
+        assert "30 days" not in text(span.start + 1, span.stop) and "30 days" not in text(span.start, span.stop - 1)
+
+
+def test_coverage_is_the_best_occurrences_share_of_kept_entries(random_engine: InfoKVEngine) -> None:
+    kept = torch.zeros(2, 2, 10, dtype=torch.bool)
+    kept[:, :, 2:4] = True
+    kept[0, 0, 6] = True
+    assert coverage(kept, [range(2, 4), range(6, 8)]) == 1.0
+    assert coverage(kept, [range(6, 8)]) == 0.125
+    assert coverage(kept, []) is None
+    doc = random_engine.ingest_text(" ".join(["word"] * 300), CompressionConfig(keep=0.25))
+    entries = kept_entries(doc)
+    assert entries.shape == (3, 2, doc.cache.document_tokens)
+    assert entries.sum(dim=2).tolist() == [[length] * 2 for length in doc.cache.lengths]
