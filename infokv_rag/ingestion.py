@@ -305,8 +305,8 @@ class Ingestion:
         clock = time.perf_counter()
         minimum = min(self.sinks + self.config.window, self.budget)
         if self.global_budgets:
-            per_layer = "max" if self.layer_budgets == "neediest_head" else "mean"
-            budgets = global_budgets(comparable, self.budget * len(scores), minimum, per_layer)
+            neediest = self.layer_budgets == "neediest_head"
+            budgets = global_budgets(comparable, self.budget * len(scores), minimum, "max" if neediest else "mean")
         elif self.config.adaptive_budget and self.config.method_spec.compresses:
             normalized = [normalize(s, "minmax") for s in scores]
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -67,7 +68,9 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
     return budgets
 
 
-def global_budgets(scores: list[Tensor], total: int, minimum: int, per_layer: str = "mean") -> list[int]:
+def global_budgets(
+    scores: list[Tensor], total: int, minimum: int, per_layer: Literal["mean", "max"] = "mean"
+) -> list[int]:
     """Splits `total` tokens over layers by one threshold on scores comparable across layers (KVzip).
 
     scores: per layer (kv_heads, length_l). A layer gets, over its heads, the mean (`per_layer="mean"`) or
