@@ -17,6 +17,7 @@ coverage and are listed as such.
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 from collections.abc import Sequence
@@ -51,9 +52,8 @@ def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str
     for answer in answers:
         needle, begin = answer.lower(), 0
         while needle and (found := text.find(needle, begin)) >= 0:
-            first = max(index for index, start in enumerate(starts) if start <= found)
-            last = max(index for index, start in enumerate(starts) if start < found + len(needle))
-            spans.append(range(first, last + 1))
+            # The tokens from the one the answer starts in to the one it ends in.
+            spans.append(range(bisect.bisect_right(starts, found) - 1, bisect.bisect_left(starts, found + len(needle))))
             begin = found + len(needle)
     return spans
 

@@ -31,11 +31,15 @@ VALUE_GROUP = 32
 TENSOR_NAMES = ("key_codes", "key_low", "key_high", "value_codes", "value_low", "value_high")
 
 
+def code_step(low: Tensor, high: Tensor, bits: int) -> Tensor:
+    """What one code step is worth within [low, high] (float32, the shape of `low`)."""
+    return (high.float() - low.float()).clamp_min(1e-8) / (2**bits - 1)
+
+
 def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     """values (..., d) within [low, high] (same shape) -> codes (..., d * bits // 8) uint8."""
-    levels = 2**bits - 1
-    scale = (high.float() - low.float()).clamp_min(1e-8) / levels
-    codes = ((values.float() - low.float()) / scale).round_().clamp_(0, levels).to(torch.uint8)
+    codes = ((values.float() - low.float()) / code_step(low, high, bits)).round_().clamp_(0, 2**bits - 1)
+    codes = codes.to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
 
 
@@ -43,8 +47,7 @@ def dequantize(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     """The inverse of `quantize`: codes (..., d * bits // 8) -> float32 (..., d)."""
     if bits == 4:
         codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-    levels = 2**bits - 1
-    return low.float() + codes.float() * ((high.float() - low.float()).clamp_min(1e-8) / levels)
+    return low.float() + codes.float() * code_step(low, high, bits)
 
 
 @dataclass
@@ -110,9 +113,8 @@ class ColdLayer:
             keys[:, 1::2, : self.length] = codes >> 4
         else:
             keys[:, :, : self.length] = codes
-        low = self.key_low.float().transpose(1, 2).unsqueeze(3)
-        step = (self.key_high.float().transpose(1, 2).unsqueeze(3) - low).clamp_min(1e-8) / (2**bits - 1)
-        keys.view(heads, dim, pages, PAGE_TOKENS).mul_(step).add_(low)
+        low, high = (ranges.float().transpose(1, 2).unsqueeze(3) for ranges in (self.key_low, self.key_high))
+        keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
         return keys[:, :, : self.length].transpose(1, 2)
 
     def values(self, indices: Tensor, bits: int) -> Tensor:
