@@ -207,6 +207,9 @@ def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages
     question = max(usage.prompt_tokens for usage in usages)
     bound = (doc.config.budget_for(n, doc.cache.sink_tokens) + recall_tokens(args.recall, n) + question) / n
     recalled = statistics.median(usage.recalled_tokens for usage in usages) / len(doc.cache.layers)
+    # While the question is read, one layer at a time holds its cold keys and values dequantised (float32).
+    head_dim = doc.cache.layers[0].keys.shape[2]
+    decoded = max(2 * layer.positions.numel() * head_dim * 4 for layer in doc.cold_tier.layers)
 
     def met(ok: bool) -> str:
         return "yes" if ok else "**no**"
@@ -223,6 +226,8 @@ def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages
          f"{disk_16:.3f} at 16 bits", f"<= {DISK_TARGET}", met(disk <= DISK_TARGET)),
         ("resident KV while answering / full (peak, from tensors)", f"{peak:.3f}",
          f"<= keep + recall + question = {bound:.3f}", met(peak <= bound)),
+        ("beside it while the question is read: one layer's cold entries dequantised / full",
+         f"{decoded / stats.full_cache_bytes:.3f} ({decoded / 2**20:,.1f} MiB, transient)", "", ""),
     ]
 
 

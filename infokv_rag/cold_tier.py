@@ -43,11 +43,16 @@ def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
 
 
-def dequantize(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
-    """The inverse of `quantize`: codes (..., d * bits // 8) -> float32 (..., d)."""
+def unpack(codes: Tensor, bits: int) -> Tensor:
+    """codes (..., d * bits // 8) uint8 -> the code of each channel (..., d) as float32."""
     if bits == 4:
         codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-    return low.float() + codes.float() * code_step(low, high, bits)
+    return codes.float()
+
+
+def dequantize(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
+    """The inverse of `quantize`: codes (..., d * bits // 8) -> float32 (..., d)."""
+    return low.float() + unpack(codes, bits) * code_step(low, high, bits)
 
 
 @dataclass
@@ -117,14 +122,19 @@ class ColdLayer:
         keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
         return keys[:, :, : self.length].transpose(1, 2)
 
-    def values(self, indices: Tensor, bits: int) -> Tensor:
-        """Dequantised values (kv_heads, k, head_dim) float32 of entries `indices` (kv_heads, k)."""
-        low, high = gather_tokens(self.value_low, indices), gather_tokens(self.value_high, indices)
-        return dequantize(gather_tokens(self.value_codes, indices), *_per_channel(low, high, self.head_dim), bits)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.key_low.shape[-1])
+    def all_values(self, bits: int) -> Tensor:
+        """Every dequantised value (kv_heads, m, head_dim) float32, in position order."""
+        heads, m, groups = self.value_low.shape
+        values = torch.empty(heads, m, self.value_codes.shape[2] * 8 // bits, device=self.value_codes.device)
+        if bits == 4:
+            values[:, :, 0::2] = self.value_codes & 15
+            values[:, :, 1::2] = self.value_codes >> 4
+        else:
+            values.copy_(self.value_codes)
+        low, high = self.value_low.unsqueeze(3), self.value_high.unsqueeze(3)
+        grouped = values.view(heads, m, groups, -1)
+        grouped.mul_(code_step(low, high, bits)).add_(low.float())
+        return values
 
 
 def value_group(head_dim: int) -> int:

@@ -43,7 +43,9 @@ def _attention(
         )
     recall: Recall | None = kwargs.get("infokv_recall")
     if recall is not None:
-        key, value = recall.extend(cast(int, module.layer_idx), query, scaling or query.shape[-1] ** -0.5)
+        recalled = recall.attend(cast(int, module.layer_idx), query, scaling or query.shape[-1] ** -0.5)
+        if recalled is not None:
+            return recalled.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < q_len < kv_len:

@@ -1,13 +1,15 @@
 """Recall: while a question is prefilled, each layer brings back the cold entries its queries need.
 
-For every layer, the question's queries score each cold entry by the attention it would receive: its
-share of each query's softmax over the layer's hot keys (the question's own causally) and all cold keys,
-summed over the KV group's query heads and the question's tokens. The best entries, up to the recall
-budget per KV head, are dequantised and put into the answer's own working cache ahead of the question,
-so the question and the answer attend to them. Scoring reads every cold key of the layer (half of the
-cold tier's bytes; values are read only for the recalled entries): page upper bounds of q.k (Quest)
-would read less, but ranked the entries that answers need far worse on the real-document dev split
-(README, "Cold tier"). The document's cache is never modified: a recall lives and dies with one answer.
+For every layer, the question attends to every entry the document had: the hot cache, the question's own
+tokens (causally) and every cold entry, dequantised, so the question is read as over the full cache, up to
+the cold codes' precision. Each cold entry's share of that attention, summed over its KV group's query heads
+and the question's tokens, ranks it; the best entries, up to the recall budget per KV head, are put into
+the answer's own working cache ahead of the question, and the answer decodes over hot + recalled entries.
+Attending over everything once costs what scoring alone did plus one product with the values: the
+question's queries read every cold key and value of the layer, one layer at a time, while the answer's
+tokens read only what was recalled. Page upper bounds of q.k (Quest) would read less, but ranked the
+entries that answers need far worse on the real-document dev split (README, "Cold tier"). The document's
+cache is never modified: a recall lives and dies with one answer.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ RECALLED_SCORE = 1.0
 """Eviction priority of a recalled entry while answering: as high as the question's own tokens."""
 
 
-def attention_mass(query: Tensor, cold_keys: Tensor, hot_keys: Tensor, scaling: float) -> Tensor:
-    """The attention each cold entry would receive from the question.
+def attend_over_cold(
+    query: Tensor, cold_keys: Tensor, cold_values: Tensor, hot_keys: Tensor, hot_values: Tensor, scaling: float
+) -> tuple[Tensor, Tensor]:
+    """The question's attention over every entry of a layer, hot and cold, and each cold entry's share of it.
 
-    query: (heads, q, head_dim) of the question's q tokens; cold_keys: (kv_heads, m, head_dim); hot_keys:
-    (kv_heads, length, head_dim) whose last q are the question's own. Returns (kv_heads, m).
+    query: (heads, q, head_dim) of the question's q tokens; cold_keys, cold_values: (kv_heads, m, head_dim);
+    hot_keys, hot_values: (kv_heads, length, head_dim) whose last q are the question's own. Returns the
+    attention output (heads, q, head_dim) float32, what attention over the full cache gives up to the cold
+    codes' precision, and the attention mass of each cold entry summed over its KV group's query heads and
+    the question's tokens (kv_heads, m).
     """
     kv_heads, heads, q = cold_keys.shape[0], query.shape[0], query.shape[1]
     grouped = (query.float() * scaling).reshape(kv_heads, heads // kv_heads * q, -1)
-    # Products against channel-major keys are several times faster than against transposed token-major ones.
-    cold = torch.bmm(grouped, cold_keys.float().transpose(1, 2).contiguous())
+    # Products against channel-major keys (what `ColdLayer.all_keys` lays out) are several times faster
+    # than against transposed token-major ones.
+    cold = torch.bmm(grouped, cold_keys.float().transpose(1, 2))
     hot = torch.bmm(grouped, hot_keys.float().transpose(1, 2).contiguous())
     # A question token sees the question only up to itself.
     future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
@@ -47,8 +55,11 @@ def attention_mass(query: Tensor, cold_keys: Tensor, hot_keys: Tensor, scaling: 
     # would be a denormal, which CPUs compute tens of times slower.
     top = torch.maximum(cold.amax(dim=2, keepdim=True), hot.amax(dim=2, keepdim=True))
     cold.sub_(top).clamp_min_(NEGLIGIBLE).exp_()
-    total = cold.sum(dim=2, keepdim=True) + hot.sub_(top).exp_().sum(dim=2, keepdim=True)
-    return torch.bmm(total.reciprocal().transpose(1, 2), cold).squeeze(1)
+    hot.sub_(top).exp_()
+    inverse_total = (cold.sum(dim=2, keepdim=True) + hot.sum(dim=2, keepdim=True)).reciprocal_()
+    mass = torch.bmm(inverse_total.transpose(1, 2), cold).squeeze(1)
+    output = torch.bmm(cold, cold_values.float()).add_(torch.bmm(hot, hot_values.float())).mul_(inverse_total)
+    return output.reshape(heads, q, -1), mass
 
 
 @dataclass
@@ -61,26 +72,38 @@ class Recall:
     recalled: list[int] = field(default_factory=list)
     """Entries recalled per KV head, one count per layer that has run."""
 
-    def extend(self, layer_index: int, query: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
-        """Recalls for one layer whose question tokens were just appended to `session`.
+    def attend(self, layer_index: int, query: Tensor, scaling: float) -> Tensor | None:
+        """Attention of one layer whose question tokens were just appended to `session`, and its recall.
 
-        query: (1, heads, q, head_dim) of those q tokens. Returns the layer's keys and values
-        (1, kv_heads, length, head_dim) with the recalled entries ahead of the question.
+        query: (1, heads, q, head_dim) of those q tokens. The question attends to every entry of the layer,
+        hot and cold (dequantised), as it would over the full cache; the cold entries that received the
+        most of that attention, up to the budget per KV head, go into `session` ahead of the question, for
+        the answer to decode over. Returns the attention output (1, heads, q, head_dim), or None when the
+        layer evicted nothing (plain attention over `session` is then the same).
         """
         cold = self.cold.layers[layer_index]
         layer = self.session.layers[layer_index]
         count = min(self.tokens, cold.length)
+        self.recalled.append(count)
+        if not cold.length:
+            return None
+        device = query.device
+        cold_keys, cold_values = cold.all_keys(self.cold.bits), cold.all_values(self.cold.bits)
+        output, mass = attend_over_cold(
+            query[0],
+            cold_keys.to(device),
+            cold_values.to(device),
+            layer.live("keys"),
+            layer.live("values"),
+            scaling,
+        )
         if count:
-            device = query.device
-            cold_keys = cold.all_keys(self.cold.bits)
-            mass = attention_mass(query[0], cold_keys.to(device), layer.live("keys"), scaling)
             indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
             layer.insert(
                 query.shape[2],
                 gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
-                cold.values(indices, self.cold.bits).to(device=device, dtype=layer.values.dtype),
+                gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
                 cold.positions.gather(1, indices).to(device),
                 torch.full((count,), RECALLED_SCORE, device=device),
             )
-        self.recalled.append(count)
-        return layer.live("keys").unsqueeze(0), layer.live("values").unsqueeze(0)
+        return output.unsqueeze(0).to(query.dtype)

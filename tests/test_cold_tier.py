@@ -16,25 +16,31 @@ from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-from infokv_rag.recall import attention_mass
+from infokv_rag.recall import attend_over_cold
 from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
 
 from .conftest import CORPUS
 
 TEXT = " ".join(CORPUS * 8)
 QUESTION = "What is the notice period?"
+ANSWER = "The notice period is thirty days, in writing."
 
 
-def question_log_probs(document: CompressedDocument, recall: int) -> torch.Tensor:
-    """Log-probabilities (q, vocab) over the question tokens, recalling `recall` entries per (layer, KV head)."""
+def log_probs(document: CompressedDocument, recall: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities (tokens, vocab) over the question, recalling `recall` entries per (layer, KV head),
+    and over ANSWER fed after it."""
     engine = document.engine
     ids = engine.prompt.conversation_ids(question_turns(QUESTION))
-    n = document.cache.document_tokens
-    session, plan = working_session(document, len(ids), recall)
+    answer = engine.tokenizer.encode(ANSWER, add_special_tokens=False)
+    n, q = document.cache.document_tokens, len(ids)
+    session, plan = working_session(document, q + len(answer), recall)
     assert (plan is not None) == bool(recall)
     with torch.inference_mode():
-        hidden = engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
-        return torch.log_softmax(engine.runner.logits(hidden), dim=-1)
+        asked = engine.runner.forward(torch.tensor(ids), torch.arange(n, n + q), session, recall=plan)
+        answered = engine.runner.forward(torch.tensor(answer), torch.arange(n + q, n + q + len(answer)), session)
+    return torch.log_softmax(engine.runner.logits(asked), dim=-1), torch.log_softmax(
+        engine.runner.logits(answered), dim=-1
+    )
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -63,8 +69,7 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
         together = torch.cat([hot.positions, cold.positions], dim=1).sort(dim=1).values
         assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
         assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
-        indices = torch.arange(cold.length).expand(cold.positions.shape[0], -1)
-        keys, values = cold.all_keys(bits), cold.values(indices, bits)
+        keys, values = cold.all_keys(bits), cold.all_values(bits)
         original_keys = torch.gather(whole.keys, 1, cold.positions.unsqueeze(-1).expand_as(keys))
         original_values = torch.gather(whole.values, 1, cold.positions.unsqueeze(-1).expand_as(values))
         # Within half a step of each page's (keys) or group's (values) range, which spans at most twice
@@ -91,24 +96,29 @@ def test_page_ranges_bound_the_keys_and_their_dot_products() -> None:
         assert bool((exact[:, :, pages == page] <= upper + 1e-2).all())
 
 
-def test_attention_mass_is_the_share_of_attention_each_cold_entry_would_get() -> None:
+def test_the_question_attends_to_every_entry_and_ranks_the_cold_ones_by_their_share() -> None:
     torch.manual_seed(2)
     heads, kv_heads, q, dim = 4, 2, 3, 8
     query, cold, hot = torch.randn(heads, q, dim), torch.randn(kv_heads, 10, dim), torch.randn(kv_heads, 7, dim)
-    mass = attention_mass(query, cold, hot, 0.5)
+    cold_values, hot_values = torch.randn(kv_heads, 10, dim), torch.randn(kv_heads, 7, dim)
+    output, mass = attend_over_cold(query, cold, cold_values, hot, hot_values, 0.5)
     # Directly: all keys with the hot ones last, a bottom-right causal mask over the question's own q.
     keys = torch.cat([cold, hot], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+    values = torch.cat([cold_values, hot_values], dim=1).repeat_interleave(heads // kv_heads, dim=0)
     logits = query @ keys.transpose(1, 2) * 0.5
     logits[:, :, -q:] += torch.full((q, q), -torch.inf).triu(1)
-    probs = torch.softmax(logits, dim=-1)[:, :, :10]
-    expected = probs.reshape(kv_heads, heads // kv_heads, q, 10).sum(dim=(1, 2))
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.allclose(output, probs @ values, atol=1e-5)
+    expected = probs[:, :, :10].reshape(kv_heads, heads // kv_heads, q, 10).sum(dim=(1, 2))
     assert torch.allclose(mass, expected, atol=1e-5)
     # Logits hundreds apart: the shares stay finite and rank the entries as exactly computed ones do.
-    sharp = attention_mass(query * 100, cold, hot, 0.5)
+    sharp_output, sharp = attend_over_cold(query * 100, cold, cold_values, hot, hot_values, 0.5)
     logits = query @ keys.transpose(1, 2) * 50
     logits[:, :, -q:] += torch.full((q, q), -torch.inf).triu(1)
-    expected = torch.softmax(logits.double(), dim=-1)[:, :, :10].reshape(kv_heads, -1, 10).sum(dim=1).float()
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected = probs[:, :, :10].reshape(kv_heads, -1, 10).sum(dim=1).float()
     assert bool(sharp.isfinite().all()) and torch.allclose(sharp, expected, atol=1e-5)
+    assert torch.allclose(sharp_output, (probs @ values.double()).float(), atol=1e-4)
 
 
 @pytest.mark.parametrize("chunk_size", [2048, 64])
@@ -118,12 +128,14 @@ def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngin
     config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size)
     doc = random_engine.ingest_text(TEXT, config)
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
-    reference = question_log_probs(full, 0)
-    without = kl(reference, question_log_probs(doc, 0))
-    everything = kl(reference, question_log_probs(doc, doc.cache.document_tokens))
-    some = kl(reference, question_log_probs(doc, 64))
-    assert everything < 1e-6 < without
-    assert everything < some < without
+    reference_question, reference_answer = log_probs(full, 0)
+    question, answer = {}, {}
+    for name, recall in (("without", 0), ("some", 64), ("everything", doc.cache.document_tokens)):
+        asked, answered = log_probs(doc, recall)
+        question[name], answer[name] = kl(reference_question, asked), kl(reference_answer, answered)
+    # The question reads every entry whatever the budget; the answer reads the hot and the recalled ones.
+    assert question["everything"] < 1e-6 and question["some"] < 1e-6 < question["without"]
+    assert answer["everything"] < 1e-6 < answer["some"] < answer["without"]
 
 
 def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine: InfoKVEngine) -> None:
@@ -170,9 +182,7 @@ def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:
     assert CompressionConfig(recall=0.1).to_dict()["recall"] == 0.1
 
 
-def test_a_saved_cold_tier_is_mapped_verified_and_answers_the_same(
-    random_engine: InfoKVEngine, tmp_path: Path
-) -> None:
+def test_a_saved_cold_tier_is_mapped_verified_and_answers_the_same(random_engine: InfoKVEngine, tmp_path: Path) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
     answer = doc.ask(QUESTION, max_new_tokens=8)
     path = doc.save(tmp_path / "doc")
