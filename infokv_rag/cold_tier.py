@@ -43,18 +43,6 @@ def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
 
 
-def unpack(codes: Tensor, bits: int) -> Tensor:
-    """codes (..., d * bits // 8) uint8 -> the code of each channel (..., d) as float32."""
-    if bits == 4:
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-    return codes.float()
-
-
-def dequantize(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
-    """The inverse of `quantize`: codes (..., d * bits // 8) -> float32 (..., d)."""
-    return low.float() + unpack(codes, bits) * code_step(low, high, bits)
-
-
 @dataclass
 class ColdLayer:
     """One layer's evicted entries, quantised; shapes in the module docstring."""

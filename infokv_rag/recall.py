@@ -97,13 +97,12 @@ class Recall:
             layer.live("values"),
             scaling,
         )
-        if count:
-            indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
-            layer.insert(
-                query.shape[2],
-                gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
-                gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
-                cold.positions.gather(1, indices).to(device),
-                torch.full((count,), RECALLED_SCORE, device=device),
-            )
+        indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
+        layer.insert(
+            query.shape[2],
+            gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
+            gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
+            cold.positions.gather(1, indices).to(device),
+            torch.full((count,), RECALLED_SCORE, device=device),
+        )
         return output.unsqueeze(0).to(query.dtype)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier, dequantize, quantize
+from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier
 from infokv_rag.config import recall_tokens
 from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
@@ -50,13 +50,18 @@ def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_codes_round_trip_within_half_a_step(bits: int) -> None:
     torch.manual_seed(0)
-    values = torch.randn(2, 5, 16) * 3
-    low, high = values.amin(dim=-1, keepdim=True), values.amax(dim=-1, keepdim=True)
-    codes = quantize(values, low.expand_as(values), high.expand_as(values), bits)
-    assert codes.dtype == torch.uint8 and codes.shape == (2, 5, 16 * bits // 8)
-    restored = dequantize(codes, low.expand_as(values), high.expand_as(values), bits)
-    step = (high - low) / (2**bits - 1)
-    assert bool(((restored - values).abs() <= step / 2 + 1e-5).all())
+    heads, m, dim = 2, 2 * PAGE_TOKENS + 5, 64
+    keys, values = torch.randn(heads, m, dim) * 3, torch.randn(heads, m, dim)
+    cold = ColdTier.build([[(keys, values, torch.arange(m).expand(heads, -1))]], bits).layers[0]
+    assert cold.key_codes.dtype == torch.uint8 and cold.key_codes.shape == (heads, m, dim * bits // 8)
+    # Keys: per channel within a page of PAGE_TOKENS entries.
+    page = torch.arange(m) // PAGE_TOKENS
+    step = (cold.key_high.float() - cold.key_low.float())[:, page] / (2**bits - 1)
+    assert bool(((cold.all_keys(bits) - keys).abs() <= step / 2 + 1e-3).all())
+    # Values: per token in groups of channels.
+    step = (cold.value_high.float() - cold.value_low.float()) / (2**bits - 1)
+    step = step.repeat_interleave(dim // step.shape[-1], dim=-1)
+    assert bool(((cold.all_values(bits) - values).abs() <= step / 2 + 1e-3).all())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
