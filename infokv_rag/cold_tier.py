@@ -43,6 +43,16 @@ def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
 
 
+def unpack_into(out: Tensor, codes: Tensor, bits: int) -> None:
+    """Writes the code of each channel, codes (..., d * bits // 8) uint8, into `out` (..., d) float32 (a view
+    of any layout: the decoders lay keys out channel-major)."""
+    if bits == 4:
+        out[..., 0::2] = codes & 15
+        out[..., 1::2] = codes >> 4
+    else:
+        out.copy_(codes)
+
+
 @dataclass
 class ColdLayer:
     """One layer's evicted entries, quantised; shapes in the module docstring."""
@@ -100,12 +110,7 @@ class ColdLayer:
         """
         heads, pages, dim = self.key_low.shape
         keys = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
-        codes = self.key_codes.transpose(1, 2)
-        if bits == 4:
-            keys[:, 0::2, : self.length] = codes & 15
-            keys[:, 1::2, : self.length] = codes >> 4
-        else:
-            keys[:, :, : self.length] = codes
+        unpack_into(keys.transpose(1, 2)[:, : self.length], self.key_codes, bits)
         low, high = (ranges.float().transpose(1, 2).unsqueeze(3) for ranges in (self.key_low, self.key_high))
         keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
         return keys[:, :, : self.length].transpose(1, 2)
@@ -114,11 +119,7 @@ class ColdLayer:
         """Every dequantised value (kv_heads, m, head_dim) float32, in position order."""
         heads, m, groups = self.value_low.shape
         values = torch.empty(heads, m, self.value_codes.shape[2] * 8 // bits, device=self.value_codes.device)
-        if bits == 4:
-            values[:, :, 0::2] = self.value_codes & 15
-            values[:, :, 1::2] = self.value_codes >> 4
-        else:
-            values.copy_(self.value_codes)
+        unpack_into(values, self.value_codes, bits)
         low, high = self.value_low.unsqueeze(3), self.value_high.unsqueeze(3)
         grouped = values.view(heads, m, groups, -1)
         grouped.mul_(code_step(low, high, bits)).add_(low.float())
