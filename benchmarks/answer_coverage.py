@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.quality import progress
-from benchmarks.realdocs import answer_matches, load_realdocs
+from benchmarks.realdocs import SPLITS, answer_matches, load_realdocs
 from benchmarks.realdocs_quality import (
     FULL_ROW,
     NO_DOCUMENT_ROW,
@@ -88,7 +88,7 @@ def verdicts(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--split", default="dev", choices=("dev", "test"))
+    parser.add_argument("--split", default="dev", choices=SPLITS)
     parser.add_argument("--docs", nargs="+", default=None, help="only these document ids")
     parser.add_argument("--rows", nargs="+", required=True, help="rows as in benchmarks.realdocs_quality")
     parser.add_argument("--model", default="default")

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, mean_kl, progress, run_kvpress_peer
-from benchmarks.realdocs import KINDS, RealDoc, answer_matches, load_realdocs
+from benchmarks.realdocs import KINDS, SPLITS, RealDoc, answer_matches, load_realdocs
 from benchmarks.variants import teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.documents import Document, Page, load_document
@@ -589,7 +589,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="default")
-    parser.add_argument("--split", choices=["dev", "test"], default="test")
+    parser.add_argument("--split", choices=SPLITS, default="test")
     parser.add_argument("--docs", nargs="+", metavar="ID", help="only these documents of the split")
     parser.add_argument("--questions", type=int, metavar="N", help="only the first N questions of each document")
     parser.add_argument(

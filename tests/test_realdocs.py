@@ -46,6 +46,8 @@ def test_split_is_fixed() -> None:
         questions[entry["split"]] += len(entry["questions"])
     assert (documents["dev"], questions["dev"]) == (5, 47)
     assert (documents["test"], questions["test"]) == (7, 68)
+    assert (documents["fresh"], questions["fresh"]) == (4, 36)
+    assert set(documents) == set(SPLITS)
 
 
 @pytest.mark.parametrize("entry", COMMITTED, ids=[entry["id"] for entry in COMMITTED])
@@ -61,3 +63,6 @@ def test_load_realdocs_selects_documents_by_id(tmp_path: Any) -> None:
     test_only = next(entry["id"] for entry in MANIFEST if entry["split"] == "test")
     with pytest.raises(ValueError, match=test_only):
         load_realdocs("dev", cache_dir=tmp_path, doc_ids=[test_only])
+    fresh_only = next(entry["id"] for entry in MANIFEST if entry["split"] == "fresh")
+    with pytest.raises(ValueError, match=f"no document {fresh_only} in the test split"):
+        load_realdocs("test", cache_dir=tmp_path, doc_ids=[fresh_only])
