@@ -37,6 +37,32 @@ class LayerKV:
 
 
 @dataclass
+class EvictedSummary:
+    """Stand-ins for the entries one layer evicted (`infokv_rag.summaries`).
+
+    keys, values: (kv_heads, m, head_dim), each cluster's mean key and mean value; log_counts: (kv_heads, m)
+    float32, the log of how many evicted entries each stands for (-inf: none), added to its attention logit.
+    """
+
+    keys: Tensor
+    values: Tensor
+    log_counts: Tensor
+
+    @classmethod
+    def empty(cls, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> EvictedSummary:
+        keys = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        return cls(keys, keys.clone(), torch.empty(kv_heads, 0, device=device))
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.log_counts))
+
+
+@dataclass
 class DocumentCache:
     """The compressed cache of one document; never modified after ingestion."""
 
@@ -45,23 +71,36 @@ class DocumentCache:
     """n: the uncompressed length, and the position the first question token takes."""
     sink_tokens: int = 4
     """Leading positions that are never evicted (attention sinks, and the prompt head when protected)."""
+    summaries: list[EvictedSummary] | None = None
+    """Per layer, the stand-ins for its evicted entries, when the config keeps them."""
 
     @property
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of stored keys and values."""
-        return sum(layer.nbytes for layer in self.layers)
+    def summary_tokens(self) -> int:
+        return summary_tokens(self.summaries)
 
-    def working_copy(self, extra_tokens: int) -> KVCache:
-        """A growable copy for answering a question; the document tensors stay untouched."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored keys and values, summaries included."""
+        return sum(layer.nbytes for layer in self.layers) + sum(summary.nbytes for summary in self.summaries or [])
+
+    def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
+        """A growable copy for answering a question (with the summaries, if any and `summaries`); the document
+        tensors stay untouched."""
         first = self.layers[0]
         cache = KVCache(len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device)
         for index, layer in enumerate(self.layers):
             cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
+        cache.summaries = self.summaries if summaries else None
         return cache
+
+
+def summary_tokens(summaries: list[EvictedSummary] | None) -> int:
+    """The most summary entries any layer has (per KV head); 0 without summaries."""
+    return max((summary.length for summary in summaries or []), default=0)
 
 
 def gather_tokens(tensor: Tensor, indices: Tensor) -> Tensor:
@@ -152,11 +191,13 @@ class KVCache:
 
     The model runner sets `pending_positions` (q,) and `pending_scores` (q,) before each forward; every
     layer's `update` appends its new keys and values with them and returns the layer's live tensors
-    (1, kv_heads, length, head_dim), which is what the attention layers expect.
+    (1, kv_heads, length, head_dim), which is what the attention layers expect. `summaries`, when set, are
+    attended to beside every layer's entries (never modified, never evicted).
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.layers = [_LayerBuffer(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+        self.summaries: list[EvictedSummary] | None = None
         self.pending_positions = torch.empty(0, dtype=torch.long, device=device)
         self.pending_scores = torch.empty(0, dtype=torch.float32, device=device)
 
@@ -173,13 +214,19 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live keys and values over all layers."""
-        return sum(2 * layer.live("keys").numel() * layer.keys.element_size() for layer in self.layers)
+        """Bytes of the live keys and values over all layers, summaries included."""
+        entries = sum(2 * layer.live("keys").numel() * layer.keys.element_size() for layer in self.layers)
+        return entries + sum(summary.nbytes for summary in self.summaries or [])
+
+    @property
+    def summary_tokens(self) -> int:
+        """The most summary entries a layer attends to beside its own (per KV head)."""
+        return summary_tokens(self.summaries)
 
     @property
     def resident_tokens(self) -> int:
-        """Tokens held over all layers (per KV head)."""
-        return sum(self.lengths)
+        """Tokens held over all layers (per KV head), summaries included."""
+        return sum(self.lengths) + sum(summary.length for summary in self.summaries or [])
 
     def rollback(self, lengths: list[int]) -> None:
         """Drops every entry appended after the cache had these per-layer `lengths`."""
@@ -188,5 +235,7 @@ class KVCache:
                 raise ValueError(f"cannot roll a layer of {layer.length} entries back to {length}")
             layer.length = length
 
-    def freeze(self, document_tokens: int, sink_tokens: int) -> DocumentCache:
-        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens, sink_tokens)
+    def freeze(
+        self, document_tokens: int, sink_tokens: int, summaries: list[EvictedSummary] | None = None
+    ) -> DocumentCache:
+        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens, sink_tokens, summaries)

@@ -97,6 +97,12 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cold-bits", type=int, choices=COLD_BITS, default=4, help="width of the cold tier's codes (with --recall)"
     )
+    parser.add_argument(
+        "--summaries",
+        type=int,
+        default=CompressionConfig.summaries,
+        help="entries per layer and KV head that stand in for the evicted ones, within --keep; 0: none",
+    )
     _add_model_options(parser)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
     _add_verbose(parser)
@@ -175,7 +181,9 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> CompressionConfig:
-    return CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, cold_bits=args.cold_bits)
+    return CompressionConfig(
+        method=args.method, keep=args.keep, recall=args.recall, cold_bits=args.cold_bits, summaries=args.summaries
+    )
 
 
 def _calibrate(args: argparse.Namespace) -> int:

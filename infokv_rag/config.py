@@ -94,6 +94,9 @@ class CompressionConfig:
     document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
     cold_bits: int = 4
     """Width of the cold tier's codes: 4 or 8."""
+    summaries: int = 16
+    """Entries per (layer, KV head) that stand in for the evicted ones (`infokv_rag.summaries`: centroids of
+    their keys, weighted by how many each stands for), taken from the keep budget; 0: none."""
     settings: MethodSettings | Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,10 +114,14 @@ class CompressionConfig:
         if self.recall and not method.compresses:
             # Nothing is evicted, so no answer could ever recall anything: every ask would fail instead.
             raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
+        if isinstance(self.summaries, bool) or not isinstance(self.summaries, int) or self.summaries < 0:
+            raise ConfigError(f"summaries must be a count >= 0, not {self.summaries!r}")
         if self.cold_bits not in COLD_BITS:
             raise ConfigError(f"cold_bits must be one of {COLD_BITS}, got {self.cold_bits}")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
+        if not method.compresses:
+            object.__setattr__(self, "summaries", 0)  # nothing is evicted, so nothing to stand in for
         object.__setattr__(self, "settings", method.settings_from(self.settings))
 
     @property
@@ -129,6 +136,8 @@ class CompressionConfig:
         if not self.method_spec.compresses:
             return document_tokens
         wanted = round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep
+        if wanted < document_tokens:
+            wanted -= self.summaries  # they take their place in the budget
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
         return min(document_tokens, max(wanted, protected))
 
@@ -139,12 +148,14 @@ class CompressionConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.
 
-        Without a cold tier its fields are left out: such a config reads as it did before they existed
-        (saved caches and their store keys keep their meaning).
+        Without a cold tier its fields are left out, and so is `summaries` when 0: such a config reads as it
+        did before they existed (saved caches and their store keys keep their meaning).
         """
         data = dataclasses.asdict(self)
         if not self.recall:
             del data["recall"], data["cold_bits"]
+        if not self.summaries:
+            del data["summaries"]
         return data
 
     def cache_identity(self) -> dict[str, Any]:
@@ -157,8 +168,9 @@ class CompressionConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:
+        """The config `to_dict` gave; a dict without `summaries` was written before they existed (none)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
-        return cls(**data)
+        return cls(**{"summaries": 0, **data})

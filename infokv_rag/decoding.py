@@ -40,13 +40,14 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"({options.max_new_tokens}) is {needed} tokens, more than the model's context window of "
             f"{engine.context_window}; shorten the question or lower max_new_tokens"
         )
-    protected = document.cache.sink_tokens + len(suffix) + document.config.window
+    budget = recall_budget(document, options.recall)
+    summaries = 0 if budget else document.cache.summary_tokens
+    protected = document.cache.sink_tokens + len(suffix) + document.config.window + summaries
     if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
         raise ConfigError(
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
-            f"({len(suffix)} tokens) and the recent window need {protected + options.eviction_slack}"
+            f"({len(suffix)} tokens), the recent window and the summaries need {protected + options.eviction_slack}"
         )
-    budget = recall_budget(document, options.recall)
     if options.max_cache_tokens is not None:
         # No more than fits beside what eviction must keep.
         budget = min(budget, options.max_cache_tokens - protected - options.eviction_slack)
@@ -69,9 +70,11 @@ def recall_budget(document: CompressedDocument, recall: float | int | None) -> i
 def working_session(document: CompressedDocument, extra_tokens: int, recall: int) -> tuple[KVCache, Recall | None]:
     """A working copy of the document's cache with room for `extra_tokens` and `recall` cold entries per
     layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
-    session = document.cache.working_copy(extra_tokens + recall)
     cold = document.cold_tier
-    return session, Recall(cold, session, recall) if cold is not None and recall else None
+    reads_cold = cold is not None and recall > 0
+    # A question that reads the cold tier itself has no use for its summaries (they would count it twice).
+    session = document.cache.working_copy(extra_tokens + recall, summaries=not reads_cold)
+    return session, Recall(cold, session, recall) if cold is not None and reads_cold else None
 
 
 def _decode(
@@ -104,7 +107,7 @@ def _decode(
             logits = runner.logits(hidden[-1])
         if recall is not None:
             usage.recalled_tokens, recall = sum(recall.recalled), None
-        usage.max_resident_tokens = max(usage.max_resident_tokens, *session.lengths)
+        usage.max_resident_tokens = max(usage.max_resident_tokens, max(session.lengths) + session.summary_tokens)
         usage.peak_cache_bytes = max(usage.peak_cache_bytes, session.nbytes)
         position += len(pending)
         token = sampler(logits)
@@ -136,8 +139,8 @@ def _evict(
     question_end: int,
 ) -> None:
     """Evicts the lowest-scored tokens of each layer so that `incoming` more fit under the cap."""
-    cap = options.max_cache_tokens
-    assert cap is not None
+    assert options.max_cache_tokens is not None
+    cap = options.max_cache_tokens - session.summary_tokens
     if max(session.lengths) + incoming <= cap:
         return
     target = max(cap - incoming - options.eviction_slack + 1, 0)

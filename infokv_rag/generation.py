@@ -146,7 +146,7 @@ class Usage:
     finish_reason: str | None = None
     time_to_first_token: float | None = None
     max_resident_tokens: int = 0
-    """Most tokens held by any layer (per KV head) while answering."""
+    """Most tokens held by any layer (per KV head) while answering, its summaries included."""
     peak_cache_bytes: int = 0
     """Most bytes of keys and values the answer's working cache held over all layers (document entries,
     recalled ones, the question and the answer so far), counted from its live tensors."""

@@ -6,8 +6,9 @@ input (when the method reads it), a reconstruction pass (when the method reads i
 tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
 (always after the last chunk) every layer is scored by the method's scorer and cut to its budget. So a
 layer never holds more than budget + chunk tokens; with global layer budgets the layers together never
-hold more than layers x (budget + chunk). A config that keeps a cold tier holds every entry until the
-end, and is compressed once, after the last chunk.
+hold more than layers x (budget + chunk). What each compression drops is folded into the layer's summaries
+(`infokv_rag.summaries`) when the config keeps them. A config that keeps a cold tier holds every entry
+until the end, and is compressed once, after the last chunk.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .cache import DocumentCache, KVCache, gather_tokens
+from .cache import DocumentCache, EvictedSummary, KVCache, gather_tokens
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
@@ -37,6 +38,7 @@ from .signals import (
     LayerSignals,
     SignalCapture,
 )
+from .summaries import absorb
 
 if TYPE_CHECKING:
     from .engine import InfoKVEngine
@@ -143,6 +145,10 @@ class Ingestion:
             [[] for _ in range(self.runner.num_layers)] if config.keeps_cold_tier else None
         )
         """Per layer, the (keys, values, positions) each compression dropped, when a cold tier is kept."""
+        self.summaries: list[EvictedSummary | None] | None = (
+            [None] * self.runner.num_layers if config.summaries and config.method_spec.compresses else None
+        )
+        """Per layer, the summary of what compressions dropped so far, when the config keeps summaries."""
 
     @torch.inference_mode()
     def run(self, progress: ProgressCallback | None) -> IngestionResult:
@@ -154,13 +160,19 @@ class Ingestion:
                 capture = signal_capture(self.engine, self.config.window, self.scorer.signals)
                 hidden = self.forward_chunk(cache, capture, start, end)
                 self.score_and_compress(cache, capture, hidden, start, end)
-            self.peak_resident = max(self.peak_resident, cache.resident_tokens)
+            held = sum(summary.length for summary in self.summaries or [] if summary is not None)
+            self.peak_resident = max(self.peak_resident, cache.resident_tokens + held)
             if progress is not None:
                 progress(end, self.n)
         return self.finish(cache)
 
     def finish(self, cache: KVCache) -> IngestionResult:
-        frozen = cache.freeze(self.n, self.sinks)
+        summaries = None
+        if self.summaries is not None:
+            kv_heads, head_dim = self.runner.kv_heads, self.runner.head_dim
+            empty = EvictedSummary.empty(kv_heads, head_dim, self.runner.dtype, self.runner.device)
+            summaries = [summary if summary is not None else empty for summary in self.summaries]
+        frozen = cache.freeze(self.n, self.sinks, summaries)
         clock = time.perf_counter()
         cold = None
         if self.evicted is not None:
@@ -319,10 +331,16 @@ class Ingestion:
                 continue
             protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
             keep = select_tokens(layer_scores, protected, budget)
-            if self.evicted is not None:
-                self.evicted[index].append(layer.evict(keep))
-            else:
+            if self.evicted is None and self.summaries is None:
                 layer.retain(keep)
+            else:
+                dropped = layer.evict(keep)
+                if self.evicted is not None:
+                    self.evicted[index].append(dropped)
+                if self.summaries is not None:
+                    self.summaries[index] = absorb(
+                        self.summaries[index], *dropped[:2], self.config.summaries, self.config.seed + index
+                    )
             accumulated = self.accumulated[index]
             if accumulated is not None:
                 self.accumulated[index] = gather_tokens(accumulated, keep)

@@ -19,8 +19,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import KVCache
-from .recall import Recall
+from .cache import EvictedSummary, KVCache
+from .recall import Recall, attend_over_cold
 from .signals import ForwardCapture
 
 ATTENTION_NAME = "infokv_sdpa"
@@ -41,11 +41,25 @@ def _attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    layer_index = cast(int, module.layer_idx)
     recall: Recall | None = kwargs.get("infokv_recall")
     if recall is not None:
-        recalled = recall.attend(cast(int, module.layer_idx), query, scaling or query.shape[-1] ** -0.5)
+        recalled = recall.attend(layer_index, query, scaling or query.shape[-1] ** -0.5)
         if recalled is not None:
             return recalled.transpose(1, 2).contiguous(), None
+    summaries: list[EvictedSummary] | None = kwargs.get("infokv_summaries")
+    if summaries is not None and summaries[layer_index].length:
+        summary = summaries[layer_index]
+        output, _ = attend_over_cold(
+            query[0],
+            summary.keys,
+            summary.values,
+            key[0],
+            value[0],
+            scaling or query.shape[-1] ** -0.5,
+            summary.log_counts,
+        )
+        return output.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < q_len < kv_len:
@@ -102,7 +116,8 @@ class ModelRunner:
         """input_ids, positions: (q,) -> final normalised hidden states (q, hidden).
 
         Appends the tokens to every layer of `cache` (with `token_scores` (q,) as their eviction priority),
-        and with `recall`, ahead of them the cold entries their queries recall.
+        and with `recall`, ahead of them the cold entries their queries recall; the tokens attend to the
+        cache's summaries too, when it has them and no recall reads the cold tier itself.
         """
         cache.pending_positions = positions
         cache.pending_scores = (
@@ -122,6 +137,7 @@ class ModelRunner:
                 infokv_forward=True,
                 infokv_capture=capture,
                 infokv_recall=recall,
+                infokv_summaries=cache.summaries,
             )
             if capture is not None:
                 capture.record_layer_change(index, hidden[0], updated[0])

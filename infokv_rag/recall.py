@@ -30,7 +30,13 @@ RECALLED_SCORE = 1.0
 
 
 def attend_over_cold(
-    query: Tensor, cold_keys: Tensor, cold_values: Tensor, hot_keys: Tensor, hot_values: Tensor, scaling: float
+    query: Tensor,
+    cold_keys: Tensor,
+    cold_values: Tensor,
+    hot_keys: Tensor,
+    hot_values: Tensor,
+    scaling: float,
+    cold_log_counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The question's attention over every entry of a layer, hot and cold, and each cold entry's share of it.
 
@@ -38,13 +44,16 @@ def attend_over_cold(
     hot_keys, hot_values: (kv_heads, length, head_dim) whose last q are the question's own. Returns the
     attention output (heads, q, head_dim) float32, what attention over the full cache gives up to the cold
     codes' precision, and the attention mass of each cold entry summed over its KV group's query heads and
-    the question's tokens (kv_heads, m).
+    the question's tokens (kv_heads, m). `cold_log_counts` (kv_heads, m), when given, is added to the cold
+    logits: a cold entry that stands for several (`infokv_rag.summaries`) weighs in as that many.
     """
     kv_heads, heads, q = cold_keys.shape[0], query.shape[0], query.shape[1]
     grouped = (query.float() * scaling).reshape(kv_heads, heads // kv_heads * q, -1)
     # Products against channel-major keys (what `ColdLayer.all_keys` lays out) are several times faster
     # than against transposed token-major ones.
     cold = torch.bmm(grouped, cold_keys.float().transpose(1, 2))
+    if cold_log_counts is not None:
+        cold.add_(cold_log_counts.unsqueeze(1))
     hot = torch.bmm(grouped, hot_keys.float().transpose(1, 2).contiguous())
     # A question token sees the question only up to itself.
     future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)

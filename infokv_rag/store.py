@@ -4,16 +4,18 @@ A saved cache is a directory:
   manifest.json        format version, model fingerprint, config, document hash and page map, token
                        counts, stats, and the sha256 of every other file; itself checksummed
   tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
-                       (kv_heads, kept_L); information_reference (n,) when the method computed it
+                       (kv_heads, kept_L); with summaries (`infokv_rag.summaries`) summary_keys.L,
+                       summary_values.L (kv_heads, m_L, head_dim) and summary_log_counts.L (kv_heads, m_L);
+                       information_reference (n,) when the method computed it
   document.txt         the document text (page spans in the manifest index into it)
   cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
                        then memory-mapped from a local directory (a page is read when a question recalls it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 4 may hold a cold tier; format 3 stores the config as its shared fields plus `settings`, the
-method's own; format 2 (one flat dict of every field) is read too, each field that the method does not
-take dropped.
+Format 5 may hold summaries of the evicted entries; format 4 may hold a cold tier; format 3 stores the
+config as its shared fields plus `settings`, the method's own; format 2 (one flat dict of every field) is
+read too, each field that the method does not take dropped; a config without `summaries` had none.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 from safetensors.torch import load, save
 
 from . import scorers
-from .cache import DocumentCache, LayerKV
+from .cache import DocumentCache, EvictedSummary, LayerKV
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
@@ -49,13 +51,15 @@ from .ingestion import DocumentStats, ProgressCallback
 if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
+    from .model_runner import ModelRunner
 
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
 COLD = "cold.safetensors"
+SUMMARY_TENSORS = ("keys", "values", "log_counts")
 STALE_SECONDS = 3600.0
 """Leftover staging / retired directories of a save killed this long ago are removed by the next save."""
 
@@ -77,6 +81,9 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     for index, layer in enumerate(document.cache.layers):
         for name in ("keys", "values", "positions", "scores"):
             tensors[f"{name}.{index}"] = getattr(layer, name).detach().cpu().contiguous()
+    for index, summary in enumerate(document.cache.summaries or []):
+        for name in SUMMARY_TENSORS:
+            tensors[f"summary_{name}.{index}"] = getattr(summary, name).detach().cpu().contiguous()
     if document.information_reference is not None:
         tensors["information_reference"] = document.information_reference.detach().cpu().contiguous()
     tensor_bytes = save(tensors)
@@ -348,7 +355,8 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
-    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]))
+    summaries = _summaries(tensors, config, runner, path) if "summary_keys.0" in tensors or config.summaries else None
+    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]), summaries)
     cold = None
     if COLD in manifest["files"]:
         cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
@@ -361,6 +369,38 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         information.to(runner.device) if information is not None else None,
         cold,
     )
+
+
+def _summaries(
+    tensors: dict[str, torch.Tensor], config: CompressionConfig, runner: ModelRunner, path: str
+) -> list[EvictedSummary] | None:
+    """Each layer's summaries, checked against the model and the config (None when the config has none and
+    the cache holds none: a method that evicts nothing)."""
+    summaries = []
+    for index in range(runner.num_layers):
+        try:
+            summary = EvictedSummary(*(tensors[f"summary_{name}.{index}"] for name in SUMMARY_TENSORS))
+        except KeyError as exc:
+            if index == 0 and not config.method_spec.compresses:
+                return None
+            raise CacheStoreError(f"{path} lacks the summaries of layer {index}; ingest the document again") from exc
+        expected = (runner.kv_heads, summary.length, runner.head_dim)
+        if (
+            not 0 <= summary.length <= config.summaries
+            or tuple(summary.keys.shape) != expected
+            or summary.values.shape != summary.keys.shape
+            or tuple(summary.log_counts.shape) != expected[:2]
+            or bool((summary.log_counts.isnan() | (summary.log_counts == torch.inf)).any())
+        ):
+            raise CacheStoreError(f"{path} holds malformed summaries in layer {index}; ingest the document again")
+        summaries.append(
+            EvictedSummary(
+                summary.keys.to(device=runner.device, dtype=runner.dtype),
+                summary.values.to(device=runner.device, dtype=runner.dtype),
+                summary.log_counts.to(device=runner.device, dtype=torch.float32),
+            )
+        )
+    return summaries
 
 
 def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, torch.Tensor]:

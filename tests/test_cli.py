@@ -257,6 +257,8 @@ def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path)
         "0.1",
         "--cold-bits",
         "8",
+        "--summaries",
+        "8",
         cache_dir=tmp_path / "cache",
     )
     assert ingest.returncode == 0, ingest.stderr
@@ -266,6 +268,7 @@ def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path)
     assert info.returncode == 0, info.stderr
     described = json.loads(info.stdout)
     assert described["config"]["recall"] == 0.1 and described["config"]["cold_bits"] == 8
+    assert described["config"]["summaries"] == 8
     cold = described["cold_tier"]
     assert cold["bits"] == 8 and cold["bytes"] == saved["cold_bytes"] and cold["file_bytes"] > cold["bytes"]
 

@@ -130,7 +130,8 @@ def test_the_question_attends_to_every_entry_and_ranks_the_cold_ones_by_their_sh
 def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine, chunk_size: int) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     # In chunks too: with a cold tier, later chunks are computed over the whole document, not a compressed one.
-    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size)
+    # Without summaries: with no recall the answer then reads the hot cache alone.
+    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0)
     doc = random_engine.ingest_text(TEXT, config)
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
     reference_question, reference_answer = log_probs(full, 0)

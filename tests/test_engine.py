@@ -20,7 +20,13 @@ def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> N
         config = CompressionConfig(method=method, keep=0.25)
         doc = random_engine.ingest_text(TEXT, config)
         n = doc.stats.document_tokens
-        expected = n if method == "full" else round(0.25 * n)
+        # Summaries of the evicted entries take their place in the budget.
+        expected = n if method == "full" else round(0.25 * n) - config.summaries
+        if method == "full":
+            assert doc.cache.summaries is None and doc.cache.summary_tokens == 0
+        else:
+            assert doc.cache.summaries is not None
+            assert [summary.length for summary in doc.cache.summaries] == [16] * 3, method
         if getattr(config.settings, "layer_budgets", "uniform") == "global":
             assert doc.stats.kept_tokens == 3 * expected, method
             assert min(doc.stats.kept_tokens_per_layer) >= 36
@@ -39,8 +45,12 @@ def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
     for keep in (0.1, 0.25, 0.5):
         doc = random_engine.ingest_text(TEXT, CompressionConfig(method="infokv", keep=keep))
         n = doc.stats.document_tokens
-        budget = max(round(keep * n), 36)
-        assert doc.stats.cache_bytes == budget * random_engine.bytes_per_token
+        budget = max(round(keep * n) - 16, 36)
+        summaries = doc.cache.summaries
+        assert summaries is not None
+        entry_bytes = random_engine.bytes_per_token // len(summaries)  # one (layer, token): keys and values
+        stored = sum((budget + s.length) * entry_bytes + s.log_counts.numel() * 4 for s in summaries)
+        assert doc.stats.cache_bytes == stored
         assert (
             abs(doc.stats.cache_bytes - keep * full.stats.cache_bytes)
             <= 0.02 * keep * full.stats.cache_bytes + max(0, 36 - keep * n) * random_engine.bytes_per_token
@@ -57,6 +67,8 @@ def test_adaptive_budget_keeps_the_total_and_varies_per_layer(random_engine: Inf
 
 def test_token_count_budget(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(method="snapkv", keep=100))
+    assert doc.stats.kept_tokens_per_layer == [100 - 16] * 3
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(method="snapkv", keep=100, summaries=0))
     assert doc.stats.kept_tokens_per_layer == [100] * 3
 
 
@@ -124,6 +136,7 @@ def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) ->
 
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    assert doc.cache.summary_tokens == 16, "the cap counts the summaries too"
     cap = max(doc.stats.kept_tokens_per_layer) + 60
     generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
     generation.text()

@@ -179,7 +179,7 @@ DAMAGE = {
     "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
-        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2, 3 and {FORMAT_VERSION}",
+        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2, 3, 4 and {FORMAT_VERSION}",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
@@ -230,6 +230,7 @@ FORMAT_2_CONFIGS = {
     "infokv": CompressionConfig(
         method="infokv",
         keep=0.5,
+        summaries=0,  # saved before summaries existed
         # Saved before `attention`, `layer_budgets` and `units` existed: made with the window and uniform budgets,
         # whatever today's defaults are.
         settings={
@@ -243,7 +244,7 @@ FORMAT_2_CONFIGS = {
             "normalization": "minmax",
         },
     ),
-    "snapkv": CompressionConfig(method="snapkv", keep=40, window=8, settings={"pooling_kernel": 3}),
+    "snapkv": CompressionConfig(method="snapkv", keep=40, window=8, summaries=0, settings={"pooling_kernel": 3}),
 }
 
 
