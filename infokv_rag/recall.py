@@ -54,7 +54,7 @@ def attend_over_cold(
     cold = torch.bmm(grouped, cold_keys.float().transpose(1, 2))
     if cold_log_counts is not None:
         cold.add_(cold_log_counts.unsqueeze(1))
-    hot = torch.bmm(grouped, hot_keys.float().transpose(1, 2).contiguous())
+    hot = torch.bmm(grouped, hot_keys.float().transpose(1, 2))
     # A question token sees the question only up to itself.
     future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
     hot[:, :, hot.shape[2] - q :].masked_fill_(future, -torch.inf)
