@@ -20,30 +20,49 @@ from .cache import EvictedSummary
 KMEANS_ITERATIONS = 10
 
 
+def nearest_centre(points: Tensor, centres: Tensor) -> Tensor:
+    """points (heads, count, dim), centres (heads, clusters, dim) -> (heads, count) index of each point's nearest."""
+    return (centres.square().sum(dim=2).unsqueeze(1) - 2 * points @ centres.transpose(1, 2)).argmin(dim=2)
+
+
 def weighted_kmeans(points: Tensor, weights: Tensor, clusters: int, generator: torch.Generator) -> Tensor:
-    """Cluster index of every point: points (count, dim) float32 with weights (count,) >= 0 -> (count,) int64.
+    """Cluster of every point, per head: points (heads, count, dim) float32 with weights (heads, count) >= 0 ->
+    (heads, count) int64.
 
     Lloyd's iterations from a k-means++ start (each next centre drawn in proportion to weight times squared
-    distance to the nearest centre so far, so a repeated point is never drawn twice); a cluster that
-    empties keeps its centre (it may win points back, or stay empty).
+    distance to the nearest centre so far, so a repeated point is never drawn twice while others are left);
+    a cluster that empties keeps its centre (it may win points back, or stay empty).
     """
-    draw_weights = weights + 1e-12  # a point of weight 0 may still be drawn when nothing else is left
-    first = int(torch.multinomial(draw_weights.cpu(), 1, generator=generator))
-    centres = [points[first]]
-    nearest = (points - points[first]).square().sum(dim=1)
+    heads = torch.arange(points.shape[0], device=points.device)
+    squared = points.square().sum(dim=2)
+    draw = weights + 1e-12  # a point of weight 0 may still be drawn when nothing else is left
+
+    def distance_to(centre: Tensor) -> Tensor:
+        return squared - 2 * (points @ centre.unsqueeze(2)).squeeze(2) + centre.square().sum(dim=1, keepdim=True)
+
+    def drawn(chance: Tensor) -> Tensor:
+        chance = chance.clamp_min(0).cpu()
+        chance[chance.sum(dim=1) <= 0] = 1.0  # every point is a centre already: a duplicate, which empties
+        return points[heads, torch.multinomial(chance, 1, generator=generator).squeeze(1).to(points.device)]
+
+    centres = [drawn(draw)]
+    nearest = distance_to(centres[0])
     for _ in range(1, clusters):
-        chance = (draw_weights * nearest).cpu()
-        pick = int(torch.multinomial(chance, 1, generator=generator)) if bool((chance > 0).any()) else first
-        centres.append(points[pick])
-        nearest = torch.minimum(nearest, (points - points[pick]).square().sum(dim=1))
-    centre = torch.stack(centres)
+        centres.append(drawn(draw * nearest))
+        nearest = torch.minimum(nearest, distance_to(centres[-1]))
+    centre = torch.stack(centres, dim=1)
     for _ in range(KMEANS_ITERATIONS):
-        assignment = torch.cdist(points, centre).argmin(dim=1)
-        mass = torch.zeros(clusters, device=points.device).index_add_(0, assignment, weights)
-        sums = torch.zeros_like(centre).index_add_(0, assignment, points * weights[:, None])
-        filled = mass > 0
-        centre[filled] = sums[filled] / mass[filled, None]
-    return torch.cdist(points, centre).argmin(dim=1)
+        members = membership(nearest_centre(points, centre), weights, clusters)
+        mass = members.sum(dim=2, keepdim=True)
+        centre = torch.where(mass > 0, torch.bmm(members, points) / mass.clamp_min(1e-30), centre)
+    return nearest_centre(points, centre)
+
+
+def membership(assignment: Tensor, weights: Tensor, clusters: int) -> Tensor:
+    """(heads, clusters, count): each point's weight in the row of its cluster, assignment and weights
+    (heads, count); a product with the points sums each cluster's (one matrix product, not a scatter)."""
+    members = weights.new_zeros(weights.shape[0], clusters, weights.shape[1])
+    return members.scatter_(1, assignment.unsqueeze(1), weights.unsqueeze(1))
 
 
 def absorb(summary: EvictedSummary | None, keys: Tensor, values: Tensor, size: int, seed: int) -> EvictedSummary:
@@ -59,15 +78,9 @@ def absorb(summary: EvictedSummary | None, keys: Tensor, values: Tensor, size: i
     points_v = torch.cat([summary.values.float(), values.float()], dim=1)
     weights = torch.cat([summary.log_counts.exp(), keys.new_ones(keys.shape[:2], dtype=torch.float32)], dim=1)
     clusters = min(size, points_k.shape[1])
-    centres_k, centres_v, log_counts = [], [], []
-    for head in range(kv_heads):
-        assignment = weighted_kmeans(points_k[head], weights[head], clusters, generator)
-        mass = weights.new_zeros(clusters).index_add_(0, assignment, weights[head])
-        # An emptied cluster gets log count -inf: attention gives it no weight.
-        share = (weights[head] / mass.clamp_min(1e-30)[assignment])[:, None]
-        centres_k.append(points_k.new_zeros(clusters, head_dim).index_add_(0, assignment, points_k[head] * share))
-        centres_v.append(points_v.new_zeros(clusters, head_dim).index_add_(0, assignment, points_v[head] * share))
-        log_counts.append(mass.log())
-    return EvictedSummary(
-        torch.stack(centres_k).to(keys.dtype), torch.stack(centres_v).to(values.dtype), torch.stack(log_counts)
-    )
+    members = membership(weighted_kmeans(points_k, weights, clusters, generator), weights, clusters)
+    mass = members.sum(dim=2)
+    # An emptied cluster gets log count -inf: attention gives it no weight.
+    share = members / mass.clamp_min(1e-30).unsqueeze(2)
+    centre_k, centre_v = torch.bmm(share, points_k), torch.bmm(share, points_v)
+    return EvictedSummary(centre_k.to(keys.dtype), centre_v.to(values.dtype), mass.log())
