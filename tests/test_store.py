@@ -272,7 +272,7 @@ import os, sys, time
 from types import SimpleNamespace
 import safetensors.torch
 from infokv_rag import store
-from infokv_rag.cache import DocumentCache, LayerKV
+from infokv_rag.cache import DocumentCache, EvictedSummary, LayerKV
 from infokv_rag.config import CompressionConfig
 from infokv_rag.documents import Document
 
@@ -280,12 +280,15 @@ def rebuild(path):
     # A document from a saved cache without loading any model: only store.save_document runs here.
     manifest = store.read_manifest(path)
     tensors = safetensors.torch.load_file(os.path.join(path, store.TENSORS))
-    layers = [LayerKV(*(tensors[f"{n}.{i}"] for n in ("keys", "values", "positions", "scores")))
-              for i in range(len(manifest["tokens"]["kept_per_layer"]))]
+    count = len(manifest["tokens"]["kept_per_layer"])
+    layers = [LayerKV(*(tensors[f"{n}.{i}"] for n in ("keys", "values", "positions", "scores"))) for i in range(count)]
+    summaries = [
+        EvictedSummary(*(tensors[f"summary_{n}.{i}"] for n in store.SUMMARY_TENSORS)) for i in range(count)
+    ] if "summary_keys.0" in tensors else None
     text = open(os.path.join(path, store.TEXT), encoding="utf-8").read()
     return SimpleNamespace(
         engine=SimpleNamespace(**manifest["model"]),
-        cache=DocumentCache(layers, manifest["tokens"]["document"]),
+        cache=DocumentCache(layers, manifest["tokens"]["document"], summaries=summaries),
         config=CompressionConfig.from_dict(manifest["config"]),
         document=Document.from_layout(text, manifest["document"]),
         stats=SimpleNamespace(to_dict=lambda: manifest["stats"]),
