@@ -225,8 +225,8 @@ class KVCache:
 
     @property
     def resident_tokens(self) -> int:
-        """Tokens held over all layers (per KV head), summaries included."""
-        return sum(self.lengths) + sum(summary.length for summary in self.summaries or [])
+        """Tokens held over all layers (per KV head)."""
+        return sum(self.lengths)
 
     def rollback(self, lengths: list[int]) -> None:
         """Drops every entry appended after the cache had these per-layer `lengths`."""

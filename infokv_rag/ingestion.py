@@ -146,7 +146,7 @@ class Ingestion:
         )
         """Per layer, the (keys, values, positions) each compression dropped, when a cold tier is kept."""
         self.summaries: list[EvictedSummary | None] | None = (
-            [None] * self.runner.num_layers if config.summaries and config.method_spec.compresses else None
+            [None] * self.runner.num_layers if config.summaries else None  # 0 for a method that evicts nothing
         )
         """Per layer, the summary of what compressions dropped so far, when the config keeps summaries."""
 

@@ -373,16 +373,13 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
 
 def _summaries(
     tensors: dict[str, torch.Tensor], config: CompressionConfig, runner: ModelRunner, path: str
-) -> list[EvictedSummary] | None:
-    """Each layer's summaries, checked against the model and the config (None when the config has none and
-    the cache holds none: a method that evicts nothing)."""
+) -> list[EvictedSummary]:
+    """Each layer's summaries, checked against the model and the config."""
     summaries = []
     for index in range(runner.num_layers):
         try:
             summary = EvictedSummary(*(tensors[f"summary_{name}.{index}"] for name in SUMMARY_TENSORS))
         except KeyError as exc:
-            if index == 0 and not config.method_spec.compresses:
-                return None
             raise CacheStoreError(f"{path} lacks the summaries of layer {index}; ingest the document again") from exc
         expected = (runner.kv_heads, summary.length, runner.head_dim)
         if (
