@@ -41,16 +41,17 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"{engine.context_window}; shorten the question or lower max_new_tokens"
         )
     budget = recall_budget(document, options.recall)
-    summaries = 0 if budget else document.cache.summary_tokens
-    protected = document.cache.sink_tokens + len(suffix) + document.config.window + summaries
+    protected = document.cache.sink_tokens + len(suffix) + document.config.window
+    if options.max_cache_tokens is not None:
+        # No more than fits beside what eviction must keep.
+        budget = max(0, min(budget, options.max_cache_tokens - protected - options.eviction_slack))
+    # The answer reads the summaries exactly when it recalls nothing (`working_session`), so they count then.
+    protected += 0 if budget else document.cache.summary_tokens
     if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
         raise ConfigError(
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
             f"({len(suffix)} tokens), the recent window and the summaries need {protected + options.eviction_slack}"
         )
-    if options.max_cache_tokens is not None:
-        # No more than fits beside what eviction must keep.
-        budget = min(budget, options.max_cache_tokens - protected - options.eviction_slack)
     usage = Usage(prompt_tokens=len(suffix), cached_tokens=n)
     assembler = TextAssembler(engine.tokenizer, options.stop)
     return Generation(_decode(document, suffix, options, budget, usage, assembler), usage, assembler.ids)

@@ -174,6 +174,22 @@ def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine) -> None:
     assert generation.usage.max_resident_tokens <= cap
 
 
+def test_a_cap_with_no_room_to_recall_counts_the_summaries_it_reads(random_engine: InfoKVEngine) -> None:
+    """A recall clamped to nothing by `max_cache_tokens` reads the summaries instead, so they must fit too."""
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.2))
+    assert doc.cache.summary_tokens > 0
+    turns = [("user", "Summarise.")]
+    suffix = random_engine.prompt.conversation_ids(turns)
+    slack = GenerationOptions().eviction_slack
+    floor = doc.cache.sink_tokens + len(suffix) + doc.config.window + slack
+    with pytest.raises(ConfigError, match="summaries need"):
+        doc.generate(turns, GenerationOptions(max_new_tokens=8, max_cache_tokens=floor))
+    cap = floor + doc.cache.summary_tokens
+    generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=cap))
+    generation.text()
+    assert generation.usage.max_resident_tokens <= cap
+
+
 def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:
     for bad in ({"recall": 1.5}, {"recall": -3}, {"recall": True}, {"cold_bits": 2}):
         with pytest.raises(ConfigError):
