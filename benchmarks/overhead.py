@@ -3,8 +3,9 @@
 For each document length, the same document is ingested with `full` (prefill only: no signal is
 captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
 the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
-(the fast default: the surrogate's predicted reconstruction attention), `infokv_window` (the previous
-default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
+(the fast default: the surrogate's predicted reconstruction attention, with summaries of what it evicts),
+`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_window` (the
+previous default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
 `kvzip` add a reconstruction pass per chunk.
 
     python benchmarks/overhead.py --tokens 1024 4096 16384
@@ -26,6 +27,7 @@ from infokv_rag.kernels import get_kernel_backend
 VARIANTS: dict[str, dict[str, object]] = {
     "snapkv": {"method": "snapkv"},
     "infokv": {"method": "infokv"},
+    "infokv_no_summaries": {"method": "infokv", "summaries": 0},
     "infokv_window": {
         "method": "infokv",
         "settings": {
@@ -72,8 +74,11 @@ def main() -> int:
 
     engine = InfoKVEngine.from_pretrained(args.model)
     device = engine.runner.device
-    print(f"model={args.model} device={device} threads={torch.get_num_threads()} kernels={get_kernel_backend()} "
-          f"chunk={args.chunk_size} keep={args.keep}", file=sys.stderr)
+    print(
+        f"model={args.model} device={device} threads={torch.get_num_threads()} kernels={get_kernel_backend()} "
+        f"chunk={args.chunk_size} keep={args.keep}",
+        file=sys.stderr,
+    )
     variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}
     rows = []
     for tokens in args.tokens:
@@ -95,9 +100,12 @@ def main() -> int:
         base = best["full"]
         cells = " | ".join(f"{best[name]:.2f} | {(best[name] - base) / base:+.1%}" for name in scored)
         print(f"| {n} | {base:.2f} | {cells} |")
-    print("\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent token ids plus the document's "
-          "tokens); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: surprisal over the "
-          "whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk.")
+    print(
+        "\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent "
+        "token ids plus the document's tokens; 16 summaries per layer and KV head); infokv_no_summaries: the "
+        "same without summaries; infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
+        "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
+    )
     return 0
 
 
