@@ -82,7 +82,8 @@ def main() -> int:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--recall", type=float, default=0.1, help="cold-tier recall per question (0: no cold tier)")
-    parser.add_argument("--cold-bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--cold-bits", type=int, default=None, choices=(4, 8),
+                        help="width of the cold tier's codes (default: the engine's choice for the model's dtype)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of follow-up questions and of loads")
     parser.add_argument("--reprefills", type=int, default=1, help="re-prefill measurements (each costs a full prefill)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -215,7 +216,7 @@ def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages
         return "yes" if ok else "**no**"
 
     return [
-        ("cold tier", f"{args.cold_bits}-bit, {stats.cold_bytes / 2**20:,.1f} MiB; recall {args.recall} "
+        ("cold tier", f"{doc.config.cold_bits}-bit, {stats.cold_bytes / 2**20:,.1f} MiB; recall {args.recall} "
                       f"({recalled:,.0f} entries per layer and KV head per question)", "", ""),
         ("follow-up TTFT with recall, in memory, median", fmt(statistics.median(with_recall)), "", ""),
         ("follow-up TTFT with recall, reloaded, median", fmt(statistics.median(reloaded_recall)), "", ""),

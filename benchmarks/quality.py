@@ -288,7 +288,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", choices=method_names(), default=[m for m in method_names() if m != "full"])
     parser.add_argument("--recalls", type=float, nargs="+", default=[],
                         help="also infokv with a cold tier, recalling this ratio per question (issue 13)")
-    parser.add_argument("--cold-bits", type=int, default=4, choices=(4, 8), help="code width of those cold tiers")
+    parser.add_argument("--cold-bits", type=int, default=None, choices=(4, 8),
+                        help="code width of those cold tiers (default: the engine's choice for the model's dtype)")
     parser.add_argument("--ablate", action="store_true", help="also sweep each InfoKV knob (dev split)")
     parser.add_argument("--no-sample", action="store_true", help="skip the Apache-2.0 PDF questions")
     parser.add_argument("--max-new-tokens", type=int, default=20)
@@ -317,7 +318,7 @@ def main() -> int:
         for recall in args.recalls:
             name = f"infokv+recall{recall}@{keep}"
             configs[name] = CompressionConfig(keep=keep, recall=recall, cold_bits=args.cold_bits, chunk_size=8192)
-            bits = f", {args.cold_bits}-bit" if args.cold_bits != 4 else ""
+            bits = f", {args.cold_bits}-bit" if args.cold_bits else ""
             labels[name] = (f"infokv + recall {recall}{bits}", str(keep))
         if args.ablate:
             for knob, change in ABLATIONS.items():

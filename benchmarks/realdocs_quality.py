@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import infokv_rag
 from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, mean_kl, progress, run_kvpress_peer
 from benchmarks.realdocs import KINDS, SPLITS, RealDoc, answer_matches, load_realdocs
 from benchmarks.variants import teacher_forced_logits
@@ -316,6 +317,18 @@ def default_cache_dir() -> Path:
     return cache_root() / "bench" / "realdocs"
 
 
+def code_digest() -> str:
+    """A digest of the installed `infokv_rag` package (sources and shipped data such as the surrogates).
+
+    It is stamped on every cached record but kept out of the key: a change anywhere in the package would
+    otherwise recompute hours of unrelated rows. A row answered by other code is reported instead."""
+    package = Path(infokv_rag.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.is_file() and p.suffix in {".py", ".safetensors", ".json"}):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class ResultCache:
     """JSON records keyed by everything their results depend on; `fresh(label)` makes a row's records unseen."""
 
@@ -391,6 +404,9 @@ class Bench:
         self.max_new_tokens = max_new_tokens
         self.started = time.perf_counter()
         self._warm = False
+        self.code = code_digest()
+        self.other_code: set[str] = set()
+        """Rows with answers (some or all) cached by other code than this checkout's."""
 
     def elapsed(self) -> str:
         return f"{time.perf_counter() - self.started:.0f}s"
@@ -437,8 +453,12 @@ class Bench:
         for row in [FULL_ROW, NO_DOCUMENT_ROW, *rows]:
             record = result.records[row.label] = self.cache.load(self.key(result.document, row.identity()), row.label)
             missing = result.missing(row.label)
+            stale = bool(record["questions"]) and record.get("code") != self.code
+            if stale:
+                self.other_code.add(row.label)
             if not missing:
-                progress(f"  {row.label}: cached ({self.elapsed()})")
+                note = f", by other code: --fresh '{row.label}' recomputes" if stale else ""
+                progress(f"  {row.label}: cached ({self.elapsed()}{note})")
                 continue
             full_seconds = full_document()[1]
             if row is FULL_ROW:
@@ -458,6 +478,7 @@ class Bench:
                     entry["kl"] = mean_kl(reference(question), logits)
                 record["questions"][question] = entry
             record["ingest"] = {"seconds": seconds, "full_seconds": full_seconds, "stats": compressed.stats.to_dict()}
+            record["code"] = "mixed" if stale else self.code
             self.cache.save(record)
             progress(
                 f"  {row.label}: ingested in {seconds:.1f}s, {len(missing)} answers in "
@@ -556,6 +577,8 @@ def facts(args: argparse.Namespace, bench: Bench, results: Sequence[DocumentResu
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
         "model_fingerprint": bench.engine.fingerprint,
+        "code": bench.code,
+        "rows_by_other_code": sorted(bench.other_code),
         "split": args.split,
         "max_new_tokens": args.max_new_tokens,
         "documents": [
@@ -672,6 +695,9 @@ def run(args: argparse.Namespace, engine: InfoKVEngine | None = None) -> int:
     metrics = metrics_of(results, args.labels)
     summary = summary_line([question for result in results for question in result.results()], len(results))
     markdown = f"`{command}`\n\n{summary}\n\n{table(metrics)}\n"
+    if bench.other_code:
+        rows = ", ".join(f"`{label}`" for label in args.labels if label in bench.other_code)
+        markdown += f"\nAnswered (in part) by other code than this checkout's, from the cache: {rows} (`--fresh`).\n"
     stem.with_suffix(".md").write_text(markdown)
     report = {"facts": facts(args, bench, results, command), "rows": metrics}
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))

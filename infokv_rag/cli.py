@@ -95,7 +95,11 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
         "ratio (0.1) or token count (64); 0: no cold tier",
     )
     parser.add_argument(
-        "--cold-bits", type=int, choices=COLD_BITS, default=4, help="width of the cold tier's codes (with --recall)"
+        "--cold-bits",
+        type=int,
+        choices=COLD_BITS,
+        default=None,
+        help="width of the cold tier's codes (with --recall); default: 8 for a 32-bit cache, 4 for a 16-bit one",
     )
     parser.add_argument(
         "--summaries",

@@ -92,8 +92,8 @@ class CompressionConfig:
     recall: float | int = 0
     """Keep what compression evicts in a cold tier and, per question, recall this much of it: a ratio of the
     document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
-    cold_bits: int = 4
-    """Width of the cold tier's codes: 4 or 8."""
+    cold_bits: int | None = None
+    """Width of the cold tier's codes: 4 or 8; None: by the model's cache dtype (`cold_tier_bits`)."""
     summaries: int = 16
     """Entries per (layer, KV head) that stand in for the evicted ones (`infokv_rag.summaries`: centroids of
     their keys, weighted by how many each stands for), taken from the keep budget; 0: none."""
@@ -116,7 +116,7 @@ class CompressionConfig:
             raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
         if isinstance(self.summaries, bool) or not isinstance(self.summaries, int) or self.summaries < 0:
             raise ConfigError(f"summaries must be a count >= 0, not {self.summaries!r}")
-        if self.cold_bits not in COLD_BITS:
+        if self.cold_bits is not None and self.cold_bits not in COLD_BITS:
             raise ConfigError(f"cold_bits must be one of {COLD_BITS}, got {self.cold_bits}")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
@@ -144,6 +144,15 @@ class CompressionConfig:
     @property
     def keeps_cold_tier(self) -> bool:
         return bool(self.recall)
+
+    def cold_tier_bits(self, cache_element_bytes: int) -> int:
+        """The cold tier's code width for a cache of `cache_element_bytes` per element: `cold_bits` if set,
+        else 8 for a 32-bit cache and 4 for a narrower one. Either way the hot cache at keep 0.25 plus the
+        cold tier stays within half the full cache on disk, and 8 bits answered as the full cache did on
+        every held-out question where 4 bits differed on a few (README, "Cold tier")."""
+        if self.cold_bits is not None:
+            return self.cold_bits
+        return 8 if cache_element_bytes >= 4 else 4
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.

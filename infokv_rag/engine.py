@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -151,8 +152,7 @@ class InfoKVEngine:
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers and KV heads."""
         runner = self.runner
-        element = torch.empty(0, dtype=runner.dtype).element_size()
-        return 2 * runner.num_layers * runner.kv_heads * runner.head_dim * element
+        return 2 * runner.num_layers * runner.kv_heads * runner.head_dim * runner.dtype.itemsize
 
     # Ingestion -------------------------------------------------------------------------------------
 
@@ -172,10 +172,18 @@ class InfoKVEngine:
     ) -> CompressedDocument:
         return self.ingest_document(document_from_text(text), config, progress=progress)
 
+    def resolve_config(self, config: CompressionConfig | None = None) -> CompressionConfig:
+        """`config` (default: `CompressionConfig()`) as ingestion applies it to this model: what was left to
+        the model is set (the cold tier's width, from the cache's dtype)."""
+        config = config or CompressionConfig()
+        if config.keeps_cold_tier and config.cold_bits is None:
+            config = dataclasses.replace(config, cold_bits=config.cold_tier_bits(self.runner.dtype.itemsize))
+        return config
+
     def ingest_document(
         self, document: Document, config: CompressionConfig | None = None, *, progress: ProgressCallback | None = None
     ) -> CompressedDocument:
-        config = config or CompressionConfig()
+        config = self.resolve_config(config)
         ids = self.prompt.document_ids(document.text)
         if len(ids) > self.max_document_tokens:
             raise ContextLengthError(

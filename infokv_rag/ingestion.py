@@ -179,7 +179,7 @@ class Ingestion:
             for pieces, layer in zip(self.evicted, frozen.layers, strict=True):
                 if not pieces:  # the layer never exceeded its budget: its cold layer is empty, not missing
                     pieces.append((layer.keys[:, :0], layer.values[:, :0], layer.positions[:, :0]))
-            cold = ColdTier.build(self.evicted, self.config.cold_bits)
+            cold = ColdTier.build(self.evicted, self.config.cold_tier_bits(self.runner.dtype.itemsize))
         self.timings["compression"] += time.perf_counter() - clock
         stats = DocumentStats(
             document_tokens=self.n,

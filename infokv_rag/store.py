@@ -458,7 +458,7 @@ class CacheStore:
         progress: ProgressCallback | None = None,
     ) -> tuple[CompressedDocument, bool]:
         """Returns (document, reused): the stored cache when valid, else a new ingestion saved here."""
-        config = config or CompressionConfig()
+        config = engine.resolve_config(config)
         path = self.path_for(engine, document, config)
         if (path / MANIFEST).is_file():
             try:

@@ -86,6 +86,16 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
     assert random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25)).cold_tier is None
 
 
+def test_the_cold_tiers_width_follows_the_cache_dtype_unless_set(random_engine: InfoKVEngine) -> None:
+    assert random_engine.runner.dtype == torch.float32
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    assert doc.config.cold_bits == 8 and doc.cold_tier is not None and doc.cold_tier.bits == 8
+    assert random_engine.resolve_config(CompressionConfig(keep=0.25, recall=0.1, cold_bits=4)).cold_bits == 4
+    assert random_engine.resolve_config(CompressionConfig(keep=0.25)).cold_bits is None, "no cold tier, no width"
+    assert CompressionConfig(recall=0.1).cold_tier_bits(2) == 4  # a 16-bit cache: 8 bits would pass 0.5x on disk
+    assert CompressionConfig(recall=0.1, cold_bits=8).cold_tier_bits(2) == 8
+
+
 def test_page_ranges_bound_the_keys_and_their_dot_products() -> None:
     torch.manual_seed(1)
     keys = torch.randn(2, 3 * PAGE_TOKENS + 5, 16)
@@ -277,8 +287,11 @@ def test_the_store_keeps_one_cache_whatever_the_recall_budget(random_engine: Inf
     generation = again.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=2))
     generation.text()
     assert generation.usage.recalled_tokens == 16 * len(again.cold_tier.layers)
-    # Another code width, or no cold tier, is another cache.
+    # The width the engine chose for the default (8 bits for float32) is the same cache; another width, or
+    # no cold tier, is another cache.
     _, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=0.1, cold_bits=8))
+    assert reused
+    _, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=0.1, cold_bits=4))
     assert not reused
     plain, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25))
     assert not reused and plain.cold_tier is None

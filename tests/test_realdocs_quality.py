@@ -233,3 +233,14 @@ def test_small_run_writes_the_reports_and_reuses_its_cache(
     second = capsys.readouterr()
     assert second.err.count(": cached") == 3 and "ingested" not in second.err
     assert json.loads((out / "realdocs-dev-answers.json").read_text()) == answers
+    assert "other code" not in second.err and "other code" not in (out / "realdocs-dev.md").read_text()
+
+    # Records answered by other code are used (the key holds the config, not the code) but reported.
+    for path in (tmp_path / "cache").glob("*.json"):
+        record = json.loads(path.read_text())
+        if record["key"]["row"]["config"]["method"] == "infokv":
+            path.write_text(json.dumps({**record, "code": "an older checkout"}))
+    assert run(parse_args(argv), engine=tiny) == 0
+    third = capsys.readouterr()
+    assert "infokv@0.25: cached" in third.err and "by other code: --fresh 'infokv@0.25' recomputes" in third.err
+    assert "by other code than this checkout's, from the cache: `infokv@0.25`" in (out / "realdocs-dev.md").read_text()

@@ -169,7 +169,9 @@ class UploadForm(BaseModel):
         description="Keep what compression evicts in a cold tier, and by default recall this much of it per "
         "question (ratio like 0.1 or token count like 64; each question may change it). Default 0: no cold tier.",
     )
-    cold_bits: ColdBits | None = Field(None, description="Width of the cold tier's codes, 4 or 8 (default 4).")
+    cold_bits: ColdBits | None = Field(
+        None, description="Width of the cold tier's codes, 4 or 8; default: 8 for a 32-bit cache, 4 for a 16-bit one."
+    )
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
     password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(
         None, description="Password of an encrypted PDF."

@@ -99,7 +99,9 @@ async def upload_document(request: Request, response: Response, service: Service
     settings = service.settings
     staged = await receive_upload(request, service.registry, settings)
     try:
-        config = compression_config(settings, staged.method, staged.keep, staged.recall, staged.cold_bits)
+        config = service.engine.resolve_config(
+            compression_config(settings, staged.method, staged.keep, staged.recall, staged.cold_bits)
+        )
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
         record = DocumentRecord(
