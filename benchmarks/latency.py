@@ -223,8 +223,10 @@ def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages
         ("TTFT with recall / without (same questions, interleaved)", f"{ratio:.2f}x",
          f"<= {RECALL_TTFT_TARGET}x", met(ratio <= RECALL_TTFT_TARGET)),
         ("speedup: re-prefill / TTFT with recall", f"{reprefill / statistics.median(with_recall):,.1f}x", "", ""),
-        ("disk: hot + cold tier / full cache at the model's dtype", f"{disk:.3f} ({engine.runner.dtype}); "
-         f"{disk_16:.3f} at 16 bits", f"<= {DISK_TARGET}", met(disk <= DISK_TARGET)),
+        ("disk: hot + cold tier / full cache at the model's dtype", f"{disk:.3f} ({engine.runner.dtype}); these "
+         f"{doc.config.cold_bits}-bit codes beside a 16-bit cache: {disk_16:.3f} (a 16-bit cache gets "
+         f"{CompressionConfig(recall=args.recall).cold_tier_bits(2)}-bit codes by default)",
+         f"<= {DISK_TARGET}", met(disk <= DISK_TARGET)),
         ("resident KV while answering / full (peak, from tensors)", f"{peak:.3f}",
          f"<= keep + recall + question = {bound:.3f}", met(peak <= bound)),
         ("beside it while the question is read: one layer's cold entries dequantised / full",

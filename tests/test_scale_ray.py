@@ -82,7 +82,10 @@ def _settings(tmp: Path, store: str) -> Settings:
         default_max_tokens=8,
         max_active_generations=1,  # small queues, for the backpressure test to fill
         max_queued_generations=1,
-        lease_seconds=3,
+        # Short enough for the kill test to see a takeover soon, long enough that renewals (S3 PUTs to moto in
+        # this process, every lease/3 s) never lapse on a loaded machine: at 3 s they did, and the other
+        # replica read the live document again.
+        lease_seconds=10,
         ingest_chunk_size=64,
     )
 
