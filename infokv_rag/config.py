@@ -148,8 +148,8 @@ class CompressionConfig:
     def cold_tier_bits(self, cache_element_bytes: int) -> int:
         """The cold tier's code width for a cache of `cache_element_bytes` per element: `cold_bits` if set,
         else 8 for a 32-bit cache and 4 for a narrower one. Either way the hot cache at keep 0.25 plus the
-        cold tier stays within half the full cache on disk, and 8 bits answered as the full cache did on
-        every held-out question where 4 bits differed on a few (README, "Cold tier")."""
+        cold tier stays within half the full cache on disk; 8 bits gave the full cache's verdict on more of
+        the held-out questions than 4 bits (README, "Cold tier")."""
         if self.cold_bits is not None:
             return self.cold_bits
         return 8 if cache_element_bytes >= 4 else 4
