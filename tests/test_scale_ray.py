@@ -82,9 +82,9 @@ def _settings(tmp: Path, store: str) -> Settings:
         default_max_tokens=8,
         max_active_generations=1,  # small queues, for the backpressure test to fill
         max_queued_generations=1,
-        # Short enough for the kill test to see a takeover soon, long enough that renewals (S3 PUTs to moto in
-        # this process, every lease/3 s) never lapse on a loaded machine: at 3 s they did, and the other
-        # replica read the live document again.
+        # Short enough for the kill test to see a takeover soon, long enough for renewals (S3 PUTs to moto in
+        # this process, every lease/3 s) to survive a loaded machine: at 3 s, under load, the other replica
+        # once read a live document again, most likely after a renewal came late (not proven).
         lease_seconds=10,
         ingest_chunk_size=64,
     )
