@@ -317,9 +317,9 @@ def main() -> int:
             labels[name] = (method, str(keep))
         for recall in args.recalls:
             name = f"infokv+recall{recall}@{keep}"
-            configs[name] = CompressionConfig(keep=keep, recall=recall, cold_bits=args.cold_bits, chunk_size=8192)
-            bits = f", {args.cold_bits}-bit" if args.cold_bits else ""
-            labels[name] = (f"infokv + recall {recall}{bits}", str(keep))
+            asked = CompressionConfig(keep=keep, recall=recall, cold_bits=args.cold_bits, chunk_size=8192)
+            configs[name] = config = engine.resolve_config(asked)
+            labels[name] = (f"infokv + recall {recall}, {config.cold_bits}-bit", str(keep))
         if args.ablate:
             for knob, change in ABLATIONS.items():
                 name = f"infokv[{knob}]@{keep}"

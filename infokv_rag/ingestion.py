@@ -299,6 +299,7 @@ class Ingestion:
                 tokens_read=tokens_read,
                 positions=layer.live("positions"),
                 keys=layer.live("keys"),
+                values=layer.live("values"),
                 sentences=self.sentences[:tokens_read],
                 words=self.words[:tokens_read],
                 window_attention=capture.window_attention.get(index),

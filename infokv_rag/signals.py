@@ -149,8 +149,8 @@ class SignalCapture:
 class LayerSignals:
     """Everything a scorer may use for one layer's resident tokens; a signal it did not ask for is None.
 
-    positions: (kv_heads, length) original positions of the resident tokens; keys: (kv_heads, length,
-    head_dim); sentences, words: (tokens_read,) int64 index of the sentence / word each position belongs
+    positions: (kv_heads, length) original positions of the resident tokens; keys, values: (kv_heads,
+    length, head_dim); sentences, words: (tokens_read,) int64 index of the sentence / word each position belongs
     to (non-decreasing);
     window_attention, last_query_attention: (heads, length); accumulated_attention,
     reconstruction_attention, predicted_reconstruction: (kv_heads, length);
@@ -163,6 +163,7 @@ class LayerSignals:
     tokens_read: int
     positions: Tensor
     keys: Tensor
+    values: Tensor
     sentences: Tensor
     words: Tensor
     window_attention: Tensor | None = None
@@ -197,6 +198,11 @@ class LayerSignals:
         best = scores.new_full((self.kv_heads, int(self.words[-1]) + 1), float("-inf"))
         best.scatter_reduce_(1, words, scores, reduce="amax")
         return best.gather(1, words)
+
+    def relative_value_norms(self) -> Tensor:
+        """(kv_heads, length): each resident token's value norm over its (layer, KV head)'s mean."""
+        norms = self.values.float().norm(dim=-1)
+        return norms / norms.mean(dim=1, keepdim=True).clamp_min(1e-12)
 
     def incoming_information(self) -> Tensor:
         """(tokens_read,): the information of p(. | x_<t) credited to token t (for surprisal, -log p(x_t |

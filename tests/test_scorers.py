@@ -93,6 +93,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         tokens_read=TOKENS_READ,
         positions=positions,
         keys=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
+        values=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
         sentences=torch.arange(TOKENS_READ) // 7,
         words=torch.arange(TOKENS_READ) // 2,
         seed=seed,
@@ -257,3 +258,23 @@ def test_word_units_keep_a_word_whole() -> None:
             members = words[head] == word
             assert bool((by_word[head, members] == by_token[head, members].max()).all())
     assert not torch.equal(by_word, by_token)
+
+
+def test_value_weighting_scales_scores_by_relative_value_norms() -> None:
+    signals = synthetic_signals(SIGNALS)
+    norms = signals.values.float().norm(dim=-1)
+    relative = signals.relative_value_norms()
+    assert torch.allclose(relative, norms / norms.mean(dim=1, keepdim=True))
+    plain = scorer_of("infokv", units="token")
+    weighted = scorer_of("infokv", units="token", value_weighting=True)
+    assert torch.allclose(weighted.score(signals), plain.score(signals) * relative)
+    assert torch.allclose(weighted.comparable_scores(signals), plain.comparable_scores(signals) * relative)
+    # With word units a word keeps its best score and its largest value norm, so it stays whole.
+    by_word = scorer_of("infokv", value_weighting=True).score(signals)
+    words = signals.words[signals.positions]
+    best = scorer_of("infokv").score(signals)
+    for head in range(KV_HEADS):
+        for word in words[head].unique():
+            members = words[head] == word
+            expected = best[head, members][0] * relative[head, members].max()
+            assert torch.allclose(by_word[head, members], expected.expand(int(members.sum())))

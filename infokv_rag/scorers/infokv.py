@@ -67,6 +67,10 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     aggregation: Aggregation = "sentence"
     """"sentence": the information and evolution terms score each token by its sentence's mean, so the
     facts a question needs are kept with their sentence."""
+    value_weighting: bool = False
+    """Multiplies the score, and the scores compared across layers, by each token's value norm (L2) over its
+    (layer, KV head)'s mean (with word units, a word's largest): attention to a token with a small value
+    changes the output little, so evicting it costs little (after VATP, arXiv 2406.12335, which uses L1)."""
     units: Units = "token"
     """"word": every token of a word (tokens up to the next whitespace) gets the best final score among the
     word's resident tokens, so a number or a code is kept whole or not at all; "token": scored alone."""
@@ -121,7 +125,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
     def attention_term(self, signals: LayerSignals) -> Tensor:
         settings = self.settings
         if settings.attention != "window":
-            attention = normalize(self.comparable_scores(signals), settings.normalization)
+            attention = normalize(self.reconstruction(signals), settings.normalization)
         else:
             assert signals.window_attention is not None
             pooled = pool(signals.window_attention, settings.pooling_kernel)
@@ -132,7 +136,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
             attention = 0.5 * (attention + normalize(signals.accumulated_attention, settings.normalization))
         return attention
 
-    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+    def reconstruction(self, signals: LayerSignals) -> Tensor:
         """The reconstruction attention, measured or predicted: probabilities, on one scale for every layer."""
         scores = (
             signals.predicted_reconstruction
@@ -141,6 +145,11 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         )
         assert scores is not None
         return scores
+
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        """The reconstruction attention, weighed by the value norms when `value_weighting`."""
+        scores = self.reconstruction(signals)
+        return scores * signals.relative_value_norms() if self.settings.value_weighting else scores
 
     def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R)."""
@@ -170,7 +179,11 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
             scores = self.information_term(signals)
         else:
             scores = lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
-        return signals.word_max(scores) if self.settings.units == "word" else scores
+        weight = signals.relative_value_norms() if self.settings.value_weighting else None
+        if self.settings.units == "word":
+            scores = signals.word_max(scores)
+            weight = signals.word_max(weight) if weight is not None else None
+        return scores * weight if weight is not None else scores
 
 
 METHOD = Method(

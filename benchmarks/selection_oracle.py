@@ -1,0 +1,252 @@
+"""How far can choosing which tokens to keep go? Selection by the questions' own attention, an oracle.
+
+    python -m benchmarks.selection_oracle --split dev --keep 0.25
+
+For each document of the real-document corpus (`benchmarks/realdocs`): one prefill of the whole document
+(one chunk), then the cache is compressed at the same budget, with the same machinery, several ways
+(sinks, observation window, one threshold over all layers, word units, summaries):
+
+- `infokv` (and any `--rows` of the engine, e.g. `infokv@0.25[value_weighting=True]`): their own scores;
+- `oracle: questions`: a token's score is the most attention any token of any of the document's questions
+  (each asked as the product asks it, over the full cache) pays it, over the query heads of its KV group;
+  it sets the layer budgets as well as the tokens kept;
+- `oracle: questions + answers`: the same with the full cache's answer teacher-forced after each question,
+  so it also sees what every token of the full cache's answer reads.
+
+The oracles know the questions, so they are not methods: they tell how much of what a compressed cache loses
+any choice of tokens could keep with this model at this budget, and so how far a query-agnostic scorer
+could still get. Only document-dependent questions are answered (greedy, as `realdocs_quality`), with the
+mean KL(full || row) teacher-forced on the full cache's answers. The `full` and `no document` rows that
+define them come from `realdocs_quality`'s cache (computed here into it when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from benchmarks.quality import mean_kl, progress
+from benchmarks.realdocs import SPLITS, answer_matches, load_realdocs
+from benchmarks.realdocs_quality import (
+    FULL,
+    Bench,
+    DocumentResult,
+    EngineRow,
+    ResultCache,
+    answer,
+    default_cache_dir,
+    parse_rows,
+)
+from benchmarks.variants import teacher_forced_logits
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.cache import DocumentCache
+from infokv_rag.documents import Document, load_document
+from infokv_rag.ingestion import Ingestion, signal_capture
+from infokv_rag.prompt import question_turns
+from infokv_rag.scorers.base import Scorer
+from infokv_rag.signals import LayerSignals
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE_QUESTIONS = "oracle: questions"
+ORACLE_ANSWERS = "oracle: questions + answers"
+
+
+class QuestionAttention:
+    """A forward capture: per layer, the most attention any of the run's tokens pays each document token.
+
+    `attention[layer]` is (kv_heads, n), the maximum over every query head of the KV group, every query
+    token and every run captured so far (softmax over the whole cache, the run's own tokens causally)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.attention: dict[int, Tensor] = {}
+
+    def record_attention(self, layer: int, queries: Tensor, keys: Tensor, scaling: float) -> None:
+        heads, count, _ = queries.shape
+        kv_heads, total, _ = keys.shape
+        grouped = queries.float().reshape(kv_heads, heads // kv_heads * count, -1)
+        logits = (grouped @ keys.float().transpose(1, 2) * scaling).reshape(kv_heads, heads // kv_heads, count, total)
+        visible = torch.ones(count, total, dtype=torch.bool, device=keys.device).tril(diagonal=total - count)
+        probabilities = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[..., : self.n]
+        most = probabilities.amax(dim=(1, 2))
+        previous = self.attention.get(layer)
+        self.attention[layer] = most if previous is None else torch.maximum(previous, most)
+
+    def record_layer_change(self, layer: int, before: Tensor, after: Tensor) -> None:
+        """Not needed."""
+
+
+class OracleScorer(Scorer[Any]):
+    """Scores a layer's resident tokens by captured question attention, kept by word like the default."""
+
+    def __init__(self, inner: Scorer[Any], attention: dict[int, Tensor]) -> None:
+        super().__init__(inner.settings)
+        self.signals = inner.signals
+        self.attention = attention
+
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        return self.attention[signals.layer].gather(1, signals.positions)
+
+    def score(self, signals: LayerSignals) -> Tensor:
+        return signals.word_max(self.comparable_scores(signals))
+
+
+def question_attention(
+    engine: InfoKVEngine, full: DocumentCache, conversations: Sequence[tuple[str, Sequence[int]]]
+) -> dict[int, Tensor]:
+    """Per layer (kv_heads, n): the most attention the tokens of any (question, continuation) pay each
+    document token over the full cache."""
+    n = full.document_tokens
+    capture = QuestionAttention(n)
+    runner = engine.runner
+    for question, continuation in conversations:
+        ids = [*engine.prompt.conversation_ids(question_turns(question)), *continuation]
+        session = full.working_copy(len(ids), summaries=False)
+        positions = torch.arange(n, n + len(ids), device=runner.device)
+        runner.forward(torch.tensor(ids, device=runner.device), positions, session, capture)
+    return capture.attention
+
+
+@torch.inference_mode()
+def compress(
+    engine: InfoKVEngine, document: Document, rows: Sequence[EngineRow], keep: float, result: DocumentResult
+) -> tuple[CompressedDocument, dict[str, CompressedDocument]]:
+    """The full cache and each row's compression of one prefill (one chunk per document)."""
+    ids = torch.tensor(engine.prompt.document_ids(document.text), device=engine.runner.device)
+    n = len(ids)
+    oracle_config = CompressionConfig(method="infokv", keep=keep, chunk_size=n)
+    configs = {row.label: dataclasses.replace(row.config, chunk_size=n) for row in rows}
+    configs[ORACLE_QUESTIONS] = configs[ORACLE_ANSWERS] = oracle_config
+    ingestions = {label: Ingestion(engine, config, ids) for label, config in configs.items()}
+    reference = Ingestion(engine, CompressionConfig(method="full", chunk_size=n), ids)
+    signals = frozenset().union(*(ingestion.scorer.signals for ingestion in ingestions.values()))
+    capture = signal_capture(engine, oracle_config.window, signals)
+    prefill = engine.runner.new_cache()
+    hidden = reference.forward_chunk(prefill, capture, 0, n)
+    full = reference.finish(prefill)
+    questions = [question for question, _ in result.questions]
+    attention = {
+        ORACLE_QUESTIONS: question_attention(engine, full.cache, [(q, ()) for q in questions]),
+        ORACLE_ANSWERS: question_attention(engine, full.cache, [(q, result.full_ids(q)) for q in questions]),
+    }
+    compressed = {}
+    for label, ingestion in ingestions.items():
+        if label in attention:
+            ingestion.scorer = OracleScorer(ingestion.scorer, attention[label])
+        cache = full.cache.working_copy(0)
+        information = ingestion.chunk_information(hidden, 0, n) if ingestion.information is not None else None
+        ingestion.score_and_compress(cache, capture, hidden, 0, n, information)
+        made = ingestion.finish(cache)
+        compressed[label] = CompressedDocument(
+            engine, made.cache, configs[label], document, made.stats, made.information_reference, None
+        )
+    return CompressedDocument(engine, full.cache, reference.config, document, full.stats, None, None), compressed
+
+
+@dataclass
+class RowTotals:
+    kept: int = 0
+    dependent: int = 0
+    kl: list[float] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+
+def answer_dependent(
+    result: DocumentResult,
+    full: CompressedDocument,
+    compressed: dict[str, CompressedDocument],
+    totals: dict[str, RowTotals],
+    max_new_tokens: int,
+) -> None:
+    """Answers the document's dependent questions from every compressed cache; adds up kept answers and KL."""
+    for question in (q for q in result.results() if q.dependent):
+        turns, reference_ids = question_turns(question.question), result.full_ids(question.question)
+        reference = teacher_forced_logits(full, turns, reference_ids)
+        for label, document in compressed.items():
+            text = answer(document, question.question, max_new_tokens).text()
+            total = totals[label]
+            total.dependent += 1
+            total.kl.append(mean_kl(reference, teacher_forced_logits(document, turns, reference_ids)))
+            if answer_matches(text, question.expected):
+                total.kept += 1
+            else:
+                full_answer = question.answers[FULL]
+                total.lost.append(f"{result.doc.doc_id}: {question.question} -> {text!r} (full: {full_answer!r})")
+
+
+def run(args: argparse.Namespace) -> int:
+    docs = load_realdocs(args.split, doc_ids=args.docs)
+    rows = parse_rows(args.rows)
+    torch.manual_seed(0)
+    engine = InfoKVEngine.from_pretrained(args.model)
+    bench = Bench(engine, ResultCache(args.cache_dir, lambda label: False), args.max_new_tokens)
+    labels = [*(row.label for row in rows), ORACLE_QUESTIONS, ORACLE_ANSWERS]
+    totals = {label: RowTotals() for label in labels}
+    started = time.perf_counter()
+    for index, doc in enumerate(docs):
+        result = DocumentResult(doc, load_document(doc.pdf_path), doc.questions)
+        bench.run_document(result, [])  # the full and no-document rows: which questions are dependent
+        full, compressed = compress(engine, result.document, rows, args.keep, result)
+        answer_dependent(result, full, compressed, totals, args.max_new_tokens)
+        line = ", ".join(f"{label} {t.kept}/{t.dependent}" for label, t in totals.items())
+        progress(f"[{index + 1}/{len(docs)}] {doc.doc_id}: {line} ({time.perf_counter() - started:.0f}s)")
+    return report(args, totals)
+
+
+def report(args: argparse.Namespace, totals: dict[str, RowTotals]) -> int:
+    command = "python -m benchmarks.selection_oracle " + " ".join(args.command)
+    lines = [
+        f"`{command}`",
+        "",
+        f"Split {args.split}, keep {args.keep}, one prefill per document; document-dependent questions only.",
+        "",
+        "| row | dependent kept | mean KL(full‖row) |",
+        "|---|---|---|",
+    ]
+    for label, total in totals.items():
+        share = f" ({total.kept / total.dependent:.0%})" if total.dependent else ""
+        mean = sum(total.kl) / len(total.kl) if total.kl else 0.0
+        lines.append(f"| {label} | {total.kept}/{total.dependent}{share} | {mean:.3f} |")
+    markdown = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"selection-oracle-{args.split}"
+    stem.with_suffix(".md").write_text(markdown)
+    details = {
+        label: {"kept": t.kept, "dependent": t.dependent, "kl": t.kl, "lost": t.lost} for label, t in totals.items()
+    }
+    stem.with_suffix(".json").write_text(json.dumps({"command": command, "rows": details}, indent=1))
+    print(markdown)
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--split", choices=SPLITS, default="dev")
+    parser.add_argument("--docs", nargs="+", help="document ids (default: every document of the split)")
+    parser.add_argument("--keep", type=float, default=0.25)
+    parser.add_argument("--rows", nargs="+", default=["infokv@0.25"], help="engine rows beside the oracles")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    args = parser.parse_args(argv)
+    args.command = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
