@@ -47,11 +47,10 @@ from benchmarks.realdocs_quality import (
     default_cache_dir,
     parse_rows,
 )
-from benchmarks.variants import teacher_forced_logits
+from benchmarks.variants import Rescorer, compress_variants, teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cache import DocumentCache
-from infokv_rag.documents import Document, load_document
-from infokv_rag.ingestion import Ingestion, signal_capture
+from infokv_rag.documents import load_document
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers.base import Scorer
 from infokv_rag.signals import LayerSignals
@@ -117,40 +116,30 @@ def question_attention(
     return capture.attention
 
 
-@torch.inference_mode()
 def compress(
-    engine: InfoKVEngine, document: Document, rows: Sequence[EngineRow], keep: float, result: DocumentResult
+    engine: InfoKVEngine, result: DocumentResult, rows: Sequence[EngineRow], keep: float
 ) -> tuple[CompressedDocument, dict[str, CompressedDocument]]:
-    """The full cache and each row's compression of one prefill (one chunk per document)."""
-    ids = torch.tensor(engine.prompt.document_ids(document.text), device=engine.runner.device)
-    n = len(ids)
-    oracle_config = CompressionConfig(method="infokv", keep=keep, chunk_size=n)
-    configs = {row.label: dataclasses.replace(row.config, chunk_size=n) for row in rows}
-    configs[ORACLE_QUESTIONS] = configs[ORACLE_ANSWERS] = oracle_config
-    ingestions = {label: Ingestion(engine, config, ids) for label, config in configs.items()}
-    reference = Ingestion(engine, CompressionConfig(method="full", chunk_size=n), ids)
-    signals = frozenset().union(*(ingestion.scorer.signals for ingestion in ingestions.values()))
-    capture = signal_capture(engine, oracle_config.window, signals)
-    prefill = engine.runner.new_cache()
-    hidden = reference.forward_chunk(prefill, capture, 0, n)
-    full = reference.finish(prefill)
+    """The full cache, and each row's and each oracle's compression, from one prefill of the document."""
+    chunk = max(CompressionConfig().chunk_size, len(engine.prompt.document_ids(result.document.text)))
     questions = [question for question, _ in result.questions]
-    attention = {
-        ORACLE_QUESTIONS: question_attention(engine, full.cache, [(q, ()) for q in questions]),
-        ORACLE_ANSWERS: question_attention(engine, full.cache, [(q, result.full_ids(q)) for q in questions]),
+    conversations: dict[str, list[tuple[str, Sequence[int]]]] = {
+        ORACLE_QUESTIONS: [(question, ()) for question in questions],
+        ORACLE_ANSWERS: [(question, result.full_ids(question)) for question in questions],
     }
-    compressed = {}
-    for label, ingestion in ingestions.items():
-        if label in attention:
-            ingestion.scorer = OracleScorer(ingestion.scorer, attention[label])
-        cache = full.cache.working_copy(0)
-        information = ingestion.chunk_information(hidden, 0, n) if ingestion.information is not None else None
-        ingestion.score_and_compress(cache, capture, hidden, 0, n, information)
-        made = ingestion.finish(cache)
-        compressed[label] = CompressedDocument(
-            engine, made.cache, configs[label], document, made.stats, made.information_reference, None
-        )
-    return CompressedDocument(engine, full.cache, reference.config, document, full.stats, None, None), compressed
+
+    def oracle(label: str) -> Rescorer:
+        return lambda full, scorer: OracleScorer(scorer, question_attention(engine, full, conversations[label]))
+
+    configs = {
+        FULL: CompressionConfig(method="full", chunk_size=chunk),
+        **{row.label: dataclasses.replace(row.config, chunk_size=chunk) for row in rows},
+        **{label: CompressionConfig(keep=keep, chunk_size=chunk) for label in conversations},
+    }
+    rescorers = [oracle(label) if label in conversations else None for label in configs]
+    made = dict(
+        zip(configs, compress_variants(engine, result.document, list(configs.values()), rescorers), strict=True)
+    )
+    return made.pop(FULL), made
 
 
 @dataclass
@@ -196,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     for index, doc in enumerate(docs):
         result = DocumentResult(doc, load_document(doc.pdf_path), doc.questions)
         bench.run_document(result, [])  # the full and no-document rows: which questions are dependent
-        full, compressed = compress(engine, result.document, rows, args.keep, result)
+        full, compressed = compress(engine, result, rows, args.keep)
         answer_dependent(result, full, compressed, totals, args.max_new_tokens)
         line = ", ".join(f"{label} {t.kept}/{t.dependent}" for label, t in totals.items())
         progress(f"[{index + 1}/{len(docs)}] {doc.doc_id}: {line} ({time.perf_counter() - started:.0f}s)")

@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
+from infokv_rag.cache import DocumentCache
 from infokv_rag.decoding import recall_budget, working_session
 from infokv_rag.documents import Document
 from infokv_rag.ingestion import Ingestion, signal_capture
 from infokv_rag.prompt import Turn
+from infokv_rag.scorers.base import Scorer
+
+Rescorer = Callable[[DocumentCache, Scorer[Any]], Scorer[Any]]
+"""(the full cache, a config's scorer) -> the scorer to compress with instead."""
 
 
 @torch.inference_mode()
 def compress_variants(
-    engine: InfoKVEngine, document: Document, configs: Sequence[CompressionConfig]
+    engine: InfoKVEngine,
+    document: Document,
+    configs: Sequence[CompressionConfig],
+    rescorers: Sequence[Rescorer | None] = (),
 ) -> list[CompressedDocument]:
     """Compresses one document several ways from a single prefill (for benchmarks and ablations).
 
     Exact only when the document fits one prefill chunk of every config (then chunking never
-    interleaves with compression) and all configs share the observation window.
+    interleaves with compression) and all configs share the observation window. `rescorers[i]`, when
+    given and not None, replaces config i's scorer before it scores (benchmarks/selection_oracle.py).
     """
     ids = torch.tensor(engine.prompt.document_ids(document.text), device=engine.runner.device)
     if any(len(ids) > c.chunk_size for c in configs) or len({c.window for c in configs}) > 1:
@@ -35,7 +45,10 @@ def compress_variants(
     full_cache = full.freeze(len(ids), reference.sinks)
     informations: dict[object, Tensor] = {}
     results = []
-    for config, ingestion in zip(configs, ingestions, strict=True):
+    for index, (config, ingestion) in enumerate(zip(configs, ingestions, strict=True)):
+        rescorer = rescorers[index] if index < len(rescorers) else None
+        if rescorer is not None:
+            ingestion.scorer = rescorer(full_cache, ingestion.scorer)
         ingestion.timings["prefill"] = reference.timings["prefill"]
         information = None
         if ingestion.information is not None:
