@@ -210,9 +210,7 @@ def report(args: argparse.Namespace, totals: dict[str, RowTotals]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"selection-oracle-{args.split}"
     stem.with_suffix(".md").write_text(markdown)
-    details = {
-        label: {"kept": t.kept, "dependent": t.dependent, "kl": t.kl, "lost": t.lost} for label, t in totals.items()
-    }
+    details = {label: dataclasses.asdict(total) for label, total in totals.items()}
     stem.with_suffix(".json").write_text(json.dumps({"command": command, "rows": details}, indent=1))
     print(markdown)
     return 0
