@@ -11,7 +11,9 @@ For each document of the real-document corpus (`benchmarks/realdocs`): one prefi
   (each asked as the product asks it, over the full cache) pays it, over the query heads of its KV group;
   it sets the layer budgets as well as the tokens kept;
 - `oracle: questions + answers`: the same with the full cache's answer teacher-forced after each question,
-  so it also sees what every token of the full cache's answer reads.
+  so it also sees what every token of the full cache's answer reads;
+- `oracle budgets, default ranking` and `default budgets, oracle ranking`: that oracle split in two, the layer
+  budgets from one and the choice within each layer from the other, to tell which of the two loses answers.
 
 The oracles know the questions, so they are not methods: they tell how much of what a compressed cache loses
 any choice of tokens could keep with this model at this budget, and so how far a query-agnostic scorer
@@ -58,6 +60,8 @@ from infokv_rag.signals import LayerSignals
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE_QUESTIONS = "oracle: questions"
 ORACLE_ANSWERS = "oracle: questions + answers"
+ORACLE_BUDGETS = "oracle budgets, default ranking"
+ORACLE_RANKING = "default budgets, oracle ranking"
 
 
 class QuestionAttention:
@@ -100,6 +104,22 @@ class OracleScorer(Scorer[Any]):
         return signals.word_max(self.comparable_scores(signals))
 
 
+class MixedScorer(Scorer[Any]):
+    """Layer budgets from one scorer's comparable scores, the choice within each layer from another's."""
+
+    def __init__(self, budgets: Scorer[Any], ranking: Scorer[Any]) -> None:
+        super().__init__(ranking.settings)
+        self.signals = budgets.signals | ranking.signals
+        self.budgets = budgets
+        self.ranking = ranking
+
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        return self.budgets.comparable_scores(signals)
+
+    def score(self, signals: LayerSignals) -> Tensor:
+        return self.ranking.score(signals)
+
+
 def question_attention(
     engine: InfoKVEngine, full: DocumentCache, conversations: Sequence[tuple[str, Sequence[int]]]
 ) -> dict[int, Tensor]:
@@ -127,15 +147,25 @@ def compress(
         ORACLE_ANSWERS: [(question, result.full_ids(question)) for question in questions],
     }
 
-    def oracle(label: str) -> Rescorer:
-        return lambda full, scorer: OracleScorer(scorer, question_attention(engine, full, conversations[label]))
+    captured: dict[str, dict[int, Tensor]] = {}
 
+    def oracle(full: DocumentCache, scorer: Scorer[Any], label: str) -> OracleScorer:
+        if label not in captured:  # one capture per document serves every row that reads it
+            captured[label] = question_attention(engine, full, conversations[label])
+        return OracleScorer(scorer, captured[label])
+
+    oracles: dict[str, Rescorer] = {
+        ORACLE_QUESTIONS: lambda full, scorer: oracle(full, scorer, ORACLE_QUESTIONS),
+        ORACLE_ANSWERS: lambda full, scorer: oracle(full, scorer, ORACLE_ANSWERS),
+        ORACLE_BUDGETS: lambda full, scorer: MixedScorer(oracle(full, scorer, ORACLE_ANSWERS), scorer),
+        ORACLE_RANKING: lambda full, scorer: MixedScorer(scorer, oracle(full, scorer, ORACLE_ANSWERS)),
+    }
     configs = {
         FULL: CompressionConfig(method="full", chunk_size=chunk),
         **{row.label: dataclasses.replace(row.config, chunk_size=chunk) for row in rows},
-        **{label: CompressionConfig(keep=keep, chunk_size=chunk) for label in conversations},
+        **{label: CompressionConfig(keep=keep, chunk_size=chunk) for label in oracles},
     }
-    rescorers = [oracle(label) if label in conversations else None for label in configs]
+    rescorers = [oracles.get(label) for label in configs]
     made = dict(
         zip(configs, compress_variants(engine, result.document, list(configs.values()), rescorers), strict=True)
     )
@@ -179,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     engine = InfoKVEngine.from_pretrained(args.model)
     bench = Bench(engine, ResultCache(args.cache_dir, lambda label: False), args.max_new_tokens)
-    labels = [*(row.label for row in rows), ORACLE_QUESTIONS, ORACLE_ANSWERS]
+    labels = [*(row.label for row in rows), ORACLE_QUESTIONS, ORACLE_ANSWERS, ORACLE_BUDGETS, ORACLE_RANKING]
     totals = {label: RowTotals() for label in labels}
     started = time.perf_counter()
     for index, doc in enumerate(docs):

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from benchmarks.selection_oracle import QuestionAttention, question_attention
+import torch
+from torch import Tensor
+
+from benchmarks.selection_oracle import MixedScorer, QuestionAttention, question_attention
+from benchmarks.variants import compress_variants
 from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.documents import document_from_text
+from infokv_rag.scorers.base import NoSettings, Scorer
+from infokv_rag.signals import LayerSignals
 
 
 def test_the_capture_keeps_the_most_attention_any_query_pays_each_document_token() -> None:
@@ -39,3 +46,43 @@ def test_several_questions_give_the_most_attention_of_each(random_engine: InfoKV
         assert attention.shape == (random_engine.runner.kv_heads, doc.cache.document_tokens)
         assert torch.allclose(attention, torch.maximum(first[layer], second[layer]))
         assert not torch.allclose(first[layer], second[layer])
+
+
+class ByPosition(Scorer[Any]):
+    """Ranks later tokens first (`sign` 1) or earlier ones (-1); deeper layers compare higher."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__(NoSettings())
+        self.sign = sign
+
+    def score(self, signals: LayerSignals) -> Tensor:
+        return self.sign * signals.positions.float()
+
+    def comparable_scores(self, signals: LayerSignals) -> Tensor:
+        return (signals.layer + 1) * (self.sign * signals.positions.float()).softmax(dim=1)
+
+
+def test_a_mixed_scorer_takes_budgets_from_one_scorer_and_the_choice_in_each_layer_from_the_other(
+    random_engine: InfoKVEngine,
+) -> None:
+    document = document_from_text("The fee is 40 dollars. Notice is due in 30 days. " * 12)
+    config = CompressionConfig(keep=0.25, summaries=0)
+    early, late = ByPosition(-1.0), ByPosition(1.0)
+    alone, mixed = compress_variants(
+        random_engine,
+        document,
+        [config, config],
+        [lambda full, scorer: early, lambda full, scorer: MixedScorer(budgets=early, ranking=late)],
+    )
+    assert mixed.cache.lengths == alone.cache.lengths
+    assert len(set(alone.cache.lengths)) > 1  # the budgets differ per layer, so they were not uniform
+    n, sinks, window = alone.cache.document_tokens, alone.cache.sink_tokens, config.window
+    for alone_layer, mixed_layer in zip(alone.cache.layers, mixed.cache.layers, strict=True):
+        length = mixed_layer.length
+        # Beside the protected sinks and window, the late ranking keeps each layer's last tokens, the early one
+        # its first.
+        late_kept = [*range(sinks), *range(n - (length - sinks), n)]
+        early_kept = [*range(length - window), *range(n - window, n)]
+        for head in range(random_engine.runner.kv_heads):
+            assert mixed_layer.positions[head].tolist() == late_kept
+            assert alone_layer.positions[head].tolist() == early_kept
