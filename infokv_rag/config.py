@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 DEFAULT_METHOD = "infokv"
 COLD_BITS = (4, 8)
+SETTINGS_ADDED: dict[str, Any] = {
+    "attention": "window",
+    "layer_budgets": "uniform",
+    "units": "token",
+    "value_weighting": False,
+}
+"""Method settings added after their method's caches were first saved, with the value every cache saved before
+them was made with (a default may change later, what such a cache holds does not). `CompressionConfig.to_dict`
+leaves a setting out at that value and `from_dict` puts it back, so adding a setting changes no saved config
+and no store key."""
 
 
 def check_recall(recall: float | int) -> None:
@@ -157,14 +167,19 @@ class CompressionConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.
 
-        Without a cold tier its fields are left out, and so is `summaries` when 0: such a config reads as it
-        did before they existed (saved caches and their store keys keep their meaning).
+        Without a cold tier its fields are left out, and so is `summaries` when 0, and each of `SETTINGS_ADDED`
+        at the value it stands for: such a config reads as it did before they existed (saved caches and their
+        store keys keep their meaning).
         """
         data = dataclasses.asdict(self)
         if not self.recall:
             del data["recall"], data["cold_bits"]
         if not self.summaries:
             del data["summaries"]
+        settings = data["settings"]
+        for name, before in SETTINGS_ADDED.items():
+            if name in settings and settings[name] == before:
+                del settings[name]
         return data
 
     def cache_identity(self) -> dict[str, Any]:
@@ -177,9 +192,12 @@ class CompressionConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:
-        """The config `to_dict` gave; a dict without `summaries` was written before they existed (none)."""
+        """The config `to_dict` gave; a dict without `summaries` was written before they existed (none), and one
+        without a setting of `SETTINGS_ADDED` stands for the value every config had before it."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
-        return cls(**{"summaries": 0, **data})
+        own = {f.name for f in dataclasses.fields(scorers.method(data.get("method", DEFAULT_METHOD)).settings)}
+        added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
+        return cls(**{"summaries": 0, **data, "settings": {**added, **data.get("settings", {})}})

@@ -413,11 +413,6 @@ def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, t
         ) from exc
 
 
-SETTINGS_ADDED = {"attention": "window", "layer_budgets": "uniform", "units": "token"}
-"""Method settings added after their method's caches were first saved, with the value every cache saved
-before them was made with: a default may change later, what such a cache holds does not."""
-
-
 def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
     """The config of a manifest; format 2's flat fields are split into shared ones and the method's own."""
     own = {f.name for f in dataclasses.fields(scorers.method(data["method"]).settings)}
@@ -427,8 +422,7 @@ def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
             **{k: v for k, v in data.items() if k in shared},
             "settings": {k: v for k, v in data.items() if k in own},
         }
-    added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
-    return CompressionConfig.from_dict({**data, "settings": {**added, **data.get("settings", {})}})
+    return CompressionConfig.from_dict(data)
 
 
 class CacheStore:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError
+from infokv_rag.config import SETTINGS_ADDED
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer
 from infokv_rag.selection import protected_mask, select_tokens
@@ -157,6 +158,29 @@ def test_settings_have_defaults_round_trip_and_refuse_unknown_fields(name: str) 
     assert hash(config) == hash(CompressionConfig.from_dict(config.to_dict()))
     with pytest.raises(ConfigError, match=f"method '{name}' has no setting no_such_knob"):
         CompressionConfig(method=name, settings={"no_such_knob": 1})
+
+
+def added_settings(name: str) -> set[str]:
+    """The settings of `SETTINGS_ADDED` that method `name` has."""
+    return SETTINGS_ADDED.keys() & {item.name for item in dataclasses.fields(method(name).settings)}
+
+
+@pytest.mark.parametrize("name", [name for name in method_names() if added_settings(name)])
+def test_a_setting_added_later_is_left_out_of_the_dict_at_the_value_older_configs_had(name: str) -> None:
+    own = added_settings(name)
+    before = CompressionConfig(method=name, settings={setting: SETTINGS_ADDED[setting] for setting in own})
+    assert not own & before.to_dict()["settings"].keys()  # so its saved configs and store keys stay as they were
+    assert CompressionConfig.from_dict(before.to_dict()) == before
+    for setting in own:
+        hints = typing.get_type_hints(method(name).settings)
+        choices = typing.get_args(hints[setting]) if typing.get_origin(hints[setting]) is Literal else (True, False)
+        other = next(choice for choice in choices if choice != SETTINGS_ADDED[setting])
+        try:
+            changed = CompressionConfig(method=name, settings={**before.to_dict()["settings"], setting: other})
+        except ConfigError:
+            continue  # that value needs other settings too (e.g. global budgets need a scale shared by layers)
+        assert changed.to_dict()["settings"][setting] == other
+        assert CompressionConfig.from_dict(changed.to_dict()) == changed
 
 
 @pytest.mark.parametrize("name", method_names())
