@@ -165,7 +165,7 @@ class CompressionConfig:
         return 8 if cache_element_bytes >= 4 else 4
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the shared fields and `settings`, a dict of every setting of the method.
+        """JSON-ready: the shared fields and `settings`, a dict of the method's settings.
 
         Without a cold tier its fields are left out, and so is `summaries` when 0, and each of `SETTINGS_ADDED`
         at the value it stands for: such a config reads as it did before they existed (saved caches and their
