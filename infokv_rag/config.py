@@ -19,6 +19,7 @@ COLD_BITS = (4, 8)
 SETTINGS_ADDED: dict[str, Any] = {
     "attention": "window",
     "layer_budgets": "uniform",
+    "layer_floor": 0.0,
     "units": "token",
     "value_weighting": False,
 }

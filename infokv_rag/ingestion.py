@@ -137,7 +137,11 @@ class Ingestion:
         }
         """Per signal, per layer (kv_heads, length) values aligned with the resident tokens."""
         settings = config.settings
-        self.layer_budgets = settings.layer_budgets if isinstance(settings, LayerBudgetSettings) else "uniform"
+        # A method whose layers cannot differ has the uniform defaults.
+        budget_settings = settings if isinstance(settings, LayerBudgetSettings) else LayerBudgetSettings()
+        self.layer_budgets = budget_settings.layer_budgets
+        self.layer_floor = round(budget_settings.layer_floor * self.budget)
+        """Tokens every layer keeps at least when layers differ (`LayerBudgetSettings.layer_floor`)."""
         self.global_budgets = self.layer_budgets != "uniform"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
         self.peak_resident = 0
@@ -319,7 +323,9 @@ class Ingestion:
         minimum = min(self.sinks + self.config.window, self.budget)
         if self.global_budgets:
             neediest = self.layer_budgets == "neediest_head"
-            budgets = global_budgets(comparable, self.budget * len(scores), minimum, "max" if neediest else "mean")
+            budgets = global_budgets(
+                comparable, self.budget * len(scores), minimum, "max" if neediest else "mean", self.layer_floor
+            )
         elif self.config.adaptive_budget and self.config.method_spec.compresses:
             normalized = [normalize(s, "minmax") for s in scores]
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)

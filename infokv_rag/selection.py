@@ -69,7 +69,7 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
 
 
 def global_budgets(
-    scores: list[Tensor], total: int, minimum: int, per_layer: Literal["mean", "max"] = "mean"
+    scores: list[Tensor], total: int, minimum: int, per_layer: Literal["mean", "max"] = "mean", floor: int = 0
 ) -> list[int]:
     """Splits `total` tokens over layers by one threshold on scores comparable across layers (KVzip).
 
@@ -77,6 +77,8 @@ def global_budgets(
     the most (`"max"`) of how many of each head's scores pass the threshold, at least `minimum` and at most
     its length; the threshold is the one that keeps `total` tokens per KV head overall ("mean"), or the
     highest whose layer shares fit in `total` ("max"); the sum is exactly `min(total, sum of lengths)`.
+    A `floor` above `minimum` then lifts every layer to at least that many tokens (or its length), taking
+    the difference from the layers above it in proportion to how far above they are.
     """
     lengths = [layer.shape[1] for layer in scores]
     total = min(total, sum(lengths))
@@ -104,7 +106,10 @@ def global_budgets(
     else:
         kept = min(total * heads, pooled.numel())
         wanted = wanted_at(pooled.topk(kept).values[-1] if kept else pooled.new_tensor(torch.inf))
-    budgets = [max(floor, min(length, round(w))) for floor, length, w in zip(floors, lengths, wanted, strict=True)]
+    if floor > minimum:
+        floors = [min(floor, length) for length in lengths]
+        wanted = lifted_to_floor([min(length, w) for length, w in zip(lengths, wanted, strict=True)], floors, total)
+    budgets = [max(low, min(length, round(w))) for low, length, w in zip(floors, lengths, wanted, strict=True)]
     # Rounding and the floors move the sum off `total`: settle the difference one token at a time on
     # the layer whose share is furthest from what it wanted, within its bounds.
     while (excess := sum(budgets) - total) != 0:
@@ -113,3 +118,14 @@ def global_budgets(
         pick = max(movable, key=lambda i: step * (wanted[i] - budgets[i]))
         budgets[pick] += step
     return budgets
+
+
+def lifted_to_floor(shares: list[float], floors: list[int], total: int) -> list[float]:
+    """Per-layer `shares` raised to `floors`, the excess over `total` taken from the layers above their floor
+    in proportion to how far above they are (none falls below its floor while `sum(floors) <= total`)."""
+    raised = [max(share, low) for share, low in zip(shares, floors, strict=True)]
+    above = [share - low for share, low in zip(raised, floors, strict=True)]
+    extra = sum(raised) - total
+    if extra <= 0 or not sum(above):
+        return raised
+    return [share - extra * part / sum(above) for share, part in zip(raised, above, strict=True)]

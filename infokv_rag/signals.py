@@ -74,6 +74,7 @@ class InformationSettings(MethodSettings):
     measurable; benchmarks/overhead.py)."""
 
     def validate(self) -> None:
+        super().validate()
         for name in ("entropy_top_k", "entropy_vocabulary"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -93,6 +94,17 @@ class LayerBudgetSettings(MethodSettings):
     "neediest_head": the same, but a layer keeps what its neediest KV head wants (a layer's heads share one
     length, so the others keep as many of their own best): within one layer one head often wants nearly
     every token and another almost none, and the mean cuts the first to half."""
+    layer_floor: float = 0.0
+    """With layers that differ: every layer keeps at least this share of the mean layer budget (the budget of
+    `keep`), the difference taken from the layers above that floor in proportion to how far above they are.
+    One threshold leaves a third of the default model's layers at sinks + window on real documents, and at
+    keep 0.5 an oracle's flatter budgets kept answers the threshold's lost (README, "A bound on choosing
+    tokens")."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise ConfigError(f"layer_floor must be in [0, 1], got {self.layer_floor}")
 
 
 class ForwardCapture(Protocol):

@@ -111,6 +111,17 @@ def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     assert doc.ask("What is the notice period?", max_new_tokens=6)
 
 
+def test_a_full_layer_floor_makes_global_budgets_uniform(random_engine: InfoKVEngine) -> None:
+    config = CompressionConfig(keep=0.2, chunk_size=64, settings={"layer_floor": 1.0})
+    doc = random_engine.ingest_text(TEXT, config)
+    assert (
+        doc.stats.kept_tokens_per_layer
+        == [config.budget_for(doc.stats.document_tokens, random_engine.prompt.head_tokens)] * 3
+    )
+    with pytest.raises(ConfigError, match="layer_floor"):
+        CompressionConfig(settings={"layer_floor": 1.5})
+
+
 def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:
     one_shot = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     chunked = random_engine.ingest_text(TEXT, CompressionConfig(method="full", chunk_size=64))

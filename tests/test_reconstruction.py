@@ -58,6 +58,16 @@ def test_global_budgets_follow_the_scores_and_keep_the_total():
     assert global_budgets(mixed, total=10_000, minimum=8) == [50] * 4
 
 
+def test_a_layer_floor_is_taken_from_the_layers_above_it_in_proportion():
+    # Layers 0 and 1 hold every token that passes; 2 and 3 none.
+    scores = [torch.full((2, 120), 0.9), torch.full((2, 60), 0.8), torch.zeros(2, 100), torch.zeros(2, 100)]
+    assert global_budgets(scores, total=4 * 45, minimum=10) == [110, 50, 10, 10]
+    # Lifting 2 and 3 to 30 costs 60 tokens: 45 from layer 0 (90 above the floor), 15 from 1 (30 above).
+    assert global_budgets(scores, total=4 * 45, minimum=10, floor=30) == [75, 45, 30, 30]
+    assert global_budgets(scores, total=4 * 45, minimum=10, floor=45) == [45] * 4
+    assert global_budgets(scores, total=4 * 45, minimum=10, floor=5) == [110, 50, 10, 10]  # below the minimum
+
+
 def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants():
     # Layer 0: one head wants every token, the other none; layer 1: both want a quarter.
     wanting = torch.stack([torch.full((100,), 0.9), torch.full((100,), 0.1)])
