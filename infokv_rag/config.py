@@ -199,6 +199,6 @@ class CompressionConfig:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
-        own = {f.name for f in dataclasses.fields(scorers.method(data.get("method", DEFAULT_METHOD)).settings)}
+        own = scorers.method(data.get("method", DEFAULT_METHOD)).setting_names
         added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
         return cls(**{"summaries": 0, **data, "settings": {**added, **data.get("settings", {})}})

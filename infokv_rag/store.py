@@ -416,7 +416,7 @@ def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, t
 def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
     """The config of a manifest; format 2's flat fields are split into shared ones and the method's own."""
     if format_version == 2:
-        own = {f.name for f in dataclasses.fields(scorers.method(data["method"]).settings)}
+        own = scorers.method(data["method"]).setting_names
         shared = {f.name for f in dataclasses.fields(CompressionConfig)} - {"settings"}
         data = {
             **{k: v for k, v in data.items() if k in shared},

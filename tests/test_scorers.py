@@ -162,7 +162,7 @@ def test_settings_have_defaults_round_trip_and_refuse_unknown_fields(name: str) 
 
 def added_settings(name: str) -> set[str]:
     """The settings of `SETTINGS_ADDED` that method `name` has."""
-    return SETTINGS_ADDED.keys() & {item.name for item in dataclasses.fields(method(name).settings)}
+    return SETTINGS_ADDED.keys() & set(method(name).setting_names)
 
 
 @pytest.mark.parametrize("name", [name for name in method_names() if added_settings(name)])

@@ -59,16 +59,20 @@ class Method(Generic[S]):
     compresses: bool = True
     """False for the uncompressed baseline: its budget is the whole document."""
 
+    @property
+    def setting_names(self) -> tuple[str, ...]:
+        """The fields of the method's settings class, in declaration order."""
+        return tuple(item.name for item in fields(self.settings))
+
     def settings_from(self, given: MethodSettings | Mapping[str, Any]) -> S:
         """The method's settings from an instance of its settings class or a mapping of changed fields."""
         if isinstance(given, self.settings):
             return given
         if isinstance(given, MethodSettings):
             raise ConfigError(f"method {self.name!r} takes {self.settings.__name__}, not {type(given).__name__}")
-        allowed = [item.name for item in fields(self.settings)]
-        unknown = sorted(set(given) - set(allowed))
+        unknown = sorted(set(given) - set(self.setting_names))
         if unknown:
-            takes = ", ".join(allowed) if allowed else "no settings"
+            takes = ", ".join(self.setting_names) or "no settings"
             raise ConfigError(f"method {self.name!r} has no setting {', '.join(unknown)}; it takes {takes}")
         return self.settings(**given)
 
