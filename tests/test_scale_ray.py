@@ -104,6 +104,11 @@ def ingress(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         else:
             store = f"file://{tmp}/store"
         port = free_port()
+        # Ray Serve kills a proxy that is not ready within 5 s (health checks: 10 s) and serve.start then fails;
+        # on a loaded 2-core machine that happened (2026-12-02). Ray's processes read these at start.
+        env = stack.enter_context(pytest.MonkeyPatch.context())
+        env.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+        env.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
