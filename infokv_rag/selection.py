@@ -125,7 +125,7 @@ def lifted_to_floor(shares: list[float], floors: list[int], total: int) -> list[
     in proportion to how far above they are (none falls below its floor while `sum(floors) <= total`)."""
     raised = [max(share, low) for share, low in zip(shares, floors, strict=True)]
     above = [share - low for share, low in zip(raised, floors, strict=True)]
-    extra = sum(raised) - total
-    if extra <= 0 or not sum(above):
+    extra, spare = sum(raised) - total, sum(above)
+    if extra <= 0 or not spare:
         return raised
-    return [share - extra * part / sum(above) for share, part in zip(raised, above, strict=True)]
+    return [share - extra * part / spare for share, part in zip(raised, above, strict=True)]
