@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Protocol
 
 import torch
@@ -211,8 +212,10 @@ class LayerSignals:
         best.scatter_reduce_(1, words, scores, reduce="amax")
         return best.gather(1, words)
 
+    @cached_property
     def relative_value_norms(self) -> Tensor:
-        """(kv_heads, length): each resident token's value norm over its (layer, KV head)'s mean."""
+        """(kv_heads, length): each resident token's value norm over its (layer, KV head)'s mean (computed once:
+        both the score and the scores compared across layers read it)."""
         norms = self.values.float().norm(dim=-1)
         return norms / norms.mean(dim=1, keepdim=True).clamp_min(1e-12)
 

@@ -287,7 +287,7 @@ def test_word_units_keep_a_word_whole() -> None:
 def test_value_weighting_scales_scores_by_relative_value_norms() -> None:
     signals = synthetic_signals(SIGNALS)
     norms = signals.values.float().norm(dim=-1)
-    relative = signals.relative_value_norms()
+    relative = signals.relative_value_norms
     assert torch.allclose(relative, norms / norms.mean(dim=1, keepdim=True))
     plain = scorer_of("infokv", units="token")
     weighted = scorer_of("infokv", units="token", value_weighting=True)

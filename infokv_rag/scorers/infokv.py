@@ -149,7 +149,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
         """The reconstruction attention, weighed by the value norms when `value_weighting`."""
         scores = self.reconstruction(signals)
-        return scores * signals.relative_value_norms() if self.settings.value_weighting else scores
+        return scores * signals.relative_value_norms if self.settings.value_weighting else scores
 
     def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R)."""
@@ -179,7 +179,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
             scores = self.information_term(signals)
         else:
             scores = lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
-        weight = signals.relative_value_norms() if self.settings.value_weighting else None
+        weight = signals.relative_value_norms if self.settings.value_weighting else None
         if self.settings.units == "word":
             scores = signals.word_max(scores)
             weight = signals.word_max(weight) if weight is not None else None
