@@ -160,6 +160,11 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
     A file starting with `%PDF-` is a PDF whatever its name; any other file that decodes as text
     is text. `password` opens encrypted PDFs and is ignored otherwise.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"expected the path of a PDF or text file, got {type(path).__name__}; for a Document already loaded "
+            "use InfoKVEngine.ingest_document, for text in memory ingest_text"
+        )
     p = Path(path)
     name = os.fspath(path)
     if not p.exists():

@@ -359,6 +359,12 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         load_document(tmp_path)
 
 
+def test_a_loaded_document_instead_of_a_path_names_the_call_to_use() -> None:
+    document = document_from_text("The notice period is 30 days.")
+    with pytest.raises(TypeError, match="got Document.*ingest_document"):
+        load_document(document)  # type: ignore[arg-type]
+
+
 def test_every_document_error_is_a_document_error() -> None:
     for cls in (UnsupportedFormatError, EmptyDocumentError, EncryptedPDFError, NoExtractableTextError, CorruptPDFError):
         assert issubclass(cls, DocumentError)
