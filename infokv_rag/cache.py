@@ -2,7 +2,8 @@
 
 Keys are stored after RoPE, so an evicted token needs no re-rotation: the kept tokens keep their
 original positions and later tokens continue at position n, the uncompressed document length.
-Within one layer every KV head keeps the same number of tokens, but each head may keep different ones.
+Within one layer every KV head keeps the same number of tokens, but each head may keep different ones; with
+per-head budgets the tokens some heads keep beyond that are held beside the layer (`HeadExtras`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class LayerKV:
 
 @dataclass
 class EvictedSummary:
-    """Stand-ins for the entries one layer evicted (`infokv_rag.summaries`).
+    """Entries attended beside one layer's own, each standing for one or more of the document's entries.
 
-    keys, values: (kv_heads, m, head_dim), each cluster's mean key and mean value; log_counts: (kv_heads, m)
-    float32, the log of how many evicted entries each stands for (-inf: none), added to its attention logit.
+    Stand-ins for the entries the layer evicted (`infokv_rag.summaries`: each cluster's mean key and mean
+    value) and, in a question's working copy, the tokens some heads hold beyond the layer's length
+    (`HeadExtras.padded`). keys, values: (kv_heads, m, head_dim); log_counts: (kv_heads, m) float32, the log
+    of how many entries each stands for (-inf: none, a padding slot), added to its attention logit.
     """
 
     keys: Tensor
@@ -53,6 +56,14 @@ class EvictedSummary:
         keys = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
         return cls(keys, keys.clone(), torch.empty(kv_heads, 0, device=device))
 
+    @classmethod
+    def concatenated(cls, first: EvictedSummary, second: EvictedSummary) -> EvictedSummary:
+        return cls(
+            torch.cat([first.keys, second.keys], dim=1),
+            torch.cat([first.values, second.values], dim=1),
+            torch.cat([first.log_counts, second.log_counts], dim=1),
+        )
+
     @property
     def length(self) -> int:
         return int(self.keys.shape[1])
@@ -60,6 +71,51 @@ class EvictedSummary:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.log_counts))
+
+
+@dataclass
+class HeadExtras:
+    """The tokens some KV heads of one layer keep beyond the layer's common length (`layer_budgets="per_head"`:
+    a layer's heads may keep different numbers of tokens, and the layer holds as many per head as its least
+    needy head keeps). Stored flat, so they cost their own bytes and no padding.
+
+    keys, values: (entries, head_dim), head 0's entries first, then head 1's, ...; counts: (kv_heads,) int64,
+    how many each head holds (summing to entries).
+    """
+
+    keys: Tensor
+    values: Tensor
+    counts: Tensor
+
+    @classmethod
+    def gathered(cls, keys: Tensor, values: Tensor, indices: list[Tensor]) -> HeadExtras:
+        """Head h's entries `indices[h]` of keys, values (kv_heads, length, head_dim)."""
+        return cls(
+            torch.cat([keys[head, chosen] for head, chosen in enumerate(indices)]),
+            torch.cat([values[head, chosen] for head, chosen in enumerate(indices)]),
+            torch.tensor([len(chosen) for chosen in indices], dtype=torch.long),
+        )
+
+    @property
+    def most(self) -> int:
+        """The most entries any head holds."""
+        return int(self.counts.max()) if self.counts.numel() else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
+
+    def padded(self) -> EvictedSummary:
+        """The entries as a question attends to them: (kv_heads, most, head_dim), each exact (log count 0),
+        the slots of a head that holds fewer at log count -inf."""
+        heads, dim = self.counts.shape[0], self.keys.shape[1]
+        slot = torch.arange(self.most).expand(heads, -1)
+        filled = (slot < self.counts.unsqueeze(1)).to(self.keys.device)
+        keys = self.keys.new_zeros(heads, self.most, dim)
+        values = torch.zeros_like(keys)
+        keys[filled], values[filled] = self.keys, self.values
+        log_counts = torch.zeros(heads, self.most, device=self.keys.device).masked_fill_(~filled, -torch.inf)
+        return EvictedSummary(keys, values, log_counts)
 
 
 @dataclass
@@ -73,29 +129,56 @@ class DocumentCache:
     """Leading positions that are never evicted (attention sinks, and the prompt head when protected)."""
     summaries: list[EvictedSummary] | None = None
     """Per layer, the stand-ins for its evicted entries, when the config keeps them."""
+    extras: list[HeadExtras] | None = None
+    """Per layer, the tokens some KV heads keep beyond the layer's length, with per-head budgets."""
 
     @property
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
 
     @property
+    def kept_per_layer(self) -> list[int]:
+        """Tokens each layer keeps per KV head: its length, plus the mean of its heads' extras."""
+        if self.extras is None:
+            return self.lengths
+        heads = self.layers[0].keys.shape[0]
+        extras = [int(extra.counts.sum()) for extra in self.extras]
+        return [layer.length + round(count / heads) for layer, count in zip(self.layers, extras, strict=True)]
+
+    @property
     def summary_tokens(self) -> int:
-        return summary_tokens(self.summaries)
+        """The most entries a question attends beside any layer's own (per KV head)."""
+        extras = [extra.most for extra in self.extras] if self.extras else [0] * len(self.layers)
+        summaries = [summary.length for summary in self.summaries] if self.summaries else [0] * len(self.layers)
+        return max(map(sum, zip(extras, summaries, strict=True)), default=0)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of stored keys and values, summaries included."""
-        return sum(layer.nbytes for layer in self.layers) + sum(summary.nbytes for summary in self.summaries or [])
+        """Bytes of stored keys and values, summaries and extras included."""
+        side: list[EvictedSummary | HeadExtras] = [*(self.summaries or []), *(self.extras or [])]
+        return sum(layer.nbytes for layer in self.layers) + sum(entries.nbytes for entries in side)
 
     def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
-        """A growable copy for answering a question (with the summaries, if any and `summaries`); the document
-        tensors stay untouched."""
+        """A growable copy for answering a question, with what it attends beside each layer (extras and
+        summaries, if any and `summaries`); the document tensors stay untouched."""
         first = self.layers[0]
         cache = KVCache(len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device)
         for index, layer in enumerate(self.layers):
             cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
-        cache.summaries = self.summaries if summaries else None
+        cache.summaries = self.beside() if summaries else None
         return cache
+
+    def beside(self) -> list[EvictedSummary] | None:
+        """Per layer, the entries a question attends beside the layer's own: its extras, then its summaries."""
+        if self.extras is None:
+            return self.summaries
+        first = self.layers[0].keys
+        empty = EvictedSummary.empty(first.shape[0], first.shape[2], first.dtype, first.device)
+        summaries = self.summaries or [empty] * len(self.layers)
+        return [
+            EvictedSummary.concatenated(extra.padded(), summary)
+            for extra, summary in zip(self.extras, summaries, strict=True)
+        ]
 
 
 def summary_tokens(summaries: list[EvictedSummary] | None) -> int:
@@ -109,7 +192,7 @@ def gather_tokens(tensor: Tensor, indices: Tensor) -> Tensor:
     return torch.gather(tensor, 1, index)
 
 
-class _LayerBuffer:
+class LayerBuffer:
     """Preallocated storage of one layer that grows by doubling; the first `length` slots are live."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -196,7 +279,7 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.layers = [_LayerBuffer(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+        self.layers = [LayerBuffer(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
         self.summaries: list[EvictedSummary] | None = None
         self.pending_positions = torch.empty(0, dtype=torch.long, device=device)
         self.pending_scores = torch.empty(0, dtype=torch.float32, device=device)
@@ -236,6 +319,11 @@ class KVCache:
             layer.length = length
 
     def freeze(
-        self, document_tokens: int, sink_tokens: int, summaries: list[EvictedSummary] | None = None
+        self,
+        document_tokens: int,
+        sink_tokens: int,
+        summaries: list[EvictedSummary] | None = None,
+        extras: list[HeadExtras] | None = None,
     ) -> DocumentCache:
-        return DocumentCache([layer.freeze() for layer in self.layers], document_tokens, sink_tokens, summaries)
+        layers = [layer.freeze() for layer in self.layers]
+        return DocumentCache(layers, document_tokens, sink_tokens, summaries, extras)

@@ -153,6 +153,11 @@ class CompressionConfig:
         return min(document_tokens, max(wanted, protected))
 
     @property
+    def heads_differ(self) -> bool:
+        """Whether a layer's KV heads may keep different numbers of tokens (`layer_budgets="per_head"`)."""
+        return getattr(self.settings, "layer_budgets", None) == "per_head"
+
+    @property
     def keeps_cold_tier(self) -> bool:
         return bool(self.recall)
 

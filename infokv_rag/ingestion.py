@@ -21,13 +21,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .cache import DocumentCache, EvictedSummary, KVCache, gather_tokens
+from .cache import DocumentCache, EvictedSummary, HeadExtras, KVCache, LayerBuffer, gather_tokens
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
 from .reconstruction import reconstruction_attention
 from .scorers.base import Scorer, normalize
-from .selection import adaptive_budgets, global_budgets, protected_mask, select_tokens
+from .selection import (
+    adaptive_budgets,
+    global_budgets,
+    per_head_budgets,
+    protected_mask,
+    select_per_head,
+    select_tokens,
+)
 from .signals import (
     EVOLUTION,
     INFORMATION,
@@ -153,6 +160,9 @@ class Ingestion:
             [None] * self.runner.num_layers if config.summaries else None  # 0 for a method that evicts nothing
         )
         """Per layer, the summary of what compressions dropped so far, when the config keeps summaries."""
+        self.extras: list[HeadExtras] | None = None
+        """Per layer, the tokens some KV heads keep beyond the layer's common length, after a last compression
+        with per-head budgets."""
 
     @torch.inference_mode()
     def run(self, progress: ProgressCallback | None) -> IngestionResult:
@@ -176,7 +186,7 @@ class Ingestion:
             kv_heads, head_dim = self.runner.kv_heads, self.runner.head_dim
             empty = EvictedSummary.empty(kv_heads, head_dim, self.runner.dtype, self.runner.device)
             summaries = [summary if summary is not None else empty for summary in self.summaries]
-        frozen = cache.freeze(self.n, self.sinks, summaries)
+        frozen = cache.freeze(self.n, self.sinks, summaries, self.extras)
         clock = time.perf_counter()
         cold = None
         if self.evicted is not None:
@@ -187,7 +197,7 @@ class Ingestion:
         self.timings["compression"] += time.perf_counter() - clock
         stats = DocumentStats(
             document_tokens=self.n,
-            kept_tokens_per_layer=frozen.lengths,
+            kept_tokens_per_layer=frozen.kept_per_layer,
             cache_bytes=frozen.nbytes,
             full_cache_bytes=self.n * self.engine.bytes_per_token,
             prefill_seconds=self.timings["prefill"],
@@ -321,8 +331,15 @@ class Ingestion:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
         minimum = min(self.sinks + self.config.window, self.budget)
-        if self.global_budgets:
-            neediest = self.layer_budgets == "neediest_head"
+        head_budgets: list[list[int]] | None = None
+        if self.layer_budgets == "per_head" and final:
+            head_budgets = per_head_budgets(comparable, self.budget * len(scores), minimum)
+            budgets = [min(heads) for heads in head_budgets]
+            self.extras = []
+        elif self.global_budgets:
+            # Before the last compression, per-head budgets keep what the neediest head wants: its tokens
+            # are all still there when the last one cuts each head to its own.
+            neediest = self.layer_budgets in ("neediest_head", "per_head")
             budgets = global_budgets(
                 comparable, self.budget * len(scores), minimum, "max" if neediest else "mean", self.layer_floor
             )
@@ -334,10 +351,15 @@ class Ingestion:
         for index, (layer, layer_scores, budget) in enumerate(zip(cache.layers, scores, budgets, strict=True)):
             if final:
                 layer.live("scores").copy_(normalize(layer_scores, "rank"))
-            if layer.length <= budget:
-                continue
             protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
-            keep = select_tokens(layer_scores, protected, budget)
+            held_extra: Tensor | None = None
+            if head_budgets is not None:
+                keep, extra = select_per_head(layer_scores, protected, head_budgets[index])
+                held_extra = self._hold_extras(layer, keep, extra)
+            elif layer.length <= budget:
+                continue
+            else:
+                keep = select_tokens(layer_scores, protected, budget)
             if self.evicted is None and self.summaries is None:
                 layer.retain(keep)
             else:
@@ -345,8 +367,10 @@ class Ingestion:
                 if self.evicted is not None:
                     self.evicted[index].append(dropped)
                 if self.summaries is not None:
+                    # What a head holds as extras is not evicted from it: it joins no summary.
+                    weights = None if held_extra is None else (~held_extra).float()
                     self.summaries[index] = absorb(
-                        self.summaries[index], *dropped[:2], self.config.summaries, self.config.seed + index
+                        self.summaries[index], *dropped[:2], self.config.summaries, self.config.seed + index, weights
                     )
             accumulated = self.accumulated[index]
             if accumulated is not None:
@@ -354,3 +378,15 @@ class Ingestion:
             for values in self.aligned.values():
                 values[index] = gather_tokens(values[index], keep)
         self.timings["compression"] += time.perf_counter() - clock
+
+    def _hold_extras(self, layer: LayerBuffer, keep: Tensor, extra: list[Tensor]) -> Tensor:
+        """Copies each head's tokens `extra[h]` (indices into the layer, beyond the common `keep`) into
+        `self.extras`. Returns which of the entries `layer.evict(keep)` drops they are: (kv_heads, length -
+        kept) bool, in the order it drops them."""
+        assert self.extras is not None
+        self.extras.append(HeadExtras.gathered(layer.live("keys"), layer.live("values"), extra))
+        held = torch.zeros(layer.live("keys").shape[:2], dtype=torch.bool, device=keep.device)
+        for head, indices in enumerate(extra):
+            held[head, indices] = True
+        kept = torch.zeros_like(held).scatter_(1, keep, True)
+        return held[~kept].reshape(held.shape[0], -1)

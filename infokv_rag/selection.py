@@ -23,12 +23,27 @@ def select_tokens(scores: Tensor, protected: Tensor, budget: int) -> Tensor:
     length = scores.shape[1]
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(scores.shape[0], -1)
+    return _ranked(scores, protected).topk(budget, dim=1).indices.sort(dim=1).values
+
+
+def select_per_head(scores: Tensor, protected: Tensor, budgets: list[int]) -> tuple[Tensor, list[Tensor]]:
+    """Each KV head's best `budgets[h]` tokens, ranked as `select_tokens` ranks them, split in two: the indices
+    (kv_heads, min(budgets)) every head keeps as many of (its best, ascending), and per head (budgets[h] -
+    min(budgets),) the indices of the rest it keeps (ascending). scores, protected: (kv_heads, length)."""
+    common, most = min(budgets), max(budgets)
+    order = _ranked(scores, protected).topk(most, dim=1).indices
+    rest = [order[head, common:budget].sort().values for head, budget in enumerate(budgets)]
+    return order[:, :common].sort(dim=1).values, rest
+
+
+def _ranked(scores: Tensor, protected: Tensor) -> Tensor:
+    """(kv_heads, length) ranks to take the top of: protected tokens above every score, later ones first."""
+    length = scores.shape[1]
     # Scores become ranks in [0, 1) (order kept, any scale); protected tokens rank above all of them, and
     # among themselves later positions win, so a budget tighter than the protected set keeps the window.
     order = torch.nan_to_num(scores.float(), nan=-torch.inf).argsort(dim=1, stable=True).argsort(dim=1)
     index = torch.arange(length, device=scores.device)
-    ranked = torch.where(protected, 2.0 + index / length, order.float() / length)
-    return ranked.topk(budget, dim=1).indices.sort(dim=1).values
+    return torch.where(protected, 2.0 + index / length, order.float() / length)
 
 
 def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int]:
@@ -109,9 +124,38 @@ def global_budgets(
     if floor > minimum:
         floors = [min(floor, length) for length in lengths]
         wanted = lifted_to_floor([min(length, w) for length, w in zip(lengths, wanted, strict=True)], floors, total)
+    return settled(wanted, floors, lengths, total)
+
+
+def per_head_budgets(scores: list[Tensor], total: int, minimum: int) -> list[list[int]]:
+    """Splits `total` tokens per KV head over every (layer, KV head) by one threshold (KVzip's head budgets).
+
+    scores: per layer (kv_heads, length_l), comparable across layers. Returns per layer, per KV head, how many
+    of that head's scores pass the threshold, at least `minimum` and at most the layer's length; the threshold
+    keeps `total` tokens per KV head overall, so the sum over every (layer, head) is exactly kv_heads x
+    `min(total, sum of lengths)`. Within one layer the heads differ: one may keep nearly every token and
+    another only its sinks and window.
+    """
+    heads = scores[0].shape[0]
+    lengths = [layer.shape[1] for layer in scores]
+    total = min(total, sum(lengths))
+    if sum(min(minimum, length) for length in lengths) > total:
+        raise ValueError(f"{len(scores)} layers of at least {minimum} tokens do not fit in {total}")
+    pooled = torch.cat([layer.float().reshape(-1) for layer in scores])
+    threshold = pooled.topk(total * heads).values[-1] if total else pooled.new_tensor(torch.inf)
+    wanted = [float(count) for layer in scores for count in (layer.float() >= threshold).sum(dim=1)]
+    cells = [length for length in lengths for _ in range(heads)]
+    flat = settled(wanted, [min(minimum, length) for length in cells], cells, total * heads)
+    return [flat[index : index + heads] for index in range(0, len(flat), heads)]
+
+
+def settled(wanted: list[float], floors: list[int], lengths: list[int], total: int) -> list[int]:
+    """`wanted` shares rounded within [floors, lengths], the sum then settled to exactly `total`.
+
+    Rounding and the floors move the sum off `total`: the difference is settled one token at a time on the
+    share furthest from what it wanted, within its bounds.
+    """
     budgets = [max(low, min(length, round(w))) for low, length, w in zip(floors, lengths, wanted, strict=True)]
-    # Rounding and the floors move the sum off `total`: settle the difference one token at a time on
-    # the layer whose share is furthest from what it wanted, within its bounds.
     while (excess := sum(budgets) - total) != 0:
         step = -1 if excess > 0 else 1
         movable = [i for i, budget in enumerate(budgets) if floors[i] <= budget + step <= lengths[i]]

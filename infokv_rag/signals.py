@@ -81,7 +81,7 @@ class InformationSettings(MethodSettings):
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-LayerBudgets = Literal["uniform", "global", "neediest_head"]
+LayerBudgets = Literal["uniform", "global", "neediest_head", "per_head"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,12 @@ class LayerBudgetSettings(MethodSettings):
     the total staying (layers x budget): a layer keeps the mean over its KV heads of what passes;
     "neediest_head": the same, but a layer keeps what its neediest KV head wants (a layer's heads share one
     length, so the others keep as many of their own best): within one layer one head often wants nearly
-    every token and another almost none, and the mean cuts the first to half."""
+    every token and another almost none, and the mean cuts the first to half; "per_head": each (layer, KV
+    head) keeps what passes the one threshold (KVzip's head budgets): the layer holds as many per head as its
+    least needy head keeps, and the other heads' further tokens are held exactly as its extras
+    (`infokv_rag.cache.HeadExtras`). Chunked ingestion's earlier compressions cut layers as "neediest_head"
+    does (so each head's tokens are still there), the last one per head. With a cold tier the extras are in
+    it too: an answer that recalls reads them from there."""
     layer_floor: float = 0.0
     """With layers that differ: every layer keeps at least this share of the mean layer budget (the budget of
     `keep`), the difference taken from the layers above that floor in proportion to how far above they are.

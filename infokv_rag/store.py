@@ -6,6 +6,8 @@ A saved cache is a directory:
   tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
                        (kv_heads, kept_L); with summaries (`infokv_rag.summaries`) summary_keys.L,
                        summary_values.L (kv_heads, m_L, head_dim) and summary_log_counts.L (kv_heads, m_L);
+                       with per-head budgets (`infokv_rag.cache.HeadExtras`) extra_keys.L, extra_values.L
+                       (entries_L, head_dim) and extra_counts.L (kv_heads,) int64;
                        information_reference (n,) when the method computed it
   document.txt         the document text (page spans in the manifest index into it)
   cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
@@ -13,9 +15,10 @@ A saved cache is a directory:
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 5 may hold summaries of the evicted entries; format 4 may hold a cold tier; format 3 stores the
-config as its shared fields plus `settings`, the method's own; format 2 (one flat dict of every field) is
-read too, each field that the method does not take dropped; a config without `summaries` had none.
+Format 6 may hold per-head extras; format 5 may hold summaries of the evicted entries; format 4 may hold a
+cold tier; format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one
+flat dict of every field) is read too, each field that the method does not take dropped; a config without
+`summaries` had none.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from safetensors.torch import load, save
 
 from . import scorers
-from .cache import DocumentCache, EvictedSummary, LayerKV
+from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
@@ -53,13 +56,14 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
 
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (2, 3, 4, 5)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
 COLD = "cold.safetensors"
 SUMMARY_TENSORS = ("keys", "values", "log_counts")
+EXTRA_TENSORS = ("keys", "values", "counts")
 STALE_SECONDS = 3600.0
 """Leftover staging / retired directories of a save killed this long ago are removed by the next save."""
 
@@ -84,6 +88,9 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     for index, summary in enumerate(document.cache.summaries or []):
         for name in SUMMARY_TENSORS:
             tensors[f"summary_{name}.{index}"] = getattr(summary, name).detach().cpu().contiguous()
+    for index, extra in enumerate(document.cache.extras or []):
+        for name in EXTRA_TENSORS:
+            tensors[f"extra_{name}.{index}"] = getattr(extra, name).detach().cpu().contiguous()
     if document.information_reference is not None:
         tensors["information_reference"] = document.information_reference.detach().cpu().contiguous()
     tensor_bytes = save(tensors)
@@ -356,7 +363,8 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
     summaries = _summaries(tensors, config, runner, path) if "summary_keys.0" in tensors or config.summaries else None
-    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]), summaries)
+    extras = _extras(tensors, [layer.length for layer in layers], n, runner, path) if config.heads_differ else None
+    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]), summaries, extras)
     cold = None
     if COLD in manifest["files"]:
         cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
@@ -411,6 +419,37 @@ def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, t
         raise CacheStoreError(
             f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"
         ) from exc
+
+
+def _extras(
+    tensors: dict[str, torch.Tensor], lengths: list[int], n: int, runner: ModelRunner, path: str
+) -> list[HeadExtras]:
+    """Each layer's per-head extras, checked against the model and the layers' own lengths."""
+    extras = []
+    for index, length in enumerate(lengths):
+        try:
+            extra = HeadExtras(*(tensors[f"extra_{name}.{index}"] for name in EXTRA_TENSORS))
+        except KeyError as exc:
+            raise CacheStoreError(f"{path} lacks the per-head extras of layer {index}; ingest again") from exc
+        entries = extra.keys.shape[0]
+        if (
+            tuple(extra.keys.shape) != (entries, runner.head_dim)
+            or extra.values.shape != extra.keys.shape
+            or tuple(extra.counts.shape) != (runner.kv_heads,)
+            or extra.counts.dtype != torch.long
+            or bool((extra.counts < 0).any())
+            or int(extra.counts.sum()) != entries
+            or extra.most > n - length
+        ):
+            raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
+        extras.append(
+            HeadExtras(
+                extra.keys.to(device=runner.device, dtype=runner.dtype),
+                extra.values.to(device=runner.device, dtype=runner.dtype),
+                extra.counts,
+            )
+        )
+    return extras
 
 
 def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:

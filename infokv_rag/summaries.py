@@ -65,10 +65,13 @@ def membership(assignment: Tensor, weights: Tensor, clusters: int) -> Tensor:
     return members.scatter_(1, assignment.unsqueeze(1), weights.unsqueeze(1))
 
 
-def absorb(summary: EvictedSummary | None, keys: Tensor, values: Tensor, size: int, seed: int) -> EvictedSummary:
+def absorb(
+    summary: EvictedSummary | None, keys: Tensor, values: Tensor, size: int, seed: int, weights: Tensor | None = None
+) -> EvictedSummary:
     """The summary of what `summary` stood for plus newly evicted entries, at most `size` per KV head.
 
-    keys, values: (kv_heads, evicted, head_dim); fewer points than `size` keep one entry each.
+    keys, values: (kv_heads, evicted, head_dim); fewer points than `size` keep one entry each. `weights`
+    (kv_heads, evicted), 1 or 0, leaves out the entries of weight 0 (a head that keeps them elsewhere).
     """
     kv_heads, _, head_dim = keys.shape
     generator = torch.Generator().manual_seed(seed)
@@ -76,7 +79,9 @@ def absorb(summary: EvictedSummary | None, keys: Tensor, values: Tensor, size: i
         summary = EvictedSummary.empty(kv_heads, head_dim, keys.dtype, keys.device)
     points_k = torch.cat([summary.keys.float(), keys.float()], dim=1)
     points_v = torch.cat([summary.values.float(), values.float()], dim=1)
-    weights = torch.cat([summary.log_counts.exp(), keys.new_ones(keys.shape[:2], dtype=torch.float32)], dim=1)
+    if weights is None:
+        weights = keys.new_ones(keys.shape[:2], dtype=torch.float32)
+    weights = torch.cat([summary.log_counts.exp(), weights.float()], dim=1)
     clusters = min(size, points_k.shape[1])
     members = membership(weighted_kmeans(points_k, weights, clusters, generator), weights, clusters)
     mass = members.sum(dim=2)

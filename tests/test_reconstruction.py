@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from infokv_rag import InfoKVEngine
 from infokv_rag.reconstruction import reconstruction_attention, repeat_prompt_ids
-from infokv_rag.selection import global_budgets
+from infokv_rag.selection import global_budgets, per_head_budgets, protected_mask, select_per_head, select_tokens
 
 TEXT = "The supplier shall deliver the goods within thirty days of the order date. " * 6
 
@@ -77,3 +77,30 @@ def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants():
     mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     assert sum(global_budgets(mixed, total=4 * 20, minimum=8, per_layer="max")) == 80
     assert global_budgets(mixed, total=10_000, minimum=8, per_layer="max") == [50] * 4
+
+
+def test_per_head_budgets_give_each_head_what_passes_and_keep_the_total():
+    # Layer 0: one head wants every token, the other none; layer 1: both want a quarter, then fewer and fewer.
+    wanting = torch.stack([torch.full((100,), 0.9), torch.full((100,), 0.1)])
+    quarter = torch.cat([torch.full((25,), 0.8), torch.linspace(0.5, 0.2, 75)]).expand(2, -1)
+    # Of 2 x 120 tokens, 100 go to layer 0's first head, none to its second (the per-layer mean would give both
+    # 50), 2 x 70 to layer 1.
+    assert per_head_budgets([wanting, quarter], total=2 * 60, minimum=0) == [[100, 0], [70, 70]]
+    assert per_head_budgets([wanting, quarter], total=2 * 40, minimum=0) == [[100, 0], [30, 30]]
+    assert global_budgets([wanting, quarter], total=2 * 60, minimum=0) == [50, 70]
+    mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    budgets = per_head_budgets(mixed, total=4 * 20, minimum=8)
+    assert sum(map(sum, budgets)) == 2 * 80 and min(map(min, budgets)) >= 8
+    assert per_head_budgets(mixed, total=10_000, minimum=8) == [[50, 50]] * 4
+
+
+def test_select_per_head_splits_each_heads_best_into_a_common_part_and_the_rest():
+    scores = torch.rand(2, 40, generator=torch.Generator().manual_seed(3))
+    protected = protected_mask(torch.arange(40).expand(2, -1), 40, sink_tokens=2, window=4)
+    common, rest = select_per_head(scores, protected, [9, 21])
+    assert common.shape == (2, 9) and [len(r) for r in rest] == [0, 12]
+    for head, budget in enumerate([9, 21]):
+        alone = select_tokens(scores[head : head + 1], protected[head : head + 1], budget)[0]
+        union = torch.cat([common[head], rest[head]]).sort().values
+        assert torch.equal(union, alone), "the head keeps exactly its own best"
+        assert bool((common[head][1:] > common[head][:-1]).all()) and bool(protected[head, common[head]].sum() == 6)

@@ -179,7 +179,7 @@ DAMAGE = {
     "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
-        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2, 3, 4 and {FORMAT_VERSION}",
+        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2, 3, 4, 5 and {FORMAT_VERSION}",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),

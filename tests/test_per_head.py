@@ -1,0 +1,124 @@
+"""Per-head budgets (`layer_budgets="per_head"`): each KV head keeps its own tokens, some as the layer's extras."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
+from infokv_rag.prompt import question_turns
+from infokv_rag.store import MANIFEST, TENSORS, _manifest_checksum, _sha256
+
+from .test_cold_tier import TEXT
+
+QUESTION = "What is the notice period?"
+PER_HEAD = {"layer_budgets": "per_head"}
+
+
+def held_entries(doc: CompressedDocument, layer: int, head: int) -> torch.Tensor:
+    """(kept, head_dim) every key the head keeps in the layer: its own, then its extras."""
+    extras = doc.cache.extras[layer]
+    start = int(extras.counts[:head].sum())
+    own = doc.cache.layers[layer].keys[head]
+    return torch.cat([own, extras.keys[start : start + int(extras.counts[head])]])
+
+
+@pytest.mark.parametrize("chunk_size", [2048, 64])
+def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
+    random_engine: InfoKVEngine, chunk_size: int
+) -> None:
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    config = CompressionConfig(keep=0.2, chunk_size=chunk_size, summaries=0, settings=PER_HEAD)
+    doc = random_engine.ingest_text(TEXT, config)
+    n, layers = doc.stats.document_tokens, len(doc.cache.layers)
+    budget = config.budget_for(n, random_engine.prompt.head_tokens)
+    kv_heads = random_engine.runner.kv_heads
+    kept = [[len(held_entries(doc, layer, head)) for head in range(kv_heads)] for layer in range(layers)]
+    # The total is shared by every (layer, KV head): a head may keep more than another overall.
+    assert sum(map(sum, kept)) == budget * layers * kv_heads, kept
+    assert any(len(set(row)) > 1 for row in kept), "the heads of some layer keep different numbers"
+    assert abs(doc.stats.kept_tokens - budget * layers) <= layers, "per layer, the mean over its heads"
+    entry_bytes = 2 * random_engine.runner.head_dim * doc.cache.layers[0].keys.element_size()
+    assert doc.stats.cache_bytes == budget * layers * kv_heads * entry_bytes + layers * kv_heads * 8, "no padding"
+    # Read in one chunk, every key is the full cache's (chunked, later chunks attend to a compressed cache).
+    for layer in range(layers if chunk_size >= n else 0):
+        for head in range(kv_heads):
+            keys, document = held_entries(doc, layer, head), full.cache.layers[layer].keys[head]
+            distance = torch.cdist(keys, document, compute_mode="donot_use_mm_for_euclid_dist")
+            assert float(distance.min(dim=1).values.max()) < 1e-4, "every kept key is one of the document's"
+            assert len(set(distance.argmin(dim=1).tolist())) == len(keys), "none twice"
+    assert doc.ask(QUESTION, max_new_tokens=6)
+
+
+def _question_logits(engine: InfoKVEngine, cache: DocumentCache) -> torch.Tensor:
+    runner, n = engine.runner, cache.document_tokens
+    ids = torch.tensor(engine.prompt.conversation_ids(question_turns(QUESTION)))
+    session = cache.working_copy(len(ids))
+    return runner.logits(runner.forward(ids, torch.arange(n, n + len(ids)), session))
+
+
+def test_extras_are_read_as_the_same_entries_held_in_the_layer(random_engine: InfoKVEngine) -> None:
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    moved, extras = [], []
+    for layer in full.cache.layers:
+        # The first 20 positions of each head move out of the layer into its extras.
+        rest = LayerKV(layer.keys[:, 20:], layer.values[:, 20:], layer.positions[:, 20:], layer.scores[:, 20:])
+        moved.append(rest)
+        extras.append(HeadExtras.gathered(layer.keys, layer.values, [torch.arange(20)] * layer.keys.shape[0]))
+    split = DocumentCache(moved, full.cache.document_tokens, full.cache.sink_tokens, extras=extras)
+    torch.testing.assert_close(
+        _question_logits(random_engine, split), _question_logits(random_engine, full.cache), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_padding_slots_of_a_head_with_fewer_extras_get_no_attention() -> None:
+    keys, values = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    extras = HeadExtras.gathered(keys, values, [torch.tensor([1, 4]), torch.tensor([0, 2, 5])])
+    assert extras.keys.shape == (5, 4) and extras.counts.tolist() == [2, 3] and extras.most == 3
+    padded = extras.padded()
+    assert torch.equal(padded.keys[0, :2], keys[0, [1, 4]]) and torch.equal(padded.values[1], values[1, [0, 2, 5]])
+    assert padded.log_counts.tolist() == [[0.0, 0.0, -torch.inf], [0.0, 0.0, 0.0]]
+
+
+def _rewrite_tensors(directory: Path, edit) -> None:
+    """Edits the saved tensors as a broken tool would: the checksums are made to match."""
+    tensors = load_file(directory / TENSORS)
+    edit(tensors)
+    save_file(tensors, directory / TENSORS)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    data = (directory / TENSORS).read_bytes()
+    manifest["files"][TENSORS] = {"sha256": _sha256(data), "bytes": len(data)}
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_per_head_cache_round_trips_and_malformed_extras_are_refused(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.2, chunk_size=64, settings=PER_HEAD))
+    n = doc.stats.document_tokens
+    for layer, extras, summary in zip(doc.cache.layers, doc.cache.extras, doc.cache.summaries, strict=True):
+        # The summaries stand for exactly what each head evicted: not its extras.
+        evicted = n - layer.length - extras.counts
+        torch.testing.assert_close(summary.log_counts.exp().sum(dim=1), evicted.float())
+    saved = doc.save(tmp_path / "doc")
+    loaded = random_engine.load(saved)
+    assert loaded.stats == doc.stats and loaded.cache.extras is not None and doc.cache.extras is not None
+    for got, want in zip(loaded.cache.extras, doc.cache.extras, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.counts, want.counts)
+    assert loaded.ask(QUESTION, max_new_tokens=8) == doc.ask(QUESTION, max_new_tokens=8)
+
+    def miscount(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["extra_counts.1"] = tensors["extra_counts.1"] + 1
+
+    _rewrite_tensors(saved, miscount)
+    with pytest.raises(CacheStoreError, match="malformed per-head extras in layer 1"):
+        random_engine.load(saved)
+    _rewrite_tensors(saved, lambda tensors: tensors.pop("extra_keys.0"))
+    with pytest.raises(CacheStoreError, match="lacks the per-head extras of layer 0"):
+        random_engine.load(saved)
