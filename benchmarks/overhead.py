@@ -4,7 +4,8 @@ For each document length, the same document is ingested with `full` (prefill onl
 captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
 the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
 (the fast default: the surrogate's predicted reconstruction attention, with summaries of what it evicts),
-`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_window` (the
+`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_global` (one length
+per layer, the previous default: no per-head selection or extras), `infokv_window` (the
 previous default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
 `kvzip` add a reconstruction pass per chunk.
 
@@ -28,6 +29,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "snapkv": {"method": "snapkv"},
     "infokv": {"method": "infokv"},
     "infokv_no_summaries": {"method": "infokv", "summaries": 0},
+    "infokv_global": {"method": "infokv", "settings": {"layer_budgets": "global"}},
     "infokv_window": {
         "method": "infokv",
         "settings": {

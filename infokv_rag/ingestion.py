@@ -333,7 +333,7 @@ class Ingestion:
         minimum = min(self.sinks + self.config.window, self.budget)
         head_budgets: list[list[int]] | None = None
         if self.layer_budgets == "per_head" and final:
-            head_budgets = per_head_budgets(comparable, self.budget * len(scores), minimum)
+            head_budgets = per_head_budgets(comparable, self.budget * len(scores), minimum, self.layer_floor)
             budgets = [min(heads) for heads in head_budgets]
             self.extras = []
         elif self.global_budgets:
@@ -356,6 +356,8 @@ class Ingestion:
             if head_budgets is not None:
                 keep, extra = select_per_head(layer_scores, protected, head_budgets[index])
                 held_extra = self._hold_extras(layer, keep, extra)
+                if keep.shape[1] == layer.length:  # every head keeps every token
+                    continue
             elif layer.length <= budget:
                 continue
             else:

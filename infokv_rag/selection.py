@@ -127,14 +127,15 @@ def global_budgets(
     return settled(wanted, floors, lengths, total)
 
 
-def per_head_budgets(scores: list[Tensor], total: int, minimum: int) -> list[list[int]]:
+def per_head_budgets(scores: list[Tensor], total: int, minimum: int, floor: int = 0) -> list[list[int]]:
     """Splits `total` tokens per KV head over every (layer, KV head) by one threshold (KVzip's head budgets).
 
     scores: per layer (kv_heads, length_l), comparable across layers. Returns per layer, per KV head, how many
     of that head's scores pass the threshold, at least `minimum` and at most the layer's length; the threshold
     keeps `total` tokens per KV head overall, so the sum over every (layer, head) is exactly kv_heads x
     `min(total, sum of lengths)`. Within one layer the heads differ: one may keep nearly every token and
-    another only its sinks and window.
+    another only its sinks and window. A `floor` above `minimum` lifts every (layer, head) as `global_budgets`
+    lifts every layer.
     """
     heads = scores[0].shape[0]
     lengths = [layer.shape[1] for layer in scores]
@@ -145,7 +146,12 @@ def per_head_budgets(scores: list[Tensor], total: int, minimum: int) -> list[lis
     threshold = pooled.topk(total * heads).values[-1] if total else pooled.new_tensor(torch.inf)
     wanted = [float(count) for layer in scores for count in (layer.float() >= threshold).sum(dim=1)]
     cells = [length for length in lengths for _ in range(heads)]
-    flat = settled(wanted, [min(minimum, length) for length in cells], cells, total * heads)
+    floors = [min(max(minimum, floor), length) for length in cells]
+    if floor > minimum:
+        wanted = lifted_to_floor(
+            [min(length, w) for length, w in zip(cells, wanted, strict=True)], floors, total * heads
+        )
+    flat = settled(wanted, floors, cells, total * heads)
     return [flat[index : index + heads] for index in range(0, len(flat), heads)]
 
 

@@ -101,8 +101,9 @@ class LayerBudgetSettings(MethodSettings):
     does (so each head's tokens are still there), the last one per head. With a cold tier the extras are in
     it too: an answer that recalls reads them from there."""
     layer_floor: float = 0.0
-    """With layers that differ: every layer keeps at least this share of the mean layer budget (the budget of
-    `keep`), the difference taken from the layers above that floor in proportion to how far above they are.
+    """With layers that differ: every layer (with "per_head", every layer's KV head) keeps at least this share
+    of the mean layer budget (the budget of `keep`), the difference taken from the layers above that floor in
+    proportion to how far above they are.
     One threshold leaves a third of the default model's layers at sinks + window on real documents; 0 (off)
     because a 0.5 floor, which kept more dev answers, kept fewer held-out ones (README, "The layer floor on
     held-out documents")."""

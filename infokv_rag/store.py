@@ -105,7 +105,7 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         "tokens": {
             "document": document.cache.document_tokens,
             "sink_tokens": document.cache.sink_tokens,
-            "kept_per_layer": document.cache.lengths,
+            "kept_per_layer": document.cache.kept_per_layer,
         },
         "stats": document.stats.to_dict(),
         "files": {

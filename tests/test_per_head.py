@@ -122,3 +122,18 @@ def test_a_per_head_cache_round_trips_and_malformed_extras_are_refused(
     _rewrite_tensors(saved, lambda tensors: tensors.pop("extra_keys.0"))
     with pytest.raises(CacheStoreError, match="lacks the per-head extras of layer 0"):
         random_engine.load(saved)
+
+
+def test_a_per_head_cache_with_a_cold_tier_holds_the_extras_there_too(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    config = CompressionConfig(keep=0.2, recall=0.1, settings=PER_HEAD)
+    doc = random_engine.ingest_text(TEXT, config)
+    assert doc.cold_tier is not None and doc.cache.extras is not None
+    n = doc.stats.document_tokens
+    for layer, cold in zip(doc.cache.layers, doc.cold_tier.layers, strict=True):
+        assert cold.length == n - layer.length, "an answer that recalls finds every entry outside the layer"
+    loaded = random_engine.load(doc.save(tmp_path / "doc"))
+    for recall in (0.1, 0.0):
+        answer = doc.ask(QUESTION, max_new_tokens=8, recall=recall)
+        assert loaded.ask(QUESTION, max_new_tokens=8, recall=recall) == answer

@@ -88,6 +88,8 @@ def test_per_head_budgets_give_each_head_what_passes_and_keep_the_total():
     assert per_head_budgets([wanting, quarter], total=2 * 60, minimum=0) == [[100, 0], [70, 70]]
     assert per_head_budgets([wanting, quarter], total=2 * 40, minimum=0) == [[100, 0], [30, 30]]
     assert global_budgets([wanting, quarter], total=2 * 60, minimum=0) == [50, 70]
+    # A floor of 30 per (layer, head) costs 30 tokens, taken in proportion from the cells above it (70, 40, 40).
+    assert per_head_budgets([wanting, quarter], total=2 * 60, minimum=0, floor=30) == [[86, 30], [62, 62]]
     mixed = [torch.rand(2, 50, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     budgets = per_head_budgets(mixed, total=4 * 20, minimum=8)
     assert sum(map(sum, budgets)) == 2 * 80 and min(map(min, budgets)) >= 8

@@ -221,7 +221,7 @@ def test_infokv_attention_from_reconstruction() -> None:
     attention_only = scorer_of("infokv", attention="reconstruction", lam=1.0, normalization="rank", units="token")
     assert torch.equal(attention_only.score(signals), scorer_of("kvzip").score(signals).argsort().argsort() / 69)
     with pytest.raises(
-        ConfigError, match=r"layer_budgets=\"global\" needs attention=\"reconstruction\" or \"predicted\""
+        ConfigError, match=r"layer_budgets=\"per_head\" needs attention=\"reconstruction\" or \"predicted\""
     ):
         CompressionConfig(method="infokv", settings={"attention": "window"})
 

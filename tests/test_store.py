@@ -272,7 +272,7 @@ import os, sys, time
 from types import SimpleNamespace
 import safetensors.torch
 from infokv_rag import store
-from infokv_rag.cache import DocumentCache, EvictedSummary, LayerKV
+from infokv_rag.cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV
 from infokv_rag.config import CompressionConfig
 from infokv_rag.documents import Document
 
@@ -285,10 +285,13 @@ def rebuild(path):
     summaries = [
         EvictedSummary(*(tensors[f"summary_{n}.{i}"] for n in store.SUMMARY_TENSORS)) for i in range(count)
     ] if "summary_keys.0" in tensors else None
+    extras = [
+        HeadExtras(*(tensors[f"extra_{n}.{i}"] for n in store.EXTRA_TENSORS)) for i in range(count)
+    ] if "extra_keys.0" in tensors else None
     text = open(os.path.join(path, store.TEXT), encoding="utf-8").read()
     return SimpleNamespace(
         engine=SimpleNamespace(**manifest["model"]),
-        cache=DocumentCache(layers, manifest["tokens"]["document"], summaries=summaries),
+        cache=DocumentCache(layers, manifest["tokens"]["document"], summaries=summaries, extras=extras),
         config=CompressionConfig.from_dict(manifest["config"]),
         document=Document.from_layout(text, manifest["document"]),
         stats=SimpleNamespace(to_dict=lambda: manifest["stats"]),

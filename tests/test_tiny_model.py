@@ -57,6 +57,7 @@ def test_tiny_keep_ratio_bytes(tiny_engine: InfoKVEngine, fact_text: str) -> Non
     doc = tiny_engine.ingest_text(fact_text, CompressionConfig(method="infokv", keep=0.25, adaptive_budget=True))
     n = doc.stats.document_tokens
     # 16 summaries per layer and KV head take the place of as many tokens; the bytes still follow keep.
-    assert doc.cache.summary_tokens == 16
-    assert doc.stats.kept_tokens == 30 * (round(0.25 * n) - 16)
+    assert doc.cache.summaries is not None and {summary.length for summary in doc.cache.summaries} == {16}
+    # Per-head budgets: each layer reports the mean over its KV heads, rounded.
+    assert abs(doc.stats.kept_tokens - 30 * (round(0.25 * n) - 16)) <= 30
     assert abs(doc.stats.compression_ratio - 0.25) <= 0.02 * 0.25 + 1 / n

@@ -92,9 +92,9 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
 class InfoKVSettings(InfoKVSignalSettings):
     # Chosen on the dev documents of benchmarks/realdocs (README, "Real documents"): the surrogate's
     # reconstruction attention weighed against surprisal, ranked per token, kept by word, with one
-    # threshold over all layers. tau=1 (no layer-change term) was chosen on the planted-fact dev split.
+    # threshold over every (layer, KV head). tau=1 (no layer-change term) was chosen on the planted-fact dev split.
     attention: Attention = "predicted"
-    layer_budgets: LayerBudgets = "global"
+    layer_budgets: LayerBudgets = "per_head"
     normalization: Normalization = "rank"
     aggregation: Aggregation = "token"
     units: Units = "word"
