@@ -104,8 +104,9 @@ def main() -> int:
         print(f"| {n} | {base:.2f} | {cells} |")
     print(
         "\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent "
-        "token ids plus the document's tokens; 16 summaries per layer and KV head); infokv_no_summaries: the "
-        "same without summaries; infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
+        "token ids plus the document's tokens; 16 summaries per layer and KV head; per-head budgets); "
+        "infokv_no_summaries: the same without summaries; infokv_global: one length per layer (the previous "
+        "default); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
         "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
     )
     return 0
