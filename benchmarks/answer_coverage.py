@@ -61,11 +61,11 @@ def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str
 def kept_entries(compressed: CompressedDocument) -> Tensor:
     """(layers, kv_heads, n) True where the hot cache holds the entry of that document position."""
     n = compressed.cache.document_tokens
-    kept = []
-    for layer in compressed.cache.layers:
-        mask = torch.zeros(layer.positions.shape[0], n, dtype=torch.bool)
-        kept.append(mask.scatter_(1, layer.positions.cpu(), True))
-    return torch.stack(kept)
+    kept = torch.zeros(len(compressed.cache.layers), compressed.cache.layers[0].positions.shape[0], n, dtype=torch.bool)
+    for layer in range(len(compressed.cache.layers)):
+        for head, positions in enumerate(compressed.cache.kept_positions(layer)):
+            kept[layer, head, positions.cpu()] = True
+    return kept
 
 
 def coverage(kept: Tensor, spans: Sequence[range]) -> float | None:

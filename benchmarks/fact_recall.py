@@ -57,8 +57,8 @@ def main() -> int:
         docs = compress_variants(engine, document_from_text(generated.text), list(configs.values()))
         for name, doc in zip(configs, docs):
             kept_sentence, kept_answer = [], []
-            for layer in doc.cache.layers:
-                for head_positions in layer.positions:
+            for layer in range(len(doc.cache.layers)):
+                for head_positions in doc.cache.kept_positions(layer):
                     kept = set(head_positions.tolist())
                     kept_sentence += [sum(int(p) in kept for p in s) / len(s) for s in sentences]
                     kept_answer += [sum(int(p) in kept for p in s) / len(s) for s in answers]

@@ -79,22 +79,30 @@ class HeadExtras:
     a layer's heads may keep different numbers of tokens, and the layer holds as many per head as its least
     needy head keeps). Stored flat, so they cost their own bytes and no padding.
 
-    keys, values: (entries, head_dim), head 0's entries first, then head 1's, ...; counts: (kv_heads,) int64,
-    how many each head holds (summing to entries).
+    keys, values: (entries, head_dim), head 0's entries first, then head 1's, ...; positions: (entries,) int64,
+    each entry's document position; counts: (kv_heads,) int64, how many each head holds (summing to entries).
     """
 
     keys: Tensor
     values: Tensor
+    positions: Tensor
     counts: Tensor
 
     @classmethod
-    def gathered(cls, keys: Tensor, values: Tensor, indices: list[Tensor]) -> HeadExtras:
-        """Head h's entries `indices[h]` of keys, values (kv_heads, length, head_dim)."""
+    def gathered(cls, keys: Tensor, values: Tensor, positions: Tensor, indices: list[Tensor]) -> HeadExtras:
+        """Head h's entries `indices[h]` of keys, values (kv_heads, length, head_dim) at positions (kv_heads,
+        length)."""
         return cls(
             torch.cat([keys[head, chosen] for head, chosen in enumerate(indices)]),
             torch.cat([values[head, chosen] for head, chosen in enumerate(indices)]),
+            torch.cat([positions[head, chosen] for head, chosen in enumerate(indices)]),
             torch.tensor([len(chosen) for chosen in indices], dtype=torch.long),
         )
+
+    def of_head(self, head: int) -> slice:
+        """The rows of head `head`'s entries."""
+        start = int(self.counts[:head].sum())
+        return slice(start, start + int(self.counts[head]))
 
     @property
     def most(self) -> int:
@@ -103,6 +111,7 @@ class HeadExtras:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of keys and values and the per-head counts (positions, like a layer's, are not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
 
     def padded(self) -> EvictedSummary:
@@ -157,6 +166,14 @@ class DocumentCache:
         """Bytes of stored keys and values, summaries and extras included."""
         side: list[EvictedSummary | HeadExtras] = [*(self.summaries or []), *(self.extras or [])]
         return sum(layer.nbytes for layer in self.layers) + sum(entries.nbytes for entries in side)
+
+    def kept_positions(self, layer: int) -> list[Tensor]:
+        """Per KV head, the document positions layer `layer` keeps for it (its own, then its extras)."""
+        own = self.layers[layer].positions
+        if self.extras is None:
+            return list(own)
+        extras = self.extras[layer]
+        return [torch.cat([own[head], extras.positions[extras.of_head(head)]]) for head in range(own.shape[0])]
 
     def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
         """A growable copy for answering a question, with what it attends beside each layer (extras and

@@ -386,7 +386,9 @@ class Ingestion:
         `self.extras`. Returns which of the entries `layer.evict(keep)` drops they are: (kv_heads, length -
         kept) bool, in the order it drops them."""
         assert self.extras is not None
-        self.extras.append(HeadExtras.gathered(layer.live("keys"), layer.live("values"), extra))
+        self.extras.append(
+            HeadExtras.gathered(layer.live("keys"), layer.live("values"), layer.live("positions"), extra)
+        )
         held = torch.zeros(layer.live("keys").shape[:2], dtype=torch.bool, device=keep.device)
         for head, indices in enumerate(extra):
             held[head, indices] = True

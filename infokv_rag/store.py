@@ -7,7 +7,7 @@ A saved cache is a directory:
                        (kv_heads, kept_L); with summaries (`infokv_rag.summaries`) summary_keys.L,
                        summary_values.L (kv_heads, m_L, head_dim) and summary_log_counts.L (kv_heads, m_L);
                        with per-head budgets (`infokv_rag.cache.HeadExtras`) extra_keys.L, extra_values.L
-                       (entries_L, head_dim) and extra_counts.L (kv_heads,) int64;
+                       (entries_L, head_dim), extra_positions.L (entries_L,) and extra_counts.L (kv_heads,);
                        information_reference (n,) when the method computed it
   document.txt         the document text (page spans in the manifest index into it)
   cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
@@ -63,7 +63,7 @@ TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
 COLD = "cold.safetensors"
 SUMMARY_TENSORS = ("keys", "values", "log_counts")
-EXTRA_TENSORS = ("keys", "values", "counts")
+EXTRA_TENSORS = ("keys", "values", "positions", "counts")
 STALE_SECONDS = 3600.0
 """Leftover staging / retired directories of a save killed this long ago are removed by the next save."""
 
@@ -435,17 +435,20 @@ def _extras(
         if (
             tuple(extra.keys.shape) != (entries, runner.head_dim)
             or extra.values.shape != extra.keys.shape
+            or tuple(extra.positions.shape) != (entries,)
             or tuple(extra.counts.shape) != (runner.kv_heads,)
             or extra.counts.dtype != torch.long
             or bool((extra.counts < 0).any())
             or int(extra.counts.sum()) != entries
             or extra.most > n - length
+            or (entries and not 0 <= int(extra.positions.min()) <= int(extra.positions.max()) < n)
         ):
             raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
         extras.append(
             HeadExtras(
                 extra.keys.to(device=runner.device, dtype=runner.dtype),
                 extra.values.to(device=runner.device, dtype=runner.dtype),
+                extra.positions.to(runner.device),
                 extra.counts,
             )
         )

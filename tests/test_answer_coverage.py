@@ -33,4 +33,7 @@ def test_coverage_is_the_best_occurrences_share_of_kept_entries(random_engine: I
     doc = random_engine.ingest_text(" ".join(["word"] * 300), CompressionConfig(keep=0.25))
     entries = kept_entries(doc)
     assert entries.shape == (3, 2, doc.cache.document_tokens)
-    assert entries.sum(dim=2).tolist() == [[length] * 2 for length in doc.cache.lengths]
+    # Per head: the layer's own entries and that head's extras (per-head budgets).
+    expected = [[len(positions) for positions in doc.cache.kept_positions(layer)] for layer in range(3)]
+    assert entries.sum(dim=2).tolist() == expected
+    assert doc.cache.extras is not None and expected != [[length] * 2 for length in doc.cache.lengths]
