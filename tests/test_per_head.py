@@ -139,3 +139,13 @@ def test_a_per_head_cache_with_a_cold_tier_holds_the_extras_there_too(
     for recall in (0.1, 0.0):
         answer = doc.ask(QUESTION, max_new_tokens=8, recall=recall)
         assert loaded.ask(QUESTION, max_new_tokens=8, recall=recall) == answer
+
+
+def test_with_a_cold_tier_the_default_keeps_one_length_per_layer() -> None:
+    assert CompressionConfig().settings.layer_budgets == "per_head"
+    assert CompressionConfig(recall=0.1).settings.layer_budgets == "global"
+    assert CompressionConfig(recall=0.1, settings=PER_HEAD).settings.layer_budgets == "per_head"
+    assert CompressionConfig(method="kvzip", recall=0.1).settings.layer_budgets == "global"
+    # A saved config names its layer budgets, so it reads back as it was made.
+    made = CompressionConfig(recall=0.1, settings=PER_HEAD)
+    assert CompressionConfig.from_dict(made.to_dict()).settings.layer_budgets == "per_head"
