@@ -332,7 +332,7 @@ class Ingestion:
         clock = time.perf_counter()
         minimum = min(self.sinks + self.config.window, self.budget)
         head_budgets: list[list[int]] | None = None
-        if self.layer_budgets == "per_head" and final:
+        if self.config.heads_differ and final:
             head_budgets = per_head_budgets(comparable, self.budget * len(scores), minimum, self.layer_floor)
             budgets = [min(heads) for heads in head_budgets]
             self.extras = []

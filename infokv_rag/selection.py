@@ -95,13 +95,7 @@ def global_budgets(
     A `floor` above `minimum` then lifts every layer to at least that many tokens (or its length), taking
     the difference from the layers above it in proportion to how far above they are.
     """
-    lengths = [layer.shape[1] for layer in scores]
-    total = min(total, sum(lengths))
-    floors = [min(minimum, length) for length in lengths]
-    if sum(floors) > total:
-        raise ValueError(f"{len(scores)} layers of at least {minimum} tokens do not fit in {total}")
-    heads = scores[0].shape[0]
-    pooled = torch.cat([layer.float().reshape(-1) for layer in scores])
+    lengths, total = _fitted(scores, total, minimum)
 
     def wanted_at(threshold: Tensor) -> list[float]:
         passing = [(layer.float() >= threshold).sum(dim=1).float() for layer in scores]
@@ -109,7 +103,7 @@ def global_budgets(
 
     if per_layer == "max" and total:
         # The layers' shares only grow as the threshold falls: bisect over the scores for the lowest that fits.
-        candidates = pooled.sort(descending=True).values
+        candidates = torch.cat([layer.float().reshape(-1) for layer in scores]).sort(descending=True).values
         fits, low, high = 0, 0, len(candidates) - 1
         while low <= high:
             middle = (low + high) // 2
@@ -119,12 +113,8 @@ def global_budgets(
                 high = middle - 1
         wanted = wanted_at(candidates[fits])
     else:
-        kept = min(total * heads, pooled.numel())
-        wanted = wanted_at(pooled.topk(kept).values[-1] if kept else pooled.new_tensor(torch.inf))
-    if floor > minimum:
-        floors = [min(floor, length) for length in lengths]
-        wanted = lifted_to_floor([min(length, w) for length, w in zip(lengths, wanted, strict=True)], floors, total)
-    return settled(wanted, floors, lengths, total)
+        wanted = wanted_at(_threshold(scores, total))
+    return _bounded(wanted, lengths, minimum, floor, total)
 
 
 def per_head_budgets(scores: list[Tensor], total: int, minimum: int, floor: int = 0) -> list[list[int]]:
@@ -138,21 +128,38 @@ def per_head_budgets(scores: list[Tensor], total: int, minimum: int, floor: int 
     lifts every layer.
     """
     heads = scores[0].shape[0]
+    lengths, total = _fitted(scores, total, minimum)
+    threshold = _threshold(scores, total)
+    wanted = [float(count) for layer in scores for count in (layer.float() >= threshold).sum(dim=1)]
+    cells = [length for length in lengths for _ in range(heads)]
+    flat = _bounded(wanted, cells, minimum, floor, total * heads)
+    return [flat[index : index + heads] for index in range(0, len(flat), heads)]
+
+
+def _fitted(scores: list[Tensor], total: int, minimum: int) -> tuple[list[int], int]:
+    """The layers' lengths and `total` capped at their sum; raises when `minimum` per layer does not fit."""
     lengths = [layer.shape[1] for layer in scores]
     total = min(total, sum(lengths))
     if sum(min(minimum, length) for length in lengths) > total:
         raise ValueError(f"{len(scores)} layers of at least {minimum} tokens do not fit in {total}")
+    return lengths, total
+
+
+def _threshold(scores: list[Tensor], total: int) -> Tensor:
+    """The score that `total` tokens per KV head over all layers (per layer (kv_heads, length_l)) reach."""
     pooled = torch.cat([layer.float().reshape(-1) for layer in scores])
-    threshold = pooled.topk(total * heads).values[-1] if total else pooled.new_tensor(torch.inf)
-    wanted = [float(count) for layer in scores for count in (layer.float() >= threshold).sum(dim=1)]
-    cells = [length for length in lengths for _ in range(heads)]
-    floors = [min(max(minimum, floor), length) for length in cells]
+    return pooled.topk(total * scores[0].shape[0]).values[-1] if total else pooled.new_tensor(torch.inf)
+
+
+def _bounded(wanted: list[float], lengths: list[int], minimum: int, floor: int, total: int) -> list[int]:
+    """Shares of `total`, each at least `minimum` and at most its length; a `floor` above `minimum` lifts them
+    first, taking the difference from the shares above it in proportion to how far above they are."""
     if floor > minimum:
-        wanted = lifted_to_floor(
-            [min(length, w) for length, w in zip(cells, wanted, strict=True)], floors, total * heads
-        )
-    flat = settled(wanted, floors, cells, total * heads)
-    return [flat[index : index + heads] for index in range(0, len(flat), heads)]
+        floors = [min(floor, length) for length in lengths]
+        wanted = lifted_to_floor([min(length, w) for length, w in zip(lengths, wanted, strict=True)], floors, total)
+    else:
+        floors = [min(minimum, length) for length in lengths]
+    return settled(wanted, floors, lengths, total)
 
 
 def settled(wanted: list[float], floors: list[int], lengths: list[int], total: int) -> list[int]:
