@@ -114,6 +114,12 @@ class HeadExtras:
         """Bytes of keys and values and the per-head counts (positions, like a layer's, are not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
 
+    def held(self, positions: Tensor) -> Tensor:
+        """positions (kv_heads, m) -> (kv_heads, m) bool: whether that head holds the position among its extras."""
+        return torch.stack(
+            [torch.isin(positions[head], self.positions[self.of_head(head)]) for head in range(positions.shape[0])]
+        )
+
     def padded(self) -> EvictedSummary:
         """The entries as a question attends to them: (kv_heads, most, head_dim), each exact (log count 0),
         the slots of a head that holds fewer at log count -inf."""
@@ -154,12 +160,13 @@ class DocumentCache:
         extras = [int(extra.counts.sum()) for extra in self.extras]
         return [layer.length + round(count / heads) for layer, count in zip(self.layers, extras, strict=True)]
 
-    @property
-    def summary_tokens(self) -> int:
-        """The most entries a question attends beside any layer's own (per KV head)."""
-        extras = [extra.most for extra in self.extras] if self.extras else [0] * len(self.layers)
-        summaries = [summary.length for summary in self.summaries] if self.summaries else [0] * len(self.layers)
-        return max(map(sum, zip(extras, summaries, strict=True)), default=0)
+    def beside_tokens(self, summaries: bool = True) -> int:
+        """The most entries a question attends beside any layer's own (per KV head): the extras, and the
+        summaries if `summaries`."""
+        nothing = [0] * len(self.layers)
+        extras = [extra.most for extra in self.extras] if self.extras else nothing
+        stand_ins = [summary.length for summary in self.summaries] if self.summaries and summaries else nothing
+        return max(map(sum, zip(extras, stand_ins, strict=True)), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -176,25 +183,26 @@ class DocumentCache:
         return [torch.cat([own[head], extras.positions[extras.of_head(head)]]) for head in range(own.shape[0])]
 
     def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
-        """A growable copy for answering a question, with what it attends beside each layer (extras and
-        summaries, if any and `summaries`); the document tensors stay untouched."""
+        """A growable copy for answering a question, with what it attends beside each layer (`beside`); the
+        document tensors stay untouched."""
         first = self.layers[0]
         cache = KVCache(len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device)
         for index, layer in enumerate(self.layers):
             cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
-        cache.summaries = self.beside() if summaries else None
+        cache.summaries = self.beside(summaries)
         return cache
 
-    def beside(self) -> list[EvictedSummary] | None:
-        """Per layer, the entries a question attends beside the layer's own: its extras, then its summaries."""
+    def beside(self, summaries: bool = True) -> list[EvictedSummary] | None:
+        """Per layer, the entries a question attends beside the layer's own: its extras, then its summaries
+        if `summaries` (an answer that recalls from the cold tier reads what they stand for itself)."""
         if self.extras is None:
-            return self.summaries
+            return self.summaries if summaries else None
         first = self.layers[0].keys
         empty = EvictedSummary.empty(first.shape[0], first.shape[2], first.dtype, first.device)
-        summaries = self.summaries or [empty] * len(self.layers)
+        stand_ins = self.summaries if self.summaries and summaries else [empty] * len(self.layers)
         return [
             EvictedSummary.concatenated(extra.padded(), summary)
-            for extra, summary in zip(self.extras, summaries, strict=True)
+            for extra, summary in zip(self.extras, stand_ins, strict=True)
         ]
 
 

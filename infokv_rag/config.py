@@ -102,9 +102,7 @@ class CompressionConfig:
     seed: int = 0
     recall: float | int = 0
     """Keep what compression evicts in a cold tier and, per question, recall this much of it: a ratio of the
-    document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it. With a
-    cold tier, a method whose default layer budgets are "per_head" keeps one length per layer ("global")
-    unless `settings` name `layer_budgets`."""
+    document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
     cold_bits: int | None = None
     """Width of the cold tier's codes: 4 or 8; None: by the model's cache dtype (`cold_tier_bits`)."""
     summaries: int = 16
@@ -135,14 +133,7 @@ class CompressionConfig:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
         if not method.compresses:
             object.__setattr__(self, "summaries", 0)  # nothing is evicted, so nothing to stand in for
-        settings = self.settings
-        if self.recall and isinstance(settings, Mapping) and "layer_budgets" not in settings:
-            if getattr(method.settings_from({}), "layer_budgets", None) == "per_head":
-                # An answer that recalls decodes over a layer's common length plus what it recalls: per-head
-                # extras would reach it only through recall, which lost answers on the held-out documents
-                # (README, "Per-head budgets"). So with a cold tier the default keeps one length per layer.
-                settings = {**settings, "layer_budgets": "global"}
-        object.__setattr__(self, "settings", method.settings_from(settings))
+        object.__setattr__(self, "settings", method.settings_from(self.settings))
 
     @property
     def method_spec(self) -> Method[Any]:

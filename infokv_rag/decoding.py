@@ -43,10 +43,11 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
     budget = recall_budget(document, options.recall)
     protected = document.cache.sink_tokens + len(suffix) + document.config.window
     if options.max_cache_tokens is not None:
-        # No more than fits beside what eviction must keep.
-        budget = max(0, min(budget, options.max_cache_tokens - protected - options.eviction_slack))
+        # No more than fits beside what eviction must keep, and the heads' extras, which every answer reads.
+        room = options.max_cache_tokens - protected - document.cache.beside_tokens(summaries=False)
+        budget = max(0, min(budget, room - options.eviction_slack))
     # The answer reads the summaries exactly when it recalls nothing (`working_session`), so they count then.
-    protected += 0 if budget else document.cache.summary_tokens
+    protected += document.cache.beside_tokens(summaries=not budget)
     if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
         raise ConfigError(
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
@@ -73,9 +74,12 @@ def working_session(document: CompressedDocument, extra_tokens: int, recall: int
     layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
     cold = document.cold_tier
     reads_cold = cold is not None and recall > 0
-    # A question that reads the cold tier itself has no use for its summaries (they would count it twice).
+    # A question that reads the cold tier itself has no use for its summaries (they would count it twice); it
+    # still reads the heads' extras beside each layer, which recall then leaves alone.
     session = document.cache.working_copy(extra_tokens + recall, summaries=not reads_cold)
-    return session, Recall(cold, session, recall) if cold is not None and reads_cold else None
+    if cold is None or not reads_cold:
+        return session, None
+    return session, Recall(cold, session, recall, document.cache.extras)
 
 
 def _decode(

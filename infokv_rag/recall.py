@@ -1,15 +1,15 @@
 """Recall: while a question is prefilled, each layer brings back the cold entries its queries need.
 
 For every layer, the question attends to every entry the document had: the hot cache, the question's own
-tokens (causally) and every cold entry, dequantised, so the question is read as over the full cache, up to
-the cold codes' precision. Each cold entry's share of that attention, summed over its KV group's query heads
-and the question's tokens, ranks it; the best entries, up to the recall budget per KV head, are put into
-the answer's own working cache ahead of the question, and the answer decodes over hot + recalled entries.
-Attending over everything once costs what scoring alone did plus one product with the values: the
-question's queries read every cold key and value of the layer, one layer at a time, while the answer's
-tokens read only what was recalled. Page upper bounds of q.k (Quest) would read less, but ranked the
-entries that answers need far worse on the real-document dev split (README, "Cold tier"). The document's
-cache is never modified: a recall lives and dies with one answer.
+tokens (causally) and every cold entry, dequantised, so the question is read as over the full cache, up to the
+cold codes' precision. Each cold entry's share of that attention, summed over its KV group's query heads and
+the question's tokens, ranks it; the best entries, up to the recall budget per KV head, are put into the
+answer's own working cache ahead of the question, and the answer decodes over hot + recalled entries (with
+per-head budgets, each head's extras beside them). Attending over everything once costs what scoring alone did
+plus one product with the values: the question's queries read every cold key and value of the layer, one layer
+at a time, while the answer's tokens read only what was recalled. Page upper bounds of q.k (Quest) would read
+less, but ranked the entries that answers need far worse on the real-document dev split (README, "Cold tier").
+The document's cache is never modified: a recall lives and dies with one answer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cache import KVCache, gather_tokens
+from .cache import HeadExtras, KVCache, gather_tokens
 from .cold_tier import ColdTier
 
 NEGLIGIBLE = -80.0
@@ -73,11 +73,17 @@ def attend_over_cold(
 
 @dataclass
 class Recall:
-    """One answer's recall: up to `tokens` cold entries per (layer, KV head) into `session`."""
+    """One answer's recall: up to `tokens` cold entries per (layer, KV head) into `session`.
+
+    `extras`: per layer, the entries some heads keep beyond the layer's length (per-head budgets). They are in
+    the cold tier too (the question reads every entry once) and `session` attends them beside each layer, so
+    a head recalls them last, once its other cold entries are all in; one recalled leaves the side entries.
+    """
 
     cold: ColdTier
     session: KVCache
     tokens: int
+    extras: list[HeadExtras] | None = None
     recalled: list[int] = field(default_factory=list)
     """Entries recalled per KV head, one count per layer that has run."""
 
@@ -106,12 +112,27 @@ class Recall:
             layer.live("values"),
             scaling,
         )
+        extras = self.extras[layer_index] if self.extras is not None else None
+        if extras is not None:
+            mass.masked_fill_(extras.held(cold.positions).to(device), -1.0)  # below any share of attention
         indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
+        positions = cold.positions.gather(1, indices)
         layer.insert(
             query.shape[2],
             gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
             gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
-            cold.positions.gather(1, indices).to(device),
+            positions.to(device),
             torch.full((count,), RECALLED_SCORE, device=device),
         )
+        if extras is not None:
+            self._set_aside(layer_index, extras, positions)
         return output.unsqueeze(0).to(query.dtype)
+
+    def _set_aside(self, layer_index: int, extras: HeadExtras, recalled: Tensor) -> None:
+        """Turns the side entries of the extras just recalled into the layer (positions `recalled` (kv_heads,
+        count)) into padding slots, so that no entry is read twice."""
+        assert self.session.summaries is not None
+        log_counts = self.session.summaries[layer_index].log_counts  # the working copy's own: extras first
+        for head in range(recalled.shape[0]):
+            moved = torch.isin(extras.positions[extras.of_head(head)], recalled[head]).to(log_counts.device)
+            log_counts[head, : len(moved)].masked_fill_(moved, -torch.inf)

@@ -136,13 +136,18 @@ def test_the_question_attends_to_every_entry_and_ranks_the_cold_ones_by_their_sh
     assert torch.allclose(sharp_output, (probs @ values.double()).float(), atol=1e-4)
 
 
+@pytest.mark.parametrize("layer_budgets", ["per_head", "global"])
 @pytest.mark.parametrize("chunk_size", [2048, 64])
-def test_recalling_everything_restores_the_full_cache(random_engine: InfoKVEngine, chunk_size: int) -> None:
+def test_recalling_everything_restores_the_full_cache(
+    random_engine: InfoKVEngine, chunk_size: int, layer_budgets: str
+) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     # In chunks too: with a cold tier, later chunks are computed over the whole document, not a compressed one.
-    # Without summaries: with no recall the answer then reads the hot cache alone.
-    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0)
+    # Without summaries: with no recall the answer then reads the hot cache (and the heads' extras) alone.
+    settings = {"layer_budgets": layer_budgets}
+    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0, settings=settings)
     doc = random_engine.ingest_text(TEXT, config)
+    assert (doc.cache.extras is not None) == (layer_budgets == "per_head")
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
     reference_question, reference_answer = log_probs(full, 0)
     question, answer = {}, {}
@@ -165,7 +170,10 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
     entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
     held = sum(doc.cache.lengths) + first.usage.recalled_tokens
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes
+    # Beside each layer, the heads' extras (per-head budgets, the default); no summaries when recalling.
+    side = sum(entries.nbytes for entries in doc.cache.beside(summaries=False) or [])
+    assert doc.cache.extras is not None and side > 0
+    assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes + side
     doc.ask("Who delivers the goods?", max_new_tokens=6, recall=0.5)
     assert doc.ask(QUESTION, max_new_tokens=6) == first_text
     off = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6, recall=0))
@@ -187,14 +195,14 @@ def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine) -> None:
 def test_a_cap_with_no_room_to_recall_counts_the_summaries_it_reads(random_engine: InfoKVEngine) -> None:
     """A recall clamped to nothing by `max_cache_tokens` reads the summaries instead, so they must fit too."""
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.2))
-    assert doc.cache.summary_tokens > 0
+    assert doc.cache.beside_tokens() > 0
     turns = [("user", "Summarise.")]
     suffix = random_engine.prompt.conversation_ids(turns)
     slack = GenerationOptions().eviction_slack
     floor = doc.cache.sink_tokens + len(suffix) + doc.config.window + slack
     with pytest.raises(ConfigError, match="summaries need"):
         doc.generate(turns, GenerationOptions(max_new_tokens=8, max_cache_tokens=floor))
-    cap = floor + doc.cache.summary_tokens
+    cap = floor + doc.cache.beside_tokens()
     generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=cap))
     generation.text()
     assert generation.usage.max_resident_tokens <= cap

@@ -23,7 +23,7 @@ def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> N
         # Summaries of the evicted entries take their place in the budget.
         expected = n if method == "full" else round(0.25 * n) - config.summaries
         if method == "full":
-            assert doc.cache.summaries is None and doc.cache.summary_tokens == 0
+            assert doc.cache.summaries is None and doc.cache.beside_tokens() == 0
         else:
             assert doc.cache.summaries is not None
             assert [summary.length for summary in doc.cache.summaries] == [16] * 3, method
@@ -101,7 +101,7 @@ def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) 
 def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     random_engine: InfoKVEngine, method: str
 ) -> None:
-    config = CompressionConfig(method=method, keep=0.2, chunk_size=64)
+    config = CompressionConfig(method=method, keep=0.2, chunk_size=64, settings={"layer_budgets": "global"})
     doc = random_engine.ingest_text(TEXT, config)
     n = doc.stats.document_tokens
     budget = config.budget_for(n, random_engine.prompt.head_tokens)
@@ -151,7 +151,7 @@ def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) ->
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     extras = max(extra.most for extra in doc.cache.extras or [])
-    assert doc.cache.summary_tokens == 16 + extras, "the cap counts the summaries and the per-head extras too"
+    assert doc.cache.beside_tokens() == 16 + extras, "the cap counts the summaries and the per-head extras too"
     cap = max(doc.stats.kept_tokens_per_layer) + 60
     generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
     generation.text()

@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
+from infokv_rag.config import recall_tokens
+from infokv_rag.decoding import working_session
 from infokv_rag.prompt import question_turns
 from infokv_rag.store import MANIFEST, TENSORS, _manifest_checksum, _sha256
 
@@ -141,11 +143,27 @@ def test_a_per_head_cache_with_a_cold_tier_holds_the_extras_there_too(
         assert loaded.ask(QUESTION, max_new_tokens=8, recall=recall) == answer
 
 
-def test_with_a_cold_tier_the_default_keeps_one_length_per_layer() -> None:
-    assert CompressionConfig().settings.layer_budgets == "per_head"
-    assert CompressionConfig(recall=0.1).settings.layer_budgets == "global"
-    assert CompressionConfig(recall=0.1, settings=PER_HEAD).settings.layer_budgets == "per_head"
-    assert CompressionConfig(method="kvzip", recall=0.1).settings.layer_budgets == "global"
-    # A saved config names its layer budgets, so it reads back as it was made.
-    made = CompressionConfig(recall=0.1, settings=PER_HEAD)
-    assert CompressionConfig.from_dict(made.to_dict()).settings.layer_budgets == "per_head"
+def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(random_engine: InfoKVEngine) -> None:
+    config = CompressionConfig(keep=0.2, recall=0.05, summaries=0)
+    assert config.settings.layer_budgets == "per_head", "the default keeps its per-head budgets with a cold tier"
+    doc = random_engine.ingest_text(TEXT, config)
+    assert doc.cache.extras is not None and doc.cold_tier is not None
+    n, recall = doc.stats.document_tokens, recall_tokens(0.05, doc.stats.document_tokens)
+    ids = random_engine.prompt.conversation_ids(question_turns(QUESTION))
+    session, plan = working_session(doc, len(ids), recall)
+    random_engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
+    assert session.summaries is not None
+    for index, (extras, cold) in enumerate(zip(doc.cache.extras, doc.cold_tier.layers, strict=True)):
+        positions = session.layers[index].live("positions")
+        side = session.summaries[index].log_counts
+        for head in range(positions.shape[0]):
+            in_layer = positions[head][positions[head] < n].tolist()
+            own_extras = extras.positions[extras.of_head(head)].tolist()
+            read_beside = [p for p, slot in zip(own_extras, side[head].tolist()) if slot == 0.0]
+            attended = in_layer + read_beside
+            assert len(set(attended)) == len(attended), "no entry read twice"
+            assert read_beside == own_extras, "every extra is read, beside the layer"
+            if cold.length - len(own_extras) >= recall:
+                assert len(in_layer) == doc.cache.layers[index].length + recall, "the recall brings in as many other entries"
+
+

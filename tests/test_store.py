@@ -119,7 +119,8 @@ def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> N
 def test_a_cache_with_global_layer_budgets_round_trips(
     random_engine: InfoKVEngine, tmp_path: Path, method: str
 ) -> None:
-    doc = random_engine.ingest_text(TEXT_A, CompressionConfig(method=method, keep=0.25, chunk_size=64))
+    config = CompressionConfig(method=method, keep=0.25, chunk_size=64, settings={"layer_budgets": "global"})
+    doc = random_engine.ingest_text(TEXT_A, config)
     loaded = random_engine.load(doc.save(tmp_path / method))
     assert_same_document(loaded, doc)
     assert loaded.config.settings.layer_budgets == "global"

@@ -191,6 +191,5 @@ METHOD = Method(
     InfoKVSettings,
     InfoKVScorer,
     "`lam * N(A) + (1 - lam) * (tau * N(E) + (1 - tau) * N(R))` (see below); by default A is the reconstruction "
-    "attention predicted from the prefill (no extra pass), kept by word, one threshold over every (layer, KV head)"
-    " (per layer with a cold tier)",
+    "attention predicted from the prefill (no extra pass), kept by word, one threshold over every (layer, KV head)",
 )

@@ -1,5 +1,5 @@
 """infokv_quality: InfoKV's quality mode, the reconstruction attention as A, ranked per token, with one
-threshold over all layers; a reconstruction pass per chunk more than `infokv`."""
+threshold over every (layer, KV head); a reconstruction pass per chunk more than `infokv`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normal
 class InfoKVQualitySettings(InfoKVSettings):
     # Chosen on the dev documents of benchmarks/realdocs (README, "Real documents").
     attention: Attention = "reconstruction"
-    layer_budgets: LayerBudgets = "global"
+    layer_budgets: LayerBudgets = "per_head"
     lam: float = 0.7
     normalization: Normalization = "rank"
     aggregation: Aggregation = "token"
@@ -25,5 +25,5 @@ METHOD = Method(
     "infokv_quality",
     InfoKVQualitySettings,
     InfoKVScorer,
-    'InfoKV with `attention="reconstruction"`, `lam=0.7`, rank-normalised per token, global layer budgets',
+    'InfoKV with `attention="reconstruction"`, `lam=0.7`, rank-normalised per token, per-head budgets',
 )
