@@ -72,14 +72,11 @@ def recall_budget(document: CompressedDocument, recall: float | int | None) -> i
 def working_session(document: CompressedDocument, extra_tokens: int, recall: int) -> tuple[KVCache, Recall | None]:
     """A working copy of the document's cache with room for `extra_tokens` and `recall` cold entries per
     layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
-    cold = document.cold_tier
-    reads_cold = cold is not None and recall > 0
+    cold = document.cold_tier if recall > 0 else None
     # A question that reads the cold tier itself has no use for its summaries (they would count it twice); it
     # still reads the heads' extras beside each layer, which recall then leaves alone.
-    session = document.cache.working_copy(extra_tokens + recall, summaries=not reads_cold)
-    if cold is None or not reads_cold:
-        return session, None
-    return session, Recall(cold, session, recall, document.cache.extras)
+    session = document.cache.working_copy(extra_tokens + recall, summaries=cold is None)
+    return session, None if cold is None else Recall(cold, session, recall, document.cache.extras)
 
 
 def _decode(

@@ -99,8 +99,8 @@ class LayerBudgetSettings(MethodSettings):
     least needy head keeps, and the other heads' further tokens are held exactly as its extras
     (`infokv_rag.cache.HeadExtras`). Chunked ingestion's earlier compressions cut layers as "neediest_head"
     does (so each head's tokens are still there), the last one per head. With a cold tier the extras are in
-    it too: an answer that recalls reads them from there (and InfoKV's default is then "global":
-    `CompressionConfig.recall`)."""
+    it too, so that the question reads every entry once; an answer that recalls still reads them beside the
+    layer, and recall brings in the other cold entries (`infokv_rag.recall.Recall`)."""
     layer_floor: float = 0.0
     """With layers that differ: every layer (with "per_head", every layer's KV head) keeps at least this share
     of the mean layer budget (the budget of `keep`), the difference taken from the layers above that floor in
