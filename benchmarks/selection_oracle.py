@@ -4,7 +4,7 @@
 
 For each document of the real-document corpus (`benchmarks/realdocs`): one prefill of the whole document
 (one chunk), then the cache is compressed at the same budget, with the same machinery, several ways
-(sinks, observation window, one threshold over all layers, word units, summaries):
+(the default's: sinks, observation window, one threshold over every (layer, KV head), word units, summaries):
 
 - `infokv` (and any `--rows` of the engine, e.g. `infokv@0.25[value_weighting=True]`): their own scores;
 - `oracle: questions`: a token's score is the most attention any token of any of the document's questions
@@ -19,7 +19,8 @@ The oracles know the questions, so they are not methods: they tell how much of w
 any choice of tokens could keep with this model at this budget, and so how far a query-agnostic scorer
 could still get. Only document-dependent questions are answered (greedy, as `realdocs_quality`), with the
 mean KL(full || row) teacher-forced on the full cache's answers. The `full` and `no document` rows that
-define them come from `realdocs_quality`'s cache (computed here into it when missing).
+define them come from `realdocs_quality`'s cache (computed here into it when missing). `--oracles` runs
+some of the oracle rows only (each costs an answer per dependent question).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ORACLE_QUESTIONS = "oracle: questions"
 ORACLE_ANSWERS = "oracle: questions + answers"
 ORACLE_BUDGETS = "oracle budgets, default ranking"
 ORACLE_RANKING = "default budgets, oracle ranking"
+ORACLES = (ORACLE_QUESTIONS, ORACLE_ANSWERS, ORACLE_BUDGETS, ORACLE_RANKING)
 
 
 class QuestionAttention:
@@ -137,9 +139,13 @@ def question_attention(
 
 
 def compress(
-    engine: InfoKVEngine, result: DocumentResult, rows: Sequence[EngineRow], keep: float
+    engine: InfoKVEngine,
+    result: DocumentResult,
+    rows: Sequence[EngineRow],
+    keep: float,
+    oracle_labels: Sequence[str],
 ) -> tuple[CompressedDocument, dict[str, CompressedDocument]]:
-    """The full cache, and each row's and each oracle's compression, from one prefill of the document."""
+    """The full cache, and each row's and each named oracle's compression, from one prefill of the document."""
     chunk = max(CompressionConfig().chunk_size, len(engine.prompt.document_ids(result.document.text)))
     questions = [question for question, _ in result.questions]
     conversations: dict[str, list[tuple[str, Sequence[int]]]] = {
@@ -154,12 +160,13 @@ def compress(
             captured[label] = question_attention(engine, full, conversations[label])
         return OracleScorer(scorer, captured[label])
 
-    oracles: dict[str, Rescorer] = {
+    every_oracle: dict[str, Rescorer] = {
         ORACLE_QUESTIONS: lambda full, scorer: oracle(full, scorer, ORACLE_QUESTIONS),
         ORACLE_ANSWERS: lambda full, scorer: oracle(full, scorer, ORACLE_ANSWERS),
         ORACLE_BUDGETS: lambda full, scorer: MixedScorer(oracle(full, scorer, ORACLE_ANSWERS), scorer),
         ORACLE_RANKING: lambda full, scorer: MixedScorer(scorer, oracle(full, scorer, ORACLE_ANSWERS)),
     }
+    oracles = {label: every_oracle[label] for label in oracle_labels}
     configs = {
         FULL: CompressionConfig(method="full", chunk_size=chunk),
         **{row.label: dataclasses.replace(row.config, chunk_size=chunk) for row in rows},
@@ -209,13 +216,13 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     engine = InfoKVEngine.from_pretrained(args.model)
     bench = Bench(engine, ResultCache(args.cache_dir, lambda label: False), args.max_new_tokens)
-    labels = [*(row.label for row in rows), ORACLE_QUESTIONS, ORACLE_ANSWERS, ORACLE_BUDGETS, ORACLE_RANKING]
+    labels = [*(row.label for row in rows), *args.oracles]
     totals = {label: RowTotals() for label in labels}
     started = time.perf_counter()
     for index, doc in enumerate(docs):
         result = DocumentResult(doc, load_document(doc.pdf_path), doc.questions)
         bench.run_document(result, [])  # the full and no-document rows: which questions are dependent
-        full, compressed = compress(engine, result, rows, args.keep)
+        full, compressed = compress(engine, result, rows, args.keep, args.oracles)
         answer_dependent(result, full, compressed, totals, args.max_new_tokens)
         line = ", ".join(f"{label} {t.kept}/{t.dependent}" for label, t in totals.items())
         progress(f"[{index + 1}/{len(docs)}] {doc.doc_id}: {line} ({time.perf_counter() - started:.0f}s)")
@@ -252,6 +259,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--docs", nargs="+", help="document ids (default: every document of the split)")
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--rows", nargs="+", default=["infokv@0.25"], help="engine rows beside the oracles")
+    parser.add_argument("--oracles", nargs="+", choices=ORACLES, default=list(ORACLES), help="oracle rows to run")
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())

@@ -1,5 +1,5 @@
 """kvzip: context reconstruction (arXiv 2505.23416), the attention each token receives while the model
-repeats the document, with one threshold over all layers."""
+repeats the document, with one threshold over every (layer, KV head), as KVzip allocates."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .base import Method, Scorer
 
 @dataclass(frozen=True)
 class KVzipSettings(LayerBudgetSettings):
-    layer_budgets: LayerBudgets = "global"
+    # KVzip's own allocation (head-level eviction); "global" was the default until 2026-12-03.
+    layer_budgets: LayerBudgets = "per_head"
 
 
 class KVzipScorer(Scorer[KVzipSettings]):
@@ -32,5 +33,5 @@ METHOD = Method(
     KVzipSettings,
     KVzipScorer,
     "the most attention a token receives while the model repeats the document (an extra pass per chunk);"
-    ' one threshold over all layers (`layer_budgets`, "global")',
+    ' one threshold over every (layer, KV head) (`layer_budgets`, "per_head")',
 )
