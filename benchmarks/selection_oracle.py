@@ -20,7 +20,10 @@ any choice of tokens could keep with this model at this budget, and so how far a
 could still get. Only document-dependent questions are answered (greedy, as `realdocs_quality`), with the
 mean KL(full || row) teacher-forced on the full cache's answers. The `full` and `no document` rows that
 define them come from `realdocs_quality`'s cache (computed here into it when missing). `--oracles` runs
-some of the oracle rows only (each costs an answer per dependent question).
+some of the oracle rows only (each costs an answer per dependent question); `--oracles` with no name runs the
+`--rows` alone, a screen of settings from one prefill per document:
+
+    python -m benchmarks.selection_oracle --split dev --oracles --rows infokv@0.25 'infokv@0.25[units=clause]'
 """
 
 from __future__ import annotations
@@ -259,7 +262,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--docs", nargs="+", help="document ids (default: every document of the split)")
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--rows", nargs="+", default=["infokv@0.25"], help="engine rows beside the oracles")
-    parser.add_argument("--oracles", nargs="+", choices=ORACLES, default=list(ORACLES), help="oracle rows to run")
+    parser.add_argument(
+        "--oracles", nargs="*", choices=ORACLES, default=list(ORACLES), help="oracle rows to run (none: the rows alone)"
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())

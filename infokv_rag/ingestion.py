@@ -128,8 +128,8 @@ class Ingestion:
             self.information_settings = config.settings
             self.information = torch.zeros(self.n, device=ids.device)
             self.head_rows, self.information_head = self._information_head()
-        boundaries = engine.sentence_boundaries[ids].long()
-        self.sentences = torch.cumsum(boundaries, 0) - boundaries
+        self.sentences = engine.segments(ids, engine.sentence_marks)
+        self.clauses = engine.segments(ids, engine.clause_marks)
         self.words = torch.cumsum(engine.word_starts[ids].long(), 0)
         self.evolution: Tensor | None = None
         """(layers, n) R^l per layer and position, when the scorer reads it."""
@@ -315,6 +315,7 @@ class Ingestion:
                 keys=layer.live("keys"),
                 values=layer.live("values"),
                 sentences=self.sentences[:tokens_read],
+                clauses=self.clauses[:tokens_read],
                 words=self.words[:tokens_read],
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),

@@ -170,8 +170,8 @@ class LayerSignals:
     """Everything a scorer may use for one layer's resident tokens; a signal it did not ask for is None.
 
     positions: (kv_heads, length) original positions of the resident tokens; keys, values: (kv_heads,
-    length, head_dim); sentences, words: (tokens_read,) int64 index of the sentence / word each position belongs
-    to (non-decreasing);
+    length, head_dim); sentences, clauses, words: (tokens_read,) int64 index of the sentence / clause / word each
+    position belongs to (non-decreasing);
     window_attention, last_query_attention: (heads, length); accumulated_attention,
     reconstruction_attention, predicted_reconstruction: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
@@ -185,6 +185,7 @@ class LayerSignals:
     keys: Tensor
     values: Tensor
     sentences: Tensor
+    clauses: Tensor
     words: Tensor
     window_attention: Tensor | None = None
     last_query_attention: Tensor | None = None
@@ -218,6 +219,15 @@ class LayerSignals:
         best = scores.new_full((self.kv_heads, int(self.words[-1]) + 1), float("-inf"))
         best.scatter_reduce_(1, words, scores, reduce="amax")
         return best.gather(1, words)
+
+    def unit_mean(self, scores: Tensor, units: Tensor) -> Tensor:
+        """(kv_heads, length) -> (kv_heads, length): each resident token gets the mean score of the resident
+        tokens of its unit (`units`: `sentences` or `clauses`), so a unit ranks, and is kept, as a whole."""
+        index = units[self.positions]
+        count = int(units[-1]) + 1
+        sums = scores.new_zeros(self.kv_heads, count).scatter_add_(1, index, scores)
+        sizes = scores.new_zeros(self.kv_heads, count).scatter_add_(1, index, torch.ones_like(scores))
+        return (sums / sizes.clamp_min(1)).gather(1, index)
 
     @cached_property
     def relative_value_norms(self) -> Tensor:

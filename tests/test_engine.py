@@ -230,6 +230,32 @@ def test_a_temperature_near_zero_samples_like_greedy(random_engine: InfoKVEngine
         assert doc.ask("What is the notice period?", max_new_tokens=4, temperature=4.38e-69, top_p=top_p) == greedy
 
 
+def test_clauses_and_sentences_end_at_marks_before_a_word_or_at_a_line_break(random_engine: InfoKVEngine) -> None:
+    text = "Fees are USD 3,500,000, due in 30 days. Version 1.13.22 applies; see below\nSYS_UID_MIN 101\nEnd"
+    ids = torch.tensor(random_engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def pieces(marks: torch.Tensor) -> list[str]:
+        index = random_engine.segments(ids, marks)
+        assert bool((index.diff() >= 0).all()) and int(index[0]) == 0
+        return [random_engine.tokenizer.decode(ids[index == i]) for i in range(int(index[-1]) + 1)]
+
+    assert pieces(random_engine.sentence_marks) == [
+        "Fees are USD 3,500,000, due in 30 days.",
+        " Version 1.13.22 applies;",
+        " see below\n",
+        "SYS_UID_MIN 101\n",
+        "End",
+    ]
+    assert pieces(random_engine.clause_marks) == [
+        "Fees are USD 3,500,000,",
+        " due in 30 days.",
+        " Version 1.13.22 applies;",
+        " see below\n",
+        "SYS_UID_MIN 101\n",
+        "End",
+    ]
+
+
 def test_words_run_from_one_whitespace_to_the_next(random_engine: InfoKVEngine) -> None:
     text = " Since version 1.13.22 the pump"
     ids = random_engine.tokenizer(text, add_special_tokens=False)["input_ids"]

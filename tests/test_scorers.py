@@ -96,6 +96,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         keys=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
         values=rand(KV_HEADS, length, HEAD_DIM) - 0.5,
         sentences=torch.arange(TOKENS_READ) // 7,
+        clauses=torch.arange(TOKENS_READ) // 3,
         words=torch.arange(TOKENS_READ) // 2,
         seed=seed,
         **given,
@@ -282,6 +283,20 @@ def test_word_units_keep_a_word_whole() -> None:
             members = words[head] == word
             assert bool((by_word[head, members] == by_token[head, members].max()).all())
     assert not torch.equal(by_word, by_token)
+
+
+@pytest.mark.parametrize("units", ["clause", "sentence"])
+def test_clause_and_sentence_units_rank_by_the_resident_mean(units: str) -> None:
+    signals = synthetic_signals(SIGNALS)
+    by_token = scorer_of("infokv", units="token").score(signals)
+    by_unit = scorer_of("infokv", units=units).score(signals)
+    index = (signals.clauses if units == "clause" else signals.sentences)[signals.positions]
+    for head in range(KV_HEADS):
+        for unit in index[head].unique():
+            members = index[head] == unit
+            expected = by_token[head, members].mean()
+            assert torch.allclose(by_unit[head, members], expected.expand(int(members.sum())))
+    assert not torch.equal(by_unit, by_token)
 
 
 def test_value_weighting_scales_scores_by_relative_value_norms() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.selection_oracle import MixedScorer, QuestionAttention, question_attention
+from benchmarks.selection_oracle import ORACLES, MixedScorer, QuestionAttention, parse_args, question_attention
 from benchmarks.variants import compress_variants
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
@@ -86,3 +86,8 @@ def test_a_mixed_scorer_takes_budgets_from_one_scorer_and_the_choice_in_each_lay
         for head in range(random_engine.runner.kv_heads):
             assert mixed_layer.positions[head].tolist() == late_kept
             assert alone_layer.positions[head].tolist() == early_kept
+
+
+def test_oracles_with_no_name_screen_the_rows_alone() -> None:
+    assert parse_args(["--oracles", "--rows", "infokv@0.25", "infokv@0.25[units=clause]"]).oracles == []
+    assert parse_args([]).oracles == list(ORACLES)

@@ -39,7 +39,7 @@ EvolutionMode = Literal["per_layer", "mean"]
 Normalization = Literal["minmax", "rank"]
 HeadReduction = Literal["mean", "max"]
 Aggregation = Literal["token", "sentence"]
-Units = Literal["token", "word"]
+Units = Literal["token", "word", "clause", "sentence"]
 ATTENTION_SIGNALS = {
     "window": WINDOW_ATTENTION,
     "reconstruction": RECONSTRUCTION_ATTENTION,
@@ -69,11 +69,14 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     facts a question needs are kept with their sentence."""
     value_weighting: bool = False
     """Multiplies the score, and the scores compared across layers, by each token's value norm (L2) over its
-    (layer, KV head)'s mean (with word units, a word's largest): attention to a token with a small value
+    (layer, KV head)'s mean (with units, taken per unit as the score is): attention to a token with a small value
     changes the output little, so evicting it costs little (after VATP, arXiv 2406.12335, which uses L1)."""
     units: Units = "token"
     """"word": every token of a word (tokens up to the next whitespace) gets the best final score among the
-    word's resident tokens, so a number or a code is kept whole or not at all; "token": scored alone."""
+    word's resident tokens, so a number or a code is kept whole or not at all; "clause" / "sentence": every
+    token of a clause (ended by , ; : . ! ? or a line break) / sentence (by ; : . ! ? or a line break) gets
+    the mean final score of its resident tokens, so the unit ranks as a whole (its best token would keep
+    every unit that holds one strong token); "token": scored alone."""
 
     def validate(self) -> None:
         super().validate()
@@ -180,10 +183,17 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         else:
             scores = lam * self.attention_term(signals) + (1 - lam) * self.information_term(signals)
         weight = signals.relative_value_norms if self.settings.value_weighting else None
-        if self.settings.units == "word":
-            scores = signals.word_max(scores)
-            weight = signals.word_max(weight) if weight is not None else None
+        if self.settings.units != "token":
+            scores = self._by_unit(signals, scores)
+            weight = self._by_unit(signals, weight) if weight is not None else None
         return scores * weight if weight is not None else scores
+
+    def _by_unit(self, signals: LayerSignals, scores: Tensor) -> Tensor:
+        """(kv_heads, length) per-token scores -> the same shape, one value per word, clause or sentence."""
+        units = self.settings.units
+        if units == "word":
+            return signals.word_max(scores)
+        return signals.unit_mean(scores, signals.clauses if units == "clause" else signals.sentences)
 
 
 METHOD = Method(
