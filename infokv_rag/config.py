@@ -20,6 +20,7 @@ SETTINGS_ADDED: dict[str, Any] = {
     "attention": "window",
     "layer_budgets": "uniform",
     "layer_floor": 0.0,
+    "numbers": "scored",
     "units": "token",
     "value_weighting": False,
 }

@@ -134,6 +134,11 @@ class InfoKVEngine:
         return self._token_flags(lambda text: any(c in text for c in ",.;:!?"))
 
     @functools.cached_property
+    def numerals(self) -> Tensor:
+        """(vocab,) True for tokens whose text holds a digit."""
+        return self._token_flags(lambda text: any(c.isdigit() for c in text))
+
+    @functools.cached_property
     def line_breaks(self) -> Tensor:
         """(vocab,) True for tokens whose text holds a newline."""
         return self._token_flags(lambda text: "\n" in text)

@@ -131,6 +131,7 @@ class Ingestion:
         self.sentences = engine.segments(ids, engine.sentence_marks)
         self.clauses = engine.segments(ids, engine.clause_marks)
         self.words = torch.cumsum(engine.word_starts[ids].long(), 0)
+        self.numerals = engine.numerals[ids]
         self.evolution: Tensor | None = None
         """(layers, n) R^l per layer and position, when the scorer reads it."""
         if EVOLUTION in self.scorer.signals:
@@ -317,6 +318,7 @@ class Ingestion:
                 sentences=self.sentences[:tokens_read],
                 clauses=self.clauses[:tokens_read],
                 words=self.words[:tokens_read],
+                numerals=self.numerals[:tokens_read],
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],

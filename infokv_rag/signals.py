@@ -171,7 +171,7 @@ class LayerSignals:
 
     positions: (kv_heads, length) original positions of the resident tokens; keys, values: (kv_heads,
     length, head_dim); sentences, clauses, words: (tokens_read,) int64 index of the sentence / clause / word each
-    position belongs to (non-decreasing);
+    position belongs to (non-decreasing); numerals: (tokens_read,) bool, True where the token's text holds a digit;
     window_attention, last_query_attention: (heads, length); accumulated_attention,
     reconstruction_attention, predicted_reconstruction: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
@@ -187,6 +187,7 @@ class LayerSignals:
     sentences: Tensor
     clauses: Tensor
     words: Tensor
+    numerals: Tensor
     window_attention: Tensor | None = None
     last_query_attention: Tensor | None = None
     accumulated_attention: Tensor | None = None
@@ -219,6 +220,12 @@ class LayerSignals:
         best = scores.new_full((self.kv_heads, int(self.words[-1]) + 1), float("-inf"))
         best.scatter_reduce_(1, words, scores, reduce="amax")
         return best.gather(1, words)
+
+    def number_words(self) -> Tensor:
+        """(kv_heads, length) bool: True for the resident tokens of a word that holds a digit ("$7,400", "2373")."""
+        count = int(self.words[-1]) + 1
+        digits = self.numerals.new_zeros(count, dtype=torch.long).index_add_(0, self.words, self.numerals.long())
+        return (digits > 0)[self.words][self.positions]
 
     def unit_mean(self, scores: Tensor, units: Tensor) -> Tensor:
         """(kv_heads, length) -> (kv_heads, length): each resident token gets the mean score of the resident

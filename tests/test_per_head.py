@@ -167,3 +167,25 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
                 assert len(in_layer) == doc.cache.layers[index].length + recall, "the recall brings in as many other entries"
 
 
+
+
+@pytest.mark.parametrize("chunk_size", [2048, 96])
+def test_numbers_everywhere_keeps_every_number_in_every_head(random_engine: InfoKVEngine, chunk_size: int) -> None:
+    text = " ".join(f"Clause {i}: the fee is USD {1000 + 37 * i:,} and the period is thirty days." for i in range(24))
+    config = CompressionConfig(keep=0.5, chunk_size=chunk_size, settings={"numbers": "everywhere"})
+    doc = random_engine.ingest_text(text, config)
+    ids = torch.tensor(random_engine.prompt.document_ids(text))
+    digits = random_engine.numerals[ids]
+    words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
+    numbers = torch.isin(words, words[digits]).nonzero().flatten()
+    assert 0 < len(numbers) < config.budget_for(len(ids), random_engine.prompt.head_tokens)
+    for layer in range(len(doc.cache.layers)):
+        for head, positions in enumerate(doc.cache.kept_positions(layer)):
+            assert torch.isin(numbers, positions).all(), (layer, head)
+    # Scored like any token, some head of some layer drops a number.
+    scored = random_engine.ingest_text(text, CompressionConfig(keep=0.5, chunk_size=chunk_size))
+    assert not all(
+        torch.isin(numbers, positions).all()
+        for layer in range(len(scored.cache.layers))
+        for positions in scored.cache.kept_positions(layer)
+    )

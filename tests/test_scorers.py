@@ -98,6 +98,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         sentences=torch.arange(TOKENS_READ) // 7,
         clauses=torch.arange(TOKENS_READ) // 3,
         words=torch.arange(TOKENS_READ) // 2,
+        numerals=torch.arange(TOKENS_READ) % 11 == 0,
         seed=seed,
         **given,
     )
@@ -317,3 +318,27 @@ def test_value_weighting_scales_scores_by_relative_value_norms() -> None:
             members = words[head] == word
             expected = best[head, members][0] * relative[head, members].max()
             assert torch.allclose(by_word[head, members], expected.expand(int(members.sum())))
+
+
+def test_numbers_rank_first_within_a_head_and_everywhere_also_in_the_budgets() -> None:
+    signals = synthetic_signals(SIGNALS)
+    words = signals.words[signals.positions]
+    numeric_words = signals.words[signals.numerals].unique()
+    numbers = torch.isin(words, numeric_words)
+    assert torch.equal(signals.number_words(), numbers)
+    assert 0 < int(numbers.sum()) < numbers.numel()
+    scored = scorer_of("infokv")
+    first = scorer_of("infokv", numbers="first")
+    everywhere = scorer_of("infokv", numbers="everywhere")
+    plain = scored.score(signals)
+    lifted = first.score(signals)
+    for head in range(KV_HEADS):
+        assert lifted[head, numbers[head]].min() > lifted[head, ~numbers[head]].max()
+        # Each group keeps its own order.
+        for group in (numbers[head], ~numbers[head]):
+            assert torch.equal(lifted[head, group].argsort(stable=True), plain[head, group].argsort(stable=True))
+    assert torch.equal(everywhere.score(signals), lifted)
+    assert torch.equal(first.comparable_scores(signals), scored.comparable_scores(signals))
+    budgets = everywhere.comparable_scores(signals)
+    assert torch.isinf(budgets[numbers]).all()
+    assert torch.equal(budgets[~numbers], scored.comparable_scores(signals)[~numbers])

@@ -46,6 +46,7 @@ ATTENTION_SIGNALS = {
     "predicted": PREDICTED_RECONSTRUCTION,
 }
 Attention = Literal["window", "reconstruction", "predicted"]
+Numbers = Literal["scored", "first", "everywhere"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     token of a clause (ended by , ; : . ! ? or a line break) / sentence (by ; : . ! ? or a line break) gets
     the mean final score of its resident tokens, so the unit ranks as a whole (its best token would keep
     every unit that holds one strong token); "token": scored alone."""
+    numbers: Numbers = "scored"
+    """A number is every token of a word that holds a digit ("$7,400", "RFC 2373", "1.20.1"): the figures a
+    contract's questions ask for, and what a compressed cache loses first. "scored": ranked like any token;
+    "first": ranked above every other token of its (layer, KV head), within the budget that head gets anyway;
+    "everywhere": also counted first in the budgets, so every head keeps every number the budget holds."""
 
     def validate(self) -> None:
         super().validate()
@@ -150,9 +156,13 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         return scores
 
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
-        """The reconstruction attention, weighed by the value norms when `value_weighting`."""
+        """The reconstruction attention, weighed by the value norms when `value_weighting`; numbers first when
+        `numbers="everywhere"`."""
         scores = self.reconstruction(signals)
-        return scores * signals.relative_value_norms if self.settings.value_weighting else scores
+        scores = scores * signals.relative_value_norms if self.settings.value_weighting else scores
+        if self.settings.numbers == "everywhere":
+            scores = scores.masked_fill(signals.number_words(), torch.inf)
+        return scores
 
     def information_term(self, signals: LayerSignals) -> Tensor:
         """S = tau * N(E) + (1 - tau) * N(R)."""
@@ -186,7 +196,11 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         if self.settings.units != "token":
             scores = self._by_unit(signals, scores)
             weight = self._by_unit(signals, weight) if weight is not None else None
-        return scores * weight if weight is not None else scores
+        scores = scores * weight if weight is not None else scores
+        if self.settings.numbers != "scored":
+            # Lifted above every other score, the numbers keep their own order among themselves.
+            scores = scores + signals.number_words() * (scores.amax() - scores.amin() + 1)
+        return scores
 
     def _by_unit(self, signals: LayerSignals, scores: Tensor) -> Tensor:
         """(kv_heads, length) per-token scores -> the same shape, one value per word, clause or sentence."""
