@@ -167,8 +167,6 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
                 assert len(in_layer) == doc.cache.layers[index].length + recall, "the recall brings in as many other entries"
 
 
-
-
 @pytest.mark.parametrize("chunk_size", [2048, 96])
 def test_numbers_everywhere_keeps_every_number_in_every_head(random_engine: InfoKVEngine, chunk_size: int) -> None:
     text = " ".join(f"Clause {i}: the fee is USD {1000 + 37 * i:,} and the period is thirty days." for i in range(24))
