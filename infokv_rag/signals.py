@@ -221,8 +221,10 @@ class LayerSignals:
         best.scatter_reduce_(1, words, scores, reduce="amax")
         return best.gather(1, words)
 
+    @cached_property
     def number_words(self) -> Tensor:
-        """(kv_heads, length) bool: True for the resident tokens of a word that holds a digit ("$7,400", "2373")."""
+        """(kv_heads, length) bool: True for the resident tokens of a word that holds a digit ("$7,400", "2373")
+        (computed once: both the score and the scores compared across layers read it)."""
         count = int(self.words[-1]) + 1
         digits = self.numerals.new_zeros(count, dtype=torch.long).index_add_(0, self.words, self.numerals.long())
         return (digits > 0)[self.words][self.positions]

@@ -325,7 +325,7 @@ def test_numbers_rank_first_within_a_head_and_everywhere_also_in_the_budgets() -
     words = signals.words[signals.positions]
     numeric_words = signals.words[signals.numerals].unique()
     numbers = torch.isin(words, numeric_words)
-    assert torch.equal(signals.number_words(), numbers)
+    assert torch.equal(signals.number_words, numbers)
     assert 0 < int(numbers.sum()) < numbers.numel()
     scored = scorer_of("infokv")
     first = scorer_of("infokv", numbers="first")

@@ -161,7 +161,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         scores = self.reconstruction(signals)
         scores = scores * signals.relative_value_norms if self.settings.value_weighting else scores
         if self.settings.numbers == "everywhere":
-            scores = scores.masked_fill(signals.number_words(), torch.inf)
+            scores = scores.masked_fill(signals.number_words, torch.inf)
         return scores
 
     def information_term(self, signals: LayerSignals) -> Tensor:
@@ -199,7 +199,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         scores = scores * weight if weight is not None else scores
         if self.settings.numbers != "scored":
             # Lifted above every other score, the numbers keep their own order among themselves.
-            scores = scores + signals.number_words() * (scores.amax() - scores.amin() + 1)
+            scores = scores + signals.number_words * (scores.amax() - scores.amin() + 1)
         return scores
 
     def _by_unit(self, signals: LayerSignals, scores: Tensor) -> Tensor:
