@@ -50,7 +50,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent
 QUESTIONS_FILE = ROOT / "questions.json"
 SOURCES_DIR = ROOT / "sources"
-SPLITS = ("dev", "test", "fresh", "fresh2")
+SPLITS = ("dev", "test", "fresh", "fresh2", "fresh3")
 KINDS = ("contract", "manual")
 RENDER_VERSION = "1"
 """Bump when the PDF layout changes, so cached PDFs are re-rendered."""
@@ -92,7 +92,7 @@ def default_cache_dir() -> Path:
 def load_realdocs(
     split: str | None = None, cache_dir: Path | None = None, doc_ids: Sequence[str] | None = None
 ) -> list[RealDoc]:
-    """The documents of `split` ("dev", "test", "fresh", "fresh2", or None for all), each rendered to a PDF.
+    """The documents of `split` (one of `SPLITS`, or None for all), each rendered to a PDF.
 
     `doc_ids` keeps only those documents (in manifest order; the others are neither fetched nor
     rendered); an id that is not in the split raises ValueError.
