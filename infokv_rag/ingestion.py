@@ -121,6 +121,7 @@ class Ingestion:
         self.scorer: Scorer[Any] = config.method_spec.build(config.settings)
         self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
         self.budget = config.budget_for(self.n, self.sinks)
+        self.keep = config.keep if isinstance(config.keep, float) else min(1.0, config.keep / self.n)
         self.information: Tensor | None = None
         """(n,) outgoing information per position, when the scorer reads it."""
         if INFORMATION in self.scorer.signals:
@@ -319,6 +320,7 @@ class Ingestion:
                 clauses=self.clauses[:tokens_read],
                 words=self.words[:tokens_read],
                 numerals=self.numerals[:tokens_read],
+                keep=self.keep,
                 window_attention=capture.window_attention.get(index),
                 last_query_attention=capture.last_query_attention.get(index),
                 accumulated_attention=self.accumulated[index],

@@ -172,6 +172,8 @@ class LayerSignals:
     positions: (kv_heads, length) original positions of the resident tokens; keys, values: (kv_heads,
     length, head_dim); sentences, clauses, words: (tokens_read,) int64 index of the sentence / clause / word each
     position belongs to (non-decreasing); numerals: (tokens_read,) bool, True where the token's text holds a digit;
+    keep: the share of the document's tokens a (layer, KV head) keeps on average (the config's keep ratio, or its
+    token count over the document's tokens);
     window_attention, last_query_attention: (heads, length); accumulated_attention,
     reconstruction_attention, predicted_reconstruction: (kv_heads, length);
     information: (tokens_read,) outgoing information per position: the entropy of the distribution at t,
@@ -188,6 +190,7 @@ class LayerSignals:
     clauses: Tensor
     words: Tensor
     numerals: Tensor
+    keep: float
     window_attention: Tensor | None = None
     last_query_attention: Tensor | None = None
     accumulated_attention: Tensor | None = None

@@ -168,11 +168,16 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
 
 
 @pytest.mark.parametrize("chunk_size", [2048, 96])
-def test_numbers_everywhere_keeps_every_number_in_every_head(random_engine: InfoKVEngine, chunk_size: int) -> None:
+@pytest.mark.parametrize("keep", [0.5, "half as a token count"])
+@pytest.mark.parametrize("settings", [{"numbers": "everywhere"}, {}], ids=["everywhere", "default"])
+def test_numbers_everywhere_keeps_every_number_in_every_head(
+    random_engine: InfoKVEngine, chunk_size: int, keep: float | str, settings: dict[str, str]
+) -> None:
     text = " ".join(f"Clause {i}: the fee is USD {1000 + 37 * i:,} and the period is thirty days." for i in range(24))
-    config = CompressionConfig(keep=0.5, chunk_size=chunk_size, settings={"numbers": "everywhere"})
-    doc = random_engine.ingest_text(text, config)
     ids = torch.tensor(random_engine.prompt.document_ids(text))
+    budget = 0.5 if keep == 0.5 else (len(ids) + 1) // 2
+    config = CompressionConfig(keep=budget, chunk_size=chunk_size, settings=settings)
+    doc = random_engine.ingest_text(text, config)
     digits = random_engine.numerals[ids]
     words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
     numbers = torch.isin(words, words[digits]).nonzero().flatten()
@@ -181,7 +186,8 @@ def test_numbers_everywhere_keeps_every_number_in_every_head(random_engine: Info
         for head, positions in enumerate(doc.cache.kept_positions(layer)):
             assert torch.isin(numbers, positions).all(), (layer, head)
     # Scored like any token, some head of some layer drops a number.
-    scored = random_engine.ingest_text(text, CompressionConfig(keep=0.5, chunk_size=chunk_size))
+    scored_config = CompressionConfig(keep=0.5, chunk_size=chunk_size, settings={"numbers": "scored"})
+    scored = random_engine.ingest_text(text, scored_config)
     assert not all(
         torch.isin(numbers, positions).all()
         for layer in range(len(scored.cache.layers))

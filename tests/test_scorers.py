@@ -20,6 +20,7 @@ from infokv_rag import CompressionConfig, ConfigError
 from infokv_rag.config import SETTINGS_ADDED
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer
+from infokv_rag.scorers.infokv import InfoKVScorer
 from infokv_rag.selection import protected_mask, select_tokens
 from infokv_rag.signals import (
     ACCUMULATED_ATTENTION,
@@ -54,7 +55,7 @@ TOKENS_READ, SINKS, WINDOW, BUDGET = 96, 4, 16, 40
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> LayerSignals:
+def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1, keep: float = 0.25) -> LayerSignals:
     """One layer after some compression: 70 of 96 positions resident per KV head (different per head)."""
     generator = torch.Generator().manual_seed(seed)
     length = 70
@@ -99,6 +100,7 @@ def synthetic_signals(wanted: frozenset[str], seed: int = 0, layer: int = 1) -> 
         clauses=torch.arange(TOKENS_READ) // 3,
         words=torch.arange(TOKENS_READ) // 2,
         numerals=torch.arange(TOKENS_READ) % 11 == 0,
+        keep=keep,
         seed=seed,
         **given,
     )
@@ -327,7 +329,7 @@ def test_numbers_rank_first_within_a_head_and_everywhere_also_in_the_budgets() -
     numbers = torch.isin(words, numeric_words)
     assert torch.equal(signals.number_words, numbers)
     assert 0 < int(numbers.sum()) < numbers.numel()
-    scored = scorer_of("infokv")
+    scored = scorer_of("infokv", numbers="scored")
     first = scorer_of("infokv", numbers="first")
     everywhere = scorer_of("infokv", numbers="everywhere")
     plain = scored.score(signals)
@@ -342,3 +344,14 @@ def test_numbers_rank_first_within_a_head_and_everywhere_also_in_the_budgets() -
     budgets = everywhere.comparable_scores(signals)
     assert torch.isinf(budgets[numbers]).all()
     assert torch.equal(budgets[~numbers], scored.comparable_scores(signals)[~numbers])
+
+
+@pytest.mark.parametrize(
+    ("keep", "resolved"), [(0.25, "scored"), (0.49, "scored"), (0.5, "everywhere"), (0.9, "everywhere")]
+)
+def test_default_numbers_go_everywhere_from_half_the_cache(keep: float, resolved: str) -> None:
+    signals = synthetic_signals(SIGNALS, keep=keep)
+    default, explicit = scorer_of("infokv"), scorer_of("infokv", numbers=resolved)
+    assert isinstance(default, InfoKVScorer) and default.numbers(signals) == resolved
+    assert torch.equal(default.score(signals), explicit.score(signals))
+    assert torch.equal(default.comparable_scores(signals), explicit.comparable_scores(signals))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..signals import LayerBudgets
 from .base import Method
-from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization, Units
+from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization, Numbers, Units
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class InfoKVQualitySettings(InfoKVSettings):
     normalization: Normalization = "rank"
     aggregation: Aggregation = "token"
     units: Units = "token"
+    numbers: Numbers = "scored"  # "auto" was screened for `infokv` only
 
 
 METHOD = Method(
