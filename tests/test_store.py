@@ -232,8 +232,8 @@ FORMAT_2_CONFIGS = {
         method="infokv",
         keep=0.5,
         summaries=0,  # saved before summaries existed
-        # Saved before `attention`, `layer_budgets` and `units` existed: made with the window and uniform budgets,
-        # whatever today's defaults are.
+        # Saved before `attention`, `layer_budgets`, `units` and `numbers` existed: made with the window, uniform
+        # budgets and numbers scored like any token, whatever today's defaults are.
         settings={
             "tau": 0.75,
             "lam": 0.5,
@@ -242,6 +242,7 @@ FORMAT_2_CONFIGS = {
             "attention": "window",
             "layer_budgets": "uniform",
             "units": "token",
+            "numbers": "scored",
             "normalization": "minmax",
         },
     ),
