@@ -165,7 +165,7 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
 
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
         """The reconstruction attention, weighed by the value norms when `value_weighting`; numbers first when
-        `numbers="everywhere"`."""
+        `numbers` resolves to "everywhere"."""
         scores = self.reconstruction(signals)
         scores = scores * signals.relative_value_norms if self.settings.value_weighting else scores
         if self.numbers(signals) == "everywhere":
