@@ -153,6 +153,11 @@ class CompressionConfig:
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
         return min(document_tokens, max(wanted, protected))
 
+    def keep_ratio(self, document_tokens: int) -> float:
+        """The share of a `document_tokens`-token document a (layer, KV head) keeps on average: `keep` itself, or
+        its token count over the document's (at most 1)."""
+        return self.keep if isinstance(self.keep, float) else min(1.0, self.keep / document_tokens)
+
     @property
     def heads_differ(self) -> bool:
         """Whether a layer's KV heads may keep different numbers of tokens (`layer_budgets="per_head"`)."""

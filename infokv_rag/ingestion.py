@@ -121,7 +121,7 @@ class Ingestion:
         self.scorer: Scorer[Any] = config.method_spec.build(config.settings)
         self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
         self.budget = config.budget_for(self.n, self.sinks)
-        self.keep = config.keep if isinstance(config.keep, float) else min(1.0, config.keep / self.n)
+        self.keep = config.keep_ratio(self.n)
         self.information: Tensor | None = None
         """(n,) outgoing information per position, when the scorer reads it."""
         if INFORMATION in self.scorer.signals:
