@@ -49,6 +49,7 @@ def test_split_is_fixed() -> None:
     assert (documents["fresh"], questions["fresh"]) == (4, 36)
     assert (documents["fresh2"], questions["fresh2"]) == (6, 60)
     assert (documents["fresh3"], questions["fresh3"]) == (6, 60)
+    assert (documents["dev2"], questions["dev2"]) == (6, 60)
     assert set(documents) == set(SPLITS)
 
 

@@ -50,7 +50,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent
 QUESTIONS_FILE = ROOT / "questions.json"
 SOURCES_DIR = ROOT / "sources"
-SPLITS = ("dev", "test", "fresh", "fresh2", "fresh3")
+SPLITS = ("dev", "test", "fresh", "fresh2", "fresh3", "dev2")
 KINDS = ("contract", "manual")
 RENDER_VERSION = "1"
 """Bump when the PDF layout changes, so cached PDFs are re-rendered."""
