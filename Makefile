@@ -45,9 +45,11 @@ demo: models
 	$(PY) examples/demo.py
 
 # mypy cannot map kernels/ and integrations/ to infokv_rag.kernels and infokv_rag.integrations (setuptools'
-# package-dir), so it checks a tree of symlinks laid out like the installed package.
-LINT_PATHS := infokv_rag kernels integrations
+# package-dir), so it checks a tree of symlinks laid out like the installed package, benchmarks/ beside it;
+# the examples are scripts that import their sibling _common. Tests are linted, not type-checked.
+LINT_PATHS := infokv_rag kernels integrations benchmarks examples tests
 TYPECHECK_TREE := build/typecheck
+MYPY = $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
@@ -55,8 +57,8 @@ lint: $(STAMP)
 	ln -s $(foreach f,$(wildcard infokv_rag/*),$(CURDIR)/$(f)) $(TYPECHECK_TREE)/infokv_rag/
 	ln -s $(CURDIR)/kernels $(TYPECHECK_TREE)/infokv_rag/kernels
 	ln -s $(CURDIR)/integrations $(TYPECHECK_TREE)/infokv_rag/integrations
-	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
-		--cache-dir $(CURDIR)/.mypy_cache -p infokv_rag
+	ln -s $(CURDIR)/benchmarks $(TYPECHECK_TREE)/benchmarks
+	cd $(TYPECHECK_TREE) && $(MYPY) -p infokv_rag -p benchmarks && MYPYPATH=$(CURDIR)/examples $(MYPY) $(CURDIR)/examples
 
 test: lint models
 	$(PY) -m pytest -q -m "not scale"
@@ -72,7 +74,7 @@ test-scale: models
 bench: bench-latency bench-overhead bench-quality
 
 bench-quality: models kvpress-env
-	$(PY) benchmarks/quality.py
+	$(PY) -m benchmarks.quality
 
 # Real contracts and manuals, held-out split, default rows and kvpress peers; e.g. REALDOCS_ARGS="--no-kvpress".
 bench-realdocs: models kvpress-env
@@ -113,5 +115,5 @@ bench-load: models
 # 8 clients, 2 tenants, 10 minutes of mixed uploads, asks, deletes and cross-tenant probes (tiny model);
 # e.g. `make soak SOAK_ARGS="--minutes 1"`.
 soak: models
-	$(PY) benchmarks/soak.py $(SOAK_ARGS)
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 # --- end of service block -------------------------------------------------------------------------

@@ -4,7 +4,7 @@ No generation: one prefill per document, every config compresses it, and we coun
 head), the fraction of the fact sentences' tokens that survive (and of the answer tokens alone).
 Use it to explore; confirm with benchmarks/quality.py, which asks the questions.
 
-    python benchmarks/fact_recall.py --docs 6 --keep 0.25
+    python -m benchmarks.fact_recall --docs 6 --keep 0.25
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.prompt import DOCUMENT_INTRO
 from infokv_rag.scorers import method_names
 
-from quality import ABLATIONS, SPLIT_SEEDS
-from variants import compress_variants
+from .quality import ABLATIONS, SPLIT_SEEDS
+from .variants import compress_variants
 
 
 def token_spans(engine: InfoKVEngine, text: str, needles: list[str]) -> list[torch.Tensor]:
@@ -55,7 +55,7 @@ def main() -> int:
         sentences = token_spans(engine, generated.text, [f.sentence for f in generated.facts])
         answers = token_spans(engine, generated.text, [f.answer for f in generated.facts])
         docs = compress_variants(engine, document_from_text(generated.text), list(configs.values()))
-        for name, doc in zip(configs, docs):
+        for name, doc in zip(configs, docs, strict=True):
             kept_sentence, kept_answer = [], []
             for layer in range(len(doc.cache.layers)):
                 for head_positions in doc.cache.kept_positions(layer):

@@ -102,7 +102,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, help="document tokens (default: 32768 on CUDA, 256 on CPU)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS), help="model shapes")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="kernels to time")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on CUDA, float32 on CPU"
+    )
     parser.add_argument("--top-k", type=int, default=20, help="top-k of the 'entropy' kernel (default 20)")
     parser.add_argument("--window", type=int, default=32, help="observation window (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel, median reported (default 3)")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.config import DEFAULT_METHOD, recall_tokens
 from infokv_rag.documents import document_from_text
 from infokv_rag.evaluation import make_fact_document
@@ -45,12 +45,12 @@ TTFT_SPEEDUP_TARGET = 20.0
 LOAD_TARGET_SECONDS = 0.5
 
 
-def follow_up_seconds(doc, question: str, recall: float | None = None) -> float:
+def follow_up_seconds(doc: CompressedDocument, question: str, recall: float | None = None) -> float:
     """Wall time from asking to the first generated token (`recall`: as `GenerationOptions.recall`)."""
     return follow_up(doc, question, recall)[0]
 
 
-def follow_up(doc, question: str, recall: float | None = None) -> tuple[float, Usage]:
+def follow_up(doc: CompressedDocument, question: str, recall: float | None = None) -> tuple[float, Usage]:
     """(wall time from asking to the first generated token, the answer's usage)."""
     started = time.perf_counter()
     generation = doc.generate(question_turns(question), GenerationOptions(max_new_tokens=1, recall=recall))
@@ -82,8 +82,13 @@ def main() -> int:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--recall", type=float, default=0.1, help="cold-tier recall per question (0: no cold tier)")
-    parser.add_argument("--cold-bits", type=int, default=None, choices=(4, 8),
-                        help="width of the cold tier's codes (default: the engine's choice for the model's dtype)")
+    parser.add_argument(
+        "--cold-bits",
+        type=int,
+        default=None,
+        choices=(4, 8),
+        help="width of the cold tier's codes (default: the engine's choice for the model's dtype)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of follow-up questions and of loads")
     parser.add_argument("--reprefills", type=int, default=1, help="re-prefill measurements (each costs a full prefill)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -95,8 +100,11 @@ def main() -> int:
     device = "cpu" if not torch.cuda.is_available() else "cuda"
     started = time.perf_counter()
     engine = InfoKVEngine.from_pretrained(args.model, device=device)
-    print(f"model {args.model} loaded in {time.perf_counter() - started:.1f} s on {device}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    print(
+        f"model {args.model} loaded in {time.perf_counter() - started:.1f} s on {device}, "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     fact_doc = make_fact_document(args.seed, target_words=args.words)
     questions = [fact.question for fact in fact_doc.facts]
     document = document_from_text(fact_doc.text)
@@ -153,30 +161,65 @@ def main() -> int:
 
     rows = [
         ("document", f"{stats.document_tokens:,} tokens ({args.words:,} words, seed {args.seed})", "", ""),
-        ("cache kept", f"{stats.kept_tokens_per_layer[0]:,} tokens per layer ({config.method}, keep {config.keep}); "
-                       f"{stats.cache_bytes / 2**20:,.1f} MiB vs {stats.full_cache_bytes / 2**20:,.1f} MiB full "
-                       f"(ratio {stats.compression_ratio:.3f}); {cache_file_bytes / 2**20:,.1f} MiB on disk", "", ""),
-        ("ingestion (prefill + scoring + compression)",
-         f"{fmt(ingest_seconds)} (prefill {fmt(stats.prefill_seconds)}, "
-         f"{stats.document_tokens / stats.prefill_seconds:,.0f} tok/s; scoring {fmt(stats.scoring_seconds)}; "
-         f"compression {fmt(stats.compression_seconds)})", "", ""),
+        (
+            "cache kept",
+            f"{stats.kept_tokens_per_layer[0]:,} tokens per layer ({config.method}, keep {config.keep}); "
+            f"{stats.cache_bytes / 2**20:,.1f} MiB vs {stats.full_cache_bytes / 2**20:,.1f} MiB full "
+            f"(ratio {stats.compression_ratio:.3f}); {cache_file_bytes / 2**20:,.1f} MiB on disk",
+            "",
+            "",
+        ),
+        (
+            "ingestion (prefill + scoring + compression)",
+            f"{fmt(ingest_seconds)} (prefill {fmt(stats.prefill_seconds)}, "
+            f"{stats.document_tokens / stats.prefill_seconds:,.0f} tok/s; scoring {fmt(stats.scoring_seconds)}; "
+            f"compression {fmt(stats.compression_seconds)})",
+            "",
+            "",
+        ),
         ("save (atomic, fsynced)", fmt(save_seconds), "", ""),
-        ("load from disk (verify + rebuild), median", f"{fmt(load)} (min {fmt(min(loads))}, max {fmt(max(loads))})",
-         f"< {LOAD_TARGET_SECONDS} s", met(load < LOAD_TARGET_SECONDS)),
-        ("follow-up TTFT, in-memory cache, median",
-         f"{fmt(ttft_memory)} (min {fmt(min(in_memory))}, max {fmt(max(in_memory))}, n={len(in_memory)})", "", ""),
-        ("follow-up TTFT, reloaded disk cache, median",
-         f"{fmt(ttft_disk)} (min {fmt(min(reloaded))}, max {fmt(max(reloaded))}, n={len(reloaded)})", "", ""),
-        ("re-prefill document + question to first token",
-         f"{fmt(reprefill)} ({prompt_tokens:,} tokens, plain forward, n={len(reprefills)})", "", ""),
-        ("speedup: re-prefill / TTFT in memory", f"{speedup_memory:,.1f}x",
-         f">= {TTFT_SPEEDUP_TARGET:.0f}x", met(speedup_memory >= TTFT_SPEEDUP_TARGET)),
-        ("speedup: re-prefill / TTFT reloaded", f"{speedup_disk:,.1f}x",
-         f">= {TTFT_SPEEDUP_TARGET:.0f}x", met(speedup_disk >= TTFT_SPEEDUP_TARGET)),
+        (
+            "load from disk (verify + rebuild), median",
+            f"{fmt(load)} (min {fmt(min(loads))}, max {fmt(max(loads))})",
+            f"< {LOAD_TARGET_SECONDS} s",
+            met(load < LOAD_TARGET_SECONDS),
+        ),
+        (
+            "follow-up TTFT, in-memory cache, median",
+            f"{fmt(ttft_memory)} (min {fmt(min(in_memory))}, max {fmt(max(in_memory))}, n={len(in_memory)})",
+            "",
+            "",
+        ),
+        (
+            "follow-up TTFT, reloaded disk cache, median",
+            f"{fmt(ttft_disk)} (min {fmt(min(reloaded))}, max {fmt(max(reloaded))}, n={len(reloaded)})",
+            "",
+            "",
+        ),
+        (
+            "re-prefill document + question to first token",
+            f"{fmt(reprefill)} ({prompt_tokens:,} tokens, plain forward, n={len(reprefills)})",
+            "",
+            "",
+        ),
+        (
+            "speedup: re-prefill / TTFT in memory",
+            f"{speedup_memory:,.1f}x",
+            f">= {TTFT_SPEEDUP_TARGET:.0f}x",
+            met(speedup_memory >= TTFT_SPEEDUP_TARGET),
+        ),
+        (
+            "speedup: re-prefill / TTFT reloaded",
+            f"{speedup_disk:,.1f}x",
+            f">= {TTFT_SPEEDUP_TARGET:.0f}x",
+            met(speedup_disk >= TTFT_SPEEDUP_TARGET),
+        ),
         ("speedup: re-prefill / (load + TTFT reloaded)", f"{speedup_disk_with_load:,.1f}x", "", ""),
     ]
     if with_recall:
-        rows += recall_rows(args, engine, doc, in_memory, with_recall, reloaded_recall, recall_usages, reprefill, cache_file_bytes)
+        rows += recall_rows(
+            args, engine, doc, in_memory, with_recall, reloaded_recall, recall_usages, reprefill, cache_file_bytes
+        )
     print(
         f"\n### Follow-up latency: model `{args.model}`, {device}, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after\n"
@@ -186,9 +229,11 @@ def main() -> int:
     for name, value, target, ok in rows:
         print(f"| {name} | {value} | {target} | {ok} |")
     all_met = load < LOAD_TARGET_SECONDS and min(speedup_memory, speedup_disk) >= TTFT_SPEEDUP_TARGET
-    print(f"\nTargets: follow-up TTFT >= {TTFT_SPEEDUP_TARGET:.0f}x faster than re-prefilling "
-          f"({met(min(speedup_memory, speedup_disk) >= TTFT_SPEEDUP_TARGET)}); "
-          f"load < {LOAD_TARGET_SECONDS} s ({met(load < LOAD_TARGET_SECONDS)}).")
+    print(
+        f"\nTargets: follow-up TTFT >= {TTFT_SPEEDUP_TARGET:.0f}x faster than re-prefilling "
+        f"({met(min(speedup_memory, speedup_disk) >= TTFT_SPEEDUP_TARGET)}); "
+        f"load < {LOAD_TARGET_SECONDS} s ({met(load < LOAD_TARGET_SECONDS)})."
+    )
     return 0 if all_met else 1
 
 
@@ -196,8 +241,20 @@ RECALL_TTFT_TARGET = 1.5
 DISK_TARGET = 0.5
 
 
-def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages, reprefill, disk_bytes) -> list[tuple]:
+def recall_rows(
+    args: argparse.Namespace,
+    engine: InfoKVEngine,
+    doc: CompressedDocument,
+    without: list[float],
+    with_recall: list[float],
+    reloaded_recall: list[float],
+    usages: list[Usage],
+    reprefill: float,
+    disk_bytes: int,
+) -> list[tuple[str, str, str, str]]:
     """The cold tier's rows: TTFT with recall against without, disk and resident bytes against the full cache."""
+    if doc.cold_tier is None:
+        raise ValueError("the cold tier's rows need a document ingested with recall")
     stats = doc.stats
     n, element = stats.document_tokens, torch.empty(0, dtype=engine.runner.dtype).element_size()
     ratio = statistics.median(with_recall) / statistics.median(without)
@@ -216,21 +273,42 @@ def recall_rows(args, engine, doc, without, with_recall, reloaded_recall, usages
         return "yes" if ok else "**no**"
 
     return [
-        ("cold tier", f"{doc.config.cold_bits}-bit, {stats.cold_bytes / 2**20:,.1f} MiB; recall {args.recall} "
-                      f"({recalled:,.0f} entries per layer and KV head per question)", "", ""),
+        (
+            "cold tier",
+            f"{doc.config.cold_bits}-bit, {stats.cold_bytes / 2**20:,.1f} MiB; recall {args.recall} "
+            f"({recalled:,.0f} entries per layer and KV head per question)",
+            "",
+            "",
+        ),
         ("follow-up TTFT with recall, in memory, median", fmt(statistics.median(with_recall)), "", ""),
         ("follow-up TTFT with recall, reloaded, median", fmt(statistics.median(reloaded_recall)), "", ""),
-        ("TTFT with recall / without (same questions, interleaved)", f"{ratio:.2f}x",
-         f"<= {RECALL_TTFT_TARGET}x", met(ratio <= RECALL_TTFT_TARGET)),
+        (
+            "TTFT with recall / without (same questions, interleaved)",
+            f"{ratio:.2f}x",
+            f"<= {RECALL_TTFT_TARGET}x",
+            met(ratio <= RECALL_TTFT_TARGET),
+        ),
         ("speedup: re-prefill / TTFT with recall", f"{reprefill / statistics.median(with_recall):,.1f}x", "", ""),
-        ("disk: hot + cold tier / full cache at the model's dtype", f"{disk:.3f} ({engine.runner.dtype}); these "
-         f"{doc.config.cold_bits}-bit codes beside a 16-bit cache: {disk_16:.3f} (a 16-bit cache gets "
-         f"{CompressionConfig(recall=args.recall).cold_tier_bits(2)}-bit codes by default)",
-         f"<= {DISK_TARGET}", met(disk <= DISK_TARGET)),
-        ("resident KV while answering / full (peak, from tensors)", f"{peak:.3f}",
-         f"<= keep + recall + question = {bound:.3f}", met(peak <= bound)),
-        ("beside it while the question is read: one layer's cold entries dequantised / full",
-         f"{decoded / stats.full_cache_bytes:.3f} ({decoded / 2**20:,.1f} MiB, transient)", "", ""),
+        (
+            "disk: hot + cold tier / full cache at the model's dtype",
+            f"{disk:.3f} ({engine.runner.dtype}); these "
+            f"{doc.config.cold_bits}-bit codes beside a 16-bit cache: {disk_16:.3f} (a 16-bit cache gets "
+            f"{CompressionConfig(recall=args.recall).cold_tier_bits(2)}-bit codes by default)",
+            f"<= {DISK_TARGET}",
+            met(disk <= DISK_TARGET),
+        ),
+        (
+            "resident KV while answering / full (peak, from tensors)",
+            f"{peak:.3f}",
+            f"<= keep + recall + question = {bound:.3f}",
+            met(peak <= bound),
+        ),
+        (
+            "beside it while the question is read: one layer's cold entries dequantised / full",
+            f"{decoded / stats.full_cache_bytes:.3f} ({decoded / 2**20:,.1f} MiB, transient)",
+            "",
+            "",
+        ),
     ]
 
 

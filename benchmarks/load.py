@@ -66,8 +66,9 @@ class Client:
         """(answer, completion tokens, seconds to the first token or None)."""
         started = time.perf_counter()
         if kind == "ask-json":
-            response = self.http.post(f"/v1/documents/{doc_id}/ask",
-                                      json={"question": question, "max_tokens": self.max_tokens})
+            response = self.http.post(
+                f"/v1/documents/{doc_id}/ask", json={"question": question, "max_tokens": self.max_tokens}
+            )
             _check(response)
             body = response.json()
             return body["answer"], body["usage"]["completion_tokens"], None
@@ -76,10 +77,15 @@ class Client:
             path = f"/v1/documents/{doc_id}/ask"
         else:
             # The same single user turn that /ask builds, so the answer must be the same too.
-            (_, content), = question_turns(question)
-            request = {"model": self.model, "document_id": doc_id, "max_tokens": self.max_tokens, "stream": True,
-                       "messages": [{"role": "user", "content": content}],
-                       "stream_options": {"include_usage": True}}
+            ((_, content),) = question_turns(question)
+            request = {
+                "model": self.model,
+                "document_id": doc_id,
+                "max_tokens": self.max_tokens,
+                "stream": True,
+                "messages": [{"role": "user", "content": content}],
+                "stream_options": {"include_usage": True},
+            }
             path = "/v1/chat/completions"
         pieces: list[str] = []
         first: float | None = None
@@ -171,12 +177,18 @@ def summarise(results: list[Result], key: str) -> list[list[str]]:
         seconds = [r.seconds for r in ok]
         firsts = [r.first_token for r in ok if r.first_token is not None]
         tokens = sum(r.tokens for r in ok)
-        rows.append([
-            str(name), str(len(group)), str(sum(r.error is not None for r in group)),
-            str(sum(r.error is None and not r.matched for r in group)),
-            f"{percentile(seconds, 0.5):.2f}", f"{percentile(seconds, 0.95):.2f}",
-            f"{percentile(firsts, 0.5):.2f}" if firsts else "-", str(tokens),
-        ])
+        rows.append(
+            [
+                str(name),
+                str(len(group)),
+                str(sum(r.error is not None for r in group)),
+                str(sum(r.error is None and not r.matched for r in group)),
+                f"{percentile(seconds, 0.5):.2f}",
+                f"{percentile(seconds, 0.95):.2f}",
+                f"{percentile(firsts, 0.5):.2f}" if firsts else "-",
+                str(tokens),
+            ]
+        )
     return rows
 
 
@@ -193,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="use a running server instead of starting one")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--pid", type=int, default=None, help="the running server's pid (for its RSS)")
-    parser.add_argument("--max-rss-growth", type=float, default=0.03,
-                        help="largest allowed RSS growth over the load, as a fraction (default 0.03)")
+    parser.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.03,
+        help="largest allowed RSS growth over the load, as a fraction (default 0.03)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -223,8 +239,11 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
     docs: list[tuple[str, list[str]]] = []
     for index in range(args.documents):
         fact_doc = make_fact_document(seed=100 + index, target_words=args.words)
-        response = client.http.post("/v1/documents", files={"file": (f"doc{index}.txt", fact_doc.text.encode())},
-                                    data={"method": args.method, "keep": args.keep})
+        response = client.http.post(
+            "/v1/documents",
+            files={"file": (f"doc{index}.txt", fact_doc.text.encode())},
+            data={"method": args.method, "keep": args.keep},
+        )
         _check_status(response, 202)
         docs.append((response.json()["id"], [fact.question for fact in fact_doc.facts]))
     for doc_id, _ in docs:
@@ -232,8 +251,10 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
             if info["status"] == "failed":
                 raise SystemExit(f"document {doc_id} failed: {info['reason']}")
             time.sleep(0.2)
-        print(f"{doc_id}: {info['tokens']} tokens, kept {info['kept_tokens']}, "
-              f"{info['prefill_seconds']} s to read", file=sys.stderr)
+        print(
+            f"{doc_id}: {info['tokens']} tokens, kept {info['kept_tokens']}, {info['prefill_seconds']} s to read",
+            file=sys.stderr,
+        )
 
     pairs = [(d, doc_id, q) for d, (doc_id, questions) in enumerate(docs) for q in questions]
     reference: dict[tuple[int, str], str] = {}
@@ -265,14 +286,34 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
                 started = time.perf_counter()
                 try:
                     answer, tokens, first = mine.ask(kind, doc_id, question)
-                    result = Result(index, kind, d, question, time.perf_counter() - started, first, tokens,
-                                    answer == reference[(d, question)])
+                    result = Result(
+                        index,
+                        kind,
+                        d,
+                        question,
+                        time.perf_counter() - started,
+                        first,
+                        tokens,
+                        answer == reference[(d, question)],
+                    )
                     if not result.matched:
-                        print(f"MISMATCH client {index} {kind} doc {d} {question!r}: {answer!r} != "
-                              f"{reference[(d, question)]!r}", file=sys.stderr)
+                        print(
+                            f"MISMATCH client {index} {kind} doc {d} {question!r}: {answer!r} != "
+                            f"{reference[(d, question)]!r}",
+                            file=sys.stderr,
+                        )
                 except Exception as exc:  # noqa: BLE001 - counted and reported
-                    result = Result(index, kind, d, question, time.perf_counter() - started, None, 0, False,
-                                    f"{type(exc).__name__}: {exc}")
+                    result = Result(
+                        index,
+                        kind,
+                        d,
+                        question,
+                        time.perf_counter() - started,
+                        None,
+                        0,
+                        False,
+                        f"{type(exc).__name__}: {exc}",
+                    )
                     print(f"ERROR client {index} {kind}: {result.error}", file=sys.stderr)
                 with lock:
                     results.append(result)
@@ -292,8 +333,10 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
     client.close()
 
     elapsed = load_end - load_start
-    print(f"\n{args.clients} clients, {len(docs)} documents, {len(pairs)} questions, {elapsed:.0f} s "
-          f"(requested {args.duration:.0f} s), max_tokens {args.max_tokens}, model {model}")
+    print(
+        f"\n{args.clients} clients, {len(docs)} documents, {len(pairs)} questions, {elapsed:.0f} s "
+        f"(requested {args.duration:.0f} s), max_tokens {args.max_tokens}, model {model}"
+    )
     header = ["client", "requests", "errors", "mismatches", "p50 s", "p95 s", "p50 first s", "tokens"]
     print()
     print(table(summarise(results, "client"), header))
@@ -302,8 +345,10 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
     errors = sum(r.error is not None for r in results)
     mismatches = sum(r.error is None and not r.matched for r in results)
     tokens = sum(r.tokens for r in results if r.error is None)
-    print(f"\nthroughput: {len(results) / elapsed:.2f} answers/s, {tokens / elapsed:.1f} tokens/s; "
-          f"solo answer median {statistics.median(solo):.2f} s")
+    print(
+        f"\nthroughput: {len(results) / elapsed:.2f} answers/s, {tokens / elapsed:.1f} tokens/s; "
+        f"solo answer median {statistics.median(solo):.2f} s"
+    )
     print(f"server counters: {health['counters']}")
 
     flat = True
@@ -316,10 +361,22 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
         growth = final - baseline
         flat = growth <= args.max_rss_growth * baseline
         print()
-        print(table([[mib(before or 0), mib(baseline), mib(final), mib(max(all_rss)), f"{growth / 2**20:+.1f}",
-                      f"{100 * growth / baseline:+.2f}%", "yes" if flat else "NO"]],
-                    ["RSS before MiB", "first quarter MiB", "last quarter MiB", "peak MiB", "growth MiB", "growth",
-                     "flat"]))
+        print(
+            table(
+                [
+                    [
+                        mib(before or 0),
+                        mib(baseline),
+                        mib(final),
+                        mib(max(all_rss)),
+                        f"{growth / 2**20:+.1f}",
+                        f"{100 * growth / baseline:+.2f}%",
+                        "yes" if flat else "NO",
+                    ]
+                ],
+                ["RSS before MiB", "first quarter MiB", "last quarter MiB", "peak MiB", "growth MiB", "growth", "flat"],
+            )
+        )
         steps = 10
         timeline = []
         for step in range(steps + 1):
@@ -330,8 +387,10 @@ def run(args: argparse.Namespace, url: str, key: str | None, pid: int | None) ->
     else:
         print("\nRSS not measured (give --pid for a running server)")
     ok = errors == 0 and mismatches == 0 and flat and len(results) > 0
-    print(f"\nresult: {'PASS' if ok else 'FAIL'} ({len(results)} answers, {errors} errors, {mismatches} mismatches, "
-          f"memory {'flat' if flat else 'GREW'})")
+    print(
+        f"\nresult: {'PASS' if ok else 'FAIL'} ({len(results)} answers, {errors} errors, {mismatches} mismatches, "
+        f"memory {'flat' if flat else 'GREW'})"
+    )
     return 0 if ok else 1
 
 

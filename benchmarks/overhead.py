@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.kernels import get_kernel_backend
 
-VARIANTS: dict[str, dict[str, object]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "snapkv": {"method": "snapkv"},
     "infokv": {"method": "infokv"},
     "infokv_no_summaries": {"method": "infokv", "summaries": 0},

@@ -9,8 +9,8 @@ Rows `kvpress:PRESS` come from NVIDIA kvpress's own presses on the same model, p
 questions and keep ratios, run by benchmarks/kvpress_peer.py in `.venv-kvpress` (`make kvpress-env`;
 kvpress pins an older transformers); `kvpress:none` is that side's uncompressed cache, a sanity row.
 
-    python benchmarks/quality.py --split test                      # the reported run
-    python benchmarks/quality.py --split dev --ablate              # choose InfoKV defaults here
+    python -m benchmarks.quality --split test                      # the reported run
+    python -m benchmarks.quality --split dev --ablate              # choose InfoKV defaults here
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,16 +36,13 @@ from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
-if __package__:  # imported as benchmarks.quality (e.g. by benchmarks/realdocs_quality.py)
-    from .variants import compress_variants, teacher_forced_logits
-else:  # run as a script: python benchmarks/quality.py
-    from variants import compress_variants, teacher_forced_logits
+from .variants import compress_variants, teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPRESS_PRESSES = ("snapkv", "streaming_llm", "knorm", "tova", "expected_attention", "kvzip")
 KVPRESS_SANITY = "kvpress:none"
 SPLIT_SEEDS = {"dev": range(0, 1000), "test": range(1000, 2000)}
-ABLATIONS: dict[str, dict[str, object]] = {
+ABLATIONS: dict[str, dict[str, Any]] = {
     # CompressionConfig keyword arguments that change one InfoKV default
     "information=entropy": {"settings": {"information": "entropy"}},
     "information=entropy,top_k=0": {"settings": {"information": "entropy", "entropy_top_k": 0}},
@@ -128,7 +127,11 @@ def tally(row: dict[str, float], answer: str, full: FullAnswer, expected: tuple[
 
 
 def evaluate(
-    engine: InfoKVEngine, tasks: list[Task], configs: dict[str, CompressionConfig], max_new_tokens: int, log=print
+    engine: InfoKVEngine,
+    tasks: list[Task],
+    configs: dict[str, CompressionConfig],
+    max_new_tokens: int,
+    log: Callable[[str], None] = print,
 ) -> tuple[dict[str, dict[str, float]], list[list[FullAnswer]]]:
     """Returns the totals per method and the full-cache answers (per task, per question)."""
     options = GenerationOptions(max_new_tokens=max_new_tokens)
@@ -137,7 +140,15 @@ def evaluate(
     names = list(configs)
     for task_index, task in enumerate(tasks):
         started = time.perf_counter()
-        variants = dict(zip(["__full__", *names], compress_variants(engine, task.document, [CompressionConfig(method="full", chunk_size=8192), *configs.values()])))
+        variants = dict(
+            zip(
+                ["__full__", *names],
+                compress_variants(
+                    engine, task.document, [CompressionConfig(method="full", chunk_size=8192), *configs.values()]
+                ),
+                strict=True,
+            )
+        )
         full: CompressedDocument = variants.pop("__full__")
         full_answers.append([])
         for question, expected in task.questions:
@@ -153,8 +164,10 @@ def evaluate(
                 answer = doc.generate(turns, options).text()
                 kl = mean_kl(full_logits, teacher_forced_logits(doc, turns, full_answer.ids))
                 tally(totals[name], answer, full_answer, expected, kl)
-        log(f"[{task_index + 1}/{len(tasks)}] {task.name}: {len(task.questions)} questions, "
-            f"{full.stats.document_tokens} tokens, {time.perf_counter() - started:.0f}s")
+        log(
+            f"[{task_index + 1}/{len(tasks)}] {task.name}: {len(task.questions)} questions, "
+            f"{full.stats.document_tokens} tokens, {time.perf_counter() - started:.0f}s"
+        )
     return {name: dict(row) for name, row in totals.items()}, full_answers
 
 
@@ -182,10 +195,10 @@ def kvpress_job(
                 "prefix_ids": engine.prompt.document_ids(task.document.text),
                 "questions": [
                     {"suffix_ids": engine.prompt.question_ids(question), "reference_ids": list(full.ids)}
-                    for (question, _), full in zip(task.questions, answers)
+                    for (question, _), full in zip(task.questions, answers, strict=True)
                 ],
             }
-            for task, answers in zip(tasks, full_answers)
+            for task, answers in zip(tasks, full_answers, strict=True)
         ],
     }
 
@@ -209,10 +222,10 @@ def run_kvpress_peer(python: Path, job: dict[str, object], stem: Path) -> dict[s
 
 
 def kvpress_results(
-    engine: InfoKVEngine, tasks: list[Task], full_answers: list[list[FullAnswer]], peer: dict[str, object]
+    engine: InfoKVEngine, tasks: list[Task], full_answers: list[list[FullAnswer]], peer: dict[str, Any]
 ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[str, str]]]:
     """Scores the peer's answers exactly as ours: our tokenizer, `correct`, agreement with our full cache."""
-    by_name = {task.name: (task, answers) for task, answers in zip(tasks, full_answers)}
+    by_name = {task.name: (task, answers) for task, answers in zip(tasks, full_answers, strict=True)}
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     labels: dict[str, tuple[str, str]] = {}
     for row in peer["rows"]:
@@ -285,23 +298,41 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=8, help="planted-fact documents (4 questions each)")
     parser.add_argument("--words", type=int, default=900)
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    parser.add_argument("--methods", nargs="+", choices=method_names(), default=[m for m in method_names() if m != "full"])
-    parser.add_argument("--recalls", type=float, nargs="+", default=[],
-                        help="also infokv with a cold tier, recalling this ratio per question (issue 13)")
-    parser.add_argument("--cold-bits", type=int, default=None, choices=(4, 8),
-                        help="code width of those cold tiers (default: the engine's choice for the model's dtype)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=method_names(), default=[m for m in method_names() if m != "full"]
+    )
+    parser.add_argument(
+        "--recalls",
+        type=float,
+        nargs="+",
+        default=[],
+        help="also infokv with a cold tier, recalling this ratio per question (issue 13)",
+    )
+    parser.add_argument(
+        "--cold-bits",
+        type=int,
+        default=None,
+        choices=(4, 8),
+        help="code width of those cold tiers (default: the engine's choice for the model's dtype)",
+    )
     parser.add_argument("--ablate", action="store_true", help="also sweep each InfoKV knob (dev split)")
     parser.add_argument("--no-sample", action="store_true", help="skip the Apache-2.0 PDF questions")
     parser.add_argument("--max-new-tokens", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
-    parser.add_argument("--kvpress-python", type=Path, default=ROOT / ".venv-kvpress/bin/python",
-                        help="interpreter of the kvpress environment (make kvpress-env)")
+    parser.add_argument(
+        "--kvpress-python",
+        type=Path,
+        default=ROOT / ".venv-kvpress/bin/python",
+        help="interpreter of the kvpress environment (make kvpress-env)",
+    )
     parser.add_argument("--kvpress-presses", nargs="+", choices=KVPRESS_PRESSES, default=list(KVPRESS_PRESSES))
     parser.add_argument("--no-kvpress", action="store_true", help="skip the kvpress rows")
     args = parser.parse_args()
     if not args.no_kvpress and not args.kvpress_python.is_file():
         # Fail now rather than after the long evaluation.
-        parser.error(f"{args.kvpress_python} not found: run `make kvpress-env` (or pass --kvpress-python, or --no-kvpress)")
+        parser.error(
+            f"{args.kvpress_python} not found: run `make kvpress-env` (or pass --kvpress-python, or --no-kvpress)"
+        )
 
     torch.manual_seed(0)
     engine = InfoKVEngine.from_pretrained(args.model)
@@ -325,8 +356,11 @@ def main() -> int:
                 name = f"infokv[{knob}]@{keep}"
                 configs[name] = CompressionConfig(keep=keep, chunk_size=8192, **change)
                 labels[name] = (f"infokv[{knob}]", str(keep))
-    print(f"model={args.model} split={args.split} tasks={len(tasks)} "
-          f"questions={sum(len(t.questions) for t in tasks)} variants={len(configs)}", file=sys.stderr)
+    print(
+        f"model={args.model} split={args.split} tasks={len(tasks)} "
+        f"questions={sum(len(t.questions) for t in tasks)} variants={len(configs)}",
+        file=sys.stderr,
+    )
     results, full_answers = evaluate(engine, tasks, configs, args.max_new_tokens, log=progress)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"quality-{args.model}-{args.split}"
@@ -337,7 +371,7 @@ def main() -> int:
         results.update(peer_results)
         labels.update(peer_labels)
     markdown = table(results, labels)
-    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.quality " + " ".join(sys.argv[1:])
     (args.out / f"{stem}.md").write_text(f"`{command}`\n\n{markdown}\n")
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     plot(results, labels, args.out / f"{stem}.png")

@@ -12,8 +12,8 @@ tenant just deleted, 409 for one still being read, 503 busy), cross-tenant leaks
 secret in any answer, or a probe that is not a 404), p50/p95 latency per operation, and the server's RSS
 over time (flat is the goal: the last quarter within --max-rss-growth of the first quarter after warm-up).
 
-    python benchmarks/soak.py                              # 8 clients, 2 tenants, 10 minutes
-    python benchmarks/soak.py --minutes 1 --clients 4      # a quick run
+    python -m benchmarks.soak                              # 8 clients, 2 tenants, 10 minutes
+    python -m benchmarks.soak --minutes 1 --clients 4      # a quick run
 
 Exit status 0 when there were no errors, no leaks and memory stayed flat; 1 otherwise.
 """
@@ -38,8 +38,7 @@ import httpx
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.service.launcher import ServerProcess, read_sse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import RssSampler, mib, percentile, table  # noqa: E402 - the sibling benchmark's helpers
+from .load import RssSampler, mib, percentile, table
 
 OPERATIONS = {"ask": 40, "upload": 14, "list": 14, "get": 10, "probe": 14, "delete": 8}
 """Relative weights of what a client does next."""
@@ -91,7 +90,7 @@ class Soak:
         actions: dict[str, Callable[[], tuple[int, str | None, str | None]]] = {
             "ask": lambda: self.ask(http, tenant, others, rng),
             "upload": lambda: self.upload(http, tenant, rng),
-            "list": lambda: self.list(http, tenant, others),
+            "list": lambda: self.list_documents(http, tenant, others),
             "get": lambda: self.get(http, tenant, others, rng),
             "probe": lambda: self.probe(http, others, rng),
             "delete": lambda: self.delete(http, tenant, others, rng),
@@ -154,8 +153,11 @@ class Soak:
         secret = f"SOAK-{tenant.name}-{secrets.token_hex(4)}"
         text = make_fact_document(seed=rng.randrange(10**6), target_words=self.args.words, facts=1).text
         body = f"{text}\n\nThe access code of this document is {secret}.\n"
-        response = http.post("/v1/documents", files={"file": ("memo.txt", body.encode())},
-                             data={"method": self.args.method, "keep": self.args.keep})
+        response = http.post(
+            "/v1/documents",
+            files={"file": ("memo.txt", body.encode())},
+            data={"method": self.args.method, "keep": self.args.keep},
+        )
         if response.status_code == 202:
             with tenant.lock:
                 tenant.pending[response.json()["id"]] = secret
@@ -163,8 +165,9 @@ class Soak:
                 self.uploaded += 1
         return response.status_code, self._status(response, {202}), None
 
-    def ask(self, http: httpx.Client, tenant: Tenant, others: list[Tenant],
-            rng: random.Random) -> tuple[int, str | None, str | None]:
+    def ask(
+        self, http: httpx.Client, tenant: Tenant, others: list[Tenant], rng: random.Random
+    ) -> tuple[int, str | None, str | None]:
         doc_id = self._pick(tenant, rng)
         if doc_id is None:
             return 0, None, None
@@ -186,7 +189,9 @@ class Soak:
                 error = None  # (only at shutdown)
         return 200, error, self._foreign(text, others)
 
-    def list(self, http: httpx.Client, tenant: Tenant, others: list[Tenant]) -> tuple[int, str | None, str | None]:
+    def list_documents(
+        self, http: httpx.Client, tenant: Tenant, others: list[Tenant]
+    ) -> tuple[int, str | None, str | None]:
         response = http.get("/v1/documents")
         leak = self._foreign(response.text, others)
         if response.status_code == 200 and leak is None:
@@ -195,8 +200,9 @@ class Soak:
                 leak = f"documents of {owners - {tenant.name}} listed"
         return response.status_code, self._status(response, {200}), leak
 
-    def get(self, http: httpx.Client, tenant: Tenant, others: list[Tenant],
-            rng: random.Random) -> tuple[int, str | None, str | None]:
+    def get(
+        self, http: httpx.Client, tenant: Tenant, others: list[Tenant], rng: random.Random
+    ) -> tuple[int, str | None, str | None]:
         """Reads one of the tenant's documents, an upload still pending first (it becomes askable once ready)."""
         with tenant.lock:
             pending = sorted(tenant.pending)
@@ -234,8 +240,9 @@ class Soak:
             leak = f"{kind} of {other.name}'s {doc_id} named a document"
         return response.status_code, None, leak
 
-    def delete(self, http: httpx.Client, tenant: Tenant, others: list[Tenant],
-               rng: random.Random) -> tuple[int, str | None, str | None]:
+    def delete(
+        self, http: httpx.Client, tenant: Tenant, others: list[Tenant], rng: random.Random
+    ) -> tuple[int, str | None, str | None]:
         with tenant.lock:
             if len(tenant.documents) <= self.args.keep_documents:
                 return 0, None, None  # keep a few to ask about
@@ -248,8 +255,15 @@ class Soak:
 # Report ----------------------------------------------------------------------------------------------
 
 
-def report(soak: Soak, sampler: RssSampler, start: float, end: float, warmup: float, args: argparse.Namespace,
-           counters: dict[str, int]) -> bool:
+def report(
+    soak: Soak,
+    sampler: RssSampler,
+    start: float,
+    end: float,
+    warmup: float,
+    args: argparse.Namespace,
+    counters: dict[str, int],
+) -> bool:
     groups: dict[str, list[Outcome]] = defaultdict(list)
     for outcome in soak.outcomes:
         if not outcome.idle:
@@ -258,15 +272,23 @@ def report(soak: Soak, sampler: RssSampler, start: float, end: float, warmup: fl
     everything = [o for group in groups.values() for o in group]
     for name, group in [*sorted(groups.items()), ("all", everything)]:
         seconds = [o.seconds for o in group]
-        rows.append([
-            name, str(len(group)), str(sum(200 <= o.status < 300 for o in group)),
-            str(sum(o.status in INTENDED for o in group)), str(sum(o.error is not None for o in group)),
-            str(sum(o.leak is not None for o in group)),
-            f"{percentile(seconds, 0.5):.2f}", f"{percentile(seconds, 0.95):.2f}",
-        ])
+        rows.append(
+            [
+                name,
+                str(len(group)),
+                str(sum(200 <= o.status < 300 for o in group)),
+                str(sum(o.status in INTENDED for o in group)),
+                str(sum(o.error is not None for o in group)),
+                str(sum(o.leak is not None for o in group)),
+                f"{percentile(seconds, 0.5):.2f}",
+                f"{percentile(seconds, 0.95):.2f}",
+            ]
+        )
     elapsed = end - start
-    print(f"\n{args.clients} clients, {len(soak.tenants)} tenants, {elapsed / 60:.1f} min, model {args.model}, "
-          f"max_tokens {args.max_tokens}, {soak.uploaded} uploads accepted")
+    print(
+        f"\n{args.clients} clients, {len(soak.tenants)} tenants, {elapsed / 60:.1f} min, model {args.model}, "
+        f"max_tokens {args.max_tokens}, {soak.uploaded} uploads accepted"
+    )
     print()
     print(table(rows, ["operation", "requests", "2xx", "intended 404/409/503", "errors", "leaks", "p50 s", "p95 s"]))
     errors = sum(o.error is not None for o in everything)
@@ -289,13 +311,17 @@ def report(soak: Soak, sampler: RssSampler, start: float, end: float, warmup: fl
             timeline.append((f"{elapsed * step / steps / 60:.0f}", mib(nearest[1])))
         print("\nserver RSS (MiB) over time:\n")
         print(table([[r for _, r in timeline]], [f"{m} min" for m, _ in timeline]))
-        print(f"\nRSS after warm-up ({warmup:.0f} s): first quarter max {mib(baseline)} MiB, last quarter max "
-              f"{mib(final)} MiB, growth {100 * growth:+.1f}% (limit {100 * args.max_rss_growth:.0f}%): "
-              f"{'flat' if flat else 'GREW'}; peak {mib(max(r for _, r in sampler.samples))} MiB")
+        print(
+            f"\nRSS after warm-up ({warmup:.0f} s): first quarter max {mib(baseline)} MiB, last quarter max "
+            f"{mib(final)} MiB, growth {100 * growth:+.1f}% (limit {100 * args.max_rss_growth:.0f}%): "
+            f"{'flat' if flat else 'GREW'}; peak {mib(max(r for _, r in sampler.samples))} MiB"
+        )
     print(f"server counters: {counters}")
     ok = errors == 0 and leaks == 0 and flat and bool(everything)
-    print(f"\nresult: {'PASS' if ok else 'FAIL'} ({len(everything)} requests, {errors} errors, {leaks} cross-tenant "
-          f"leaks, memory {'flat' if flat else 'GREW'})")
+    print(
+        f"\nresult: {'PASS' if ok else 'FAIL'} ({len(everything)} requests, {errors} errors, {leaks} cross-tenant "
+        f"leaks, memory {'flat' if flat else 'GREW'})"
+    )
     return ok
 
 
@@ -321,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="infokv-soak-"))
     tenants = [Tenant(f"tenant{i}", f"soak-{i}-{secrets.token_urlsafe(16)}") for i in range(args.tenants)]
-    server = ServerProcess(args.model, workdir / "data", api_keys=[f"{t.name}:{t.key}" for t in tenants],
-                           log_path=workdir / "server.log")
+    server = ServerProcess(
+        args.model, workdir / "data", api_keys=[f"{t.name}:{t.key}" for t in tenants], log_path=workdir / "server.log"
+    )
     print(f"starting the server ({args.model}); log: {server.log_path}", file=sys.stderr)
     server.start()
     try:

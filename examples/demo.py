@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from infokv_rag import CacheStore, CompressionConfig, InfoKVEngine
+from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar
 from infokv_rag.documents import load_document
 from infokv_rag.models import cache_root
@@ -47,7 +47,9 @@ def read_questions(path: Path) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def ask_timed(doc, question: str, max_new_tokens: int, recall: float | None = None) -> tuple[str, float, float]:
+def ask_timed(
+    doc: CompressedDocument, question: str, max_new_tokens: int, recall: float | None = None
+) -> tuple[str, float, float]:
     """(answer, time to first token, total seconds) of one greedy answer, streamed; `recall` as for `ask`."""
     from infokv_rag.generation import GenerationOptions
     from infokv_rag.prompt import question_turns
@@ -86,7 +88,8 @@ def main() -> int:
 
     started = time.perf_counter()
     engine = InfoKVEngine.from_pretrained(args.model, device="cpu")
-    print(f"model: {args.model} ({engine.model_dir.name}), loaded in {time.perf_counter() - started:.1f} s")
+    source = engine.model_dir.name if engine.model_dir is not None else "built in code"
+    print(f"model: {args.model} ({source}), loaded in {time.perf_counter() - started:.1f} s")
 
     document = load_document(PDF)
     print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")

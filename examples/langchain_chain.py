@@ -15,10 +15,9 @@ from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
+from _common import parse_args
 from infokv_rag import CompressionConfig
 from infokv_rag.integrations.langchain import ChatInfoKV
-
-from _common import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                 started = started or bool(piece)
                 print(piece, end="", flush=True)
             print()
-    totals = next(iter(usage.usage_metadata.values()), {})
-    print("usage: " + json.dumps(totals, sort_keys=True))
+    totals = next(iter(usage.usage_metadata.values()), None)
+    print("usage: " + json.dumps(totals or {}, sort_keys=True))
     return 0
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import sys
 
+from _common import parse_args
 from infokv_rag import CompressionConfig
 from infokv_rag.integrations.llama_index import DocumentQueryEngine
-
-from _common import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from . import pdf_factory as pdfs
 from .conftest import CORPUS
 from .helpers import build_hub_cache
 
-
 PAGES = ["Alpha page one.\nThe notice period is thirty days.", "Beta page two."]
 TEXT = " ".join(CORPUS * 2)
 

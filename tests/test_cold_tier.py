@@ -145,7 +145,9 @@ def test_recalling_everything_restores_the_full_cache(
     # In chunks too: with a cold tier, later chunks are computed over the whole document, not a compressed one.
     # Without summaries: with no recall the answer then reads the hot cache (and the heads' extras) alone.
     settings = {"layer_budgets": layer_budgets}
-    config = CompressionConfig(keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0, settings=settings)
+    config = CompressionConfig(
+        keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0, settings=settings
+    )
     doc = random_engine.ingest_text(TEXT, config)
     assert (doc.cache.extras is not None) == (layer_budgets == "per_head")
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens

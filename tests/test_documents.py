@@ -64,7 +64,7 @@ def test_pdf_pages_numbers_and_page_of(tmp_path: Path) -> None:
     assert doc.text == PAGE_SEPARATOR.join(p.text for p in doc.pages)
     # Runs of spaces collapse, line breaks stay.
     assert doc.pages[0].text == "Alpha page one.\nThe notice period is thirty days."
-    for page, (start, end) in zip(doc.pages, doc.page_spans):
+    for page, (start, end) in zip(doc.pages, doc.page_spans, strict=True):
         assert doc.text[start:end] == page.text
         assert doc.page_of(start) == page.number
         assert doc.page_of(end - 1) == page.number

@@ -82,7 +82,7 @@ def test_questions_never_change_the_document_cache(random_engine: InfoKVEngine) 
     doc.ask("Who delivers the goods?", max_new_tokens=12)
     again = doc.ask("What is the notice period?", max_new_tokens=12)
     assert first == again
-    for (keys, values, positions), layer in zip(before, doc.cache.layers):
+    for (keys, values, positions), layer in zip(before, doc.cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
         assert torch.equal(positions, layer.positions)
 
@@ -128,7 +128,7 @@ def test_a_full_layer_floor_makes_layer_budgets_uniform(random_engine: InfoKVEng
 def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:
     one_shot = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     chunked = random_engine.ingest_text(TEXT, CompressionConfig(method="full", chunk_size=64))
-    for a, b in zip(one_shot.cache.layers, chunked.cache.layers):
+    for a, b in zip(one_shot.cache.layers, chunked.cache.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
     question = "What is the notice period?"
     assert one_shot.ask(question, max_new_tokens=8) == chunked.ask(question, max_new_tokens=8)

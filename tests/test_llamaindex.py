@@ -24,7 +24,6 @@ from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
 from .pdf_factory import text_pdf
 
-
 # Without weights -----------------------------------------------------------------------------------
 
 

@@ -159,12 +159,16 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
         for head in range(positions.shape[0]):
             in_layer = positions[head][positions[head] < n].tolist()
             own_extras = extras.positions[extras.of_head(head)].tolist()
-            read_beside = [p for p, slot in zip(own_extras, side[head].tolist()) if slot == 0.0]
+            # The side slots hold this head's extras first, then padding up to the widest head's count.
+            slots = side[head, : len(own_extras)].tolist()
+            read_beside = [p for p, slot in zip(own_extras, slots, strict=True) if slot == 0.0]
             attended = in_layer + read_beside
             assert len(set(attended)) == len(attended), "no entry read twice"
             assert read_beside == own_extras, "every extra is read, beside the layer"
             if cold.length - len(own_extras) >= recall:
-                assert len(in_layer) == doc.cache.layers[index].length + recall, "the recall brings in as many other entries"
+                assert len(in_layer) == doc.cache.layers[index].length + recall, (
+                    "the recall brings in as many other entries"
+                )
 
 
 @pytest.mark.parametrize("chunk_size", [2048, 96])

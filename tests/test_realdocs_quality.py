@@ -178,7 +178,9 @@ def test_table_shows_counts_per_row_and_kind() -> None:
     markdown = table({label: row_metrics(label, RESULTS) for label in (FULL, NO_DOCUMENT, ROW)})
     lines = markdown.splitlines()
     assert len(lines) == 5 and lines[0].startswith("| row |")
-    assert lines[4].startswith(f"| {ROW} | 5 | 0.600 | 2/3 (67%) | 1/2 (50%) | 1/1 (100%) | 0.200 | 0.400 | 0.400 | - | - |")
+    assert lines[4].startswith(
+        f"| {ROW} | 5 | 0.600 | 2/3 (67%) | 1/2 (50%) | 1/1 (100%) | 0.200 | 0.400 | 0.400 | - | - |"
+    )
 
 
 # --- one small run on the tiny model --------------------------------------------------------------------

@@ -39,7 +39,7 @@ def assert_same_document(loaded: CompressedDocument, original: CompressedDocumen
     assert loaded.stats == original.stats
     assert loaded.cache.document_tokens == original.cache.document_tokens
     assert loaded.cache.lengths == original.cache.lengths
-    for got, want in zip(loaded.cache.layers, original.cache.layers):
+    for got, want in zip(loaded.cache.layers, original.cache.layers, strict=True):
         for name in ("keys", "values", "positions", "scores"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
     if original.information_reference is None:
@@ -180,7 +180,8 @@ DAMAGE = {
     "manifest-missing": (lambda d: (d / MANIFEST).unlink(), r"is not a saved document cache \(no manifest\.json\)"),
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
-        rf"uses cache format {FORMAT_VERSION + 1}, but this version of infokv-rag reads formats 2, 3, 4, 5 and {FORMAT_VERSION}",
+        rf"uses cache format {FORMAT_VERSION + 1}, "
+        rf"but this version of infokv-rag reads formats 2, 3, 4, 5 and {FORMAT_VERSION}",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
@@ -460,7 +461,7 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
     rebuilt, reused = store.ingest(random_engine, document, config)
     assert reused is False
     assert_same_document(random_engine.load(entry), rebuilt)
-    assert all(torch.equal(a.keys, b.keys) for a, b in zip(rebuilt.cache.layers, made.cache.layers))
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(rebuilt.cache.layers, made.cache.layers, strict=True))
 
     # Another model's cache planted under this model's key is never used to answer.
     foreign_entry = store.path_for(other_random_engine, document, config)

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.evaluation import make_fact_document
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-
-from infokv_rag.evaluation import make_fact_document
 
 pytestmark = pytest.mark.tiny
 
@@ -49,7 +48,7 @@ def test_ask_q1_q2_q1_is_stable_and_cache_untouched(tiny_engine: InfoKVEngine, f
     first = doc.ask(QUESTIONS[0], max_new_tokens=20)
     doc.ask(QUESTIONS[1], max_new_tokens=20)
     assert doc.ask(QUESTIONS[0], max_new_tokens=20) == first
-    for (keys, values), layer in zip(snapshot, doc.cache.layers):
+    for (keys, values), layer in zip(snapshot, doc.cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
 
 

