@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tenants < 2:
         parser.error("--tenants must be at least 2 (leaks are between tenants)")
+    if not 0 <= args.warmup < 1:
+        parser.error(f"--warmup is a fraction of the run, from 0 up to but not including 1 (got {args.warmup})")
 
     workdir = Path(tempfile.mkdtemp(prefix="infokv-soak-"))
     tenants = [Tenant(f"tenant{i}", f"soak-{i}-{secrets.token_urlsafe(16)}") for i in range(args.tenants)]
