@@ -203,7 +203,7 @@ def kvpress_job(
     }
 
 
-def run_kvpress_peer(python: Path, job: dict[str, object], stem: Path) -> dict[str, object]:
+def run_kvpress_peer(python: Path, job: dict[str, object], stem: Path) -> dict[str, Any]:
     """Runs benchmarks/kvpress_peer.py in the kvpress environment.
 
     Leaves the job and the peer's raw output (answer ids, KL, timings, versions) beside the results as

@@ -88,7 +88,7 @@ def main() -> int:
 
     started = time.perf_counter()
     engine = InfoKVEngine.from_pretrained(args.model, device="cpu")
-    source = engine.model_dir.name if engine.model_dir is not None else "built in code"
+    source = engine.model_dir.name if engine.model_dir is not None else "in memory"
     print(f"model: {args.model} ({source}), loaded in {time.perf_counter() - started:.1f} s")
 
     document = load_document(PDF)
