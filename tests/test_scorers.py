@@ -346,12 +346,13 @@ def test_numbers_rank_first_within_a_head_and_everywhere_also_in_the_budgets() -
     assert torch.equal(budgets[~numbers], scored.comparable_scores(signals)[~numbers])
 
 
+@pytest.mark.parametrize("name", ["infokv", "infokv_quality"])
 @pytest.mark.parametrize(
     ("keep", "resolved"), [(0.25, "scored"), (0.49, "scored"), (0.5, "everywhere"), (0.9, "everywhere")]
 )
-def test_default_numbers_go_everywhere_from_half_the_cache(keep: float, resolved: str) -> None:
+def test_default_numbers_go_everywhere_from_half_the_cache(name: str, keep: float, resolved: str) -> None:
     signals = synthetic_signals(SIGNALS, keep=keep)
-    default, explicit = scorer_of("infokv"), scorer_of("infokv", numbers=resolved)
+    default, explicit = scorer_of(name), scorer_of(name, numbers=resolved)
     assert isinstance(default, InfoKVScorer) and default.numbers(signals) == resolved
     assert torch.equal(default.score(signals), explicit.score(signals))
     assert torch.equal(default.comparable_scores(signals), explicit.comparable_scores(signals))
