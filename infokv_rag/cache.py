@@ -8,6 +8,7 @@ per-head budgets the tokens some heads keep beyond that are held beside the laye
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +43,9 @@ class EvictedSummary:
     """Entries attended beside one layer's own, each standing for one or more of the document's entries.
 
     Stand-ins for the entries the layer evicted (`infokv_rag.summaries`: each cluster's mean key and mean
-    value) and, in a question's working copy, the tokens some heads hold beyond the layer's length
-    (`HeadExtras.padded`). keys, values: (kv_heads, m, head_dim); log_counts: (kv_heads, m) float32, the log
-    of how many entries each stands for (-inf: none, a padding slot), added to its attention logit.
+    value) and, while one layer attends, the tokens some heads hold beyond the layer's length
+    (`SideEntries.materialised`). keys, values: (kv_heads, m, head_dim); log_counts: (kv_heads, m) float32, the
+    log of how many entries each stands for (-inf: none, a padding slot), added to its attention logit.
     """
 
     keys: Tensor
@@ -55,14 +56,6 @@ class EvictedSummary:
     def empty(cls, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> EvictedSummary:
         keys = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
         return cls(keys, keys.clone(), torch.empty(kv_heads, 0, device=device))
-
-    @classmethod
-    def concatenated(cls, first: EvictedSummary, second: EvictedSummary) -> EvictedSummary:
-        return cls(
-            torch.cat([first.keys, second.keys], dim=1),
-            torch.cat([first.values, second.values], dim=1),
-            torch.cat([first.log_counts, second.log_counts], dim=1),
-        )
 
     @property
     def length(self) -> int:
@@ -120,17 +113,60 @@ class HeadExtras:
             [torch.isin(positions[head], self.positions[self.of_head(head)]) for head in range(positions.shape[0])]
         )
 
+    def slot_log_counts(self) -> Tensor:
+        """(kv_heads, most) float32, the log counts of the padded slots (`padded`): 0 for an entry, -inf for
+        the slots of a head that holds fewer."""
+        slot = torch.arange(self.most).expand(self.counts.shape[0], -1)
+        empty = (slot >= self.counts.unsqueeze(1)).to(self.keys.device)
+        return torch.zeros(empty.shape, device=self.keys.device).masked_fill_(empty, -torch.inf)
+
     def padded(self) -> EvictedSummary:
         """The entries as a question attends to them: (kv_heads, most, head_dim), each exact (log count 0),
         the slots of a head that holds fewer at log count -inf."""
-        heads, dim = self.counts.shape[0], self.keys.shape[1]
-        slot = torch.arange(self.most).expand(heads, -1)
-        filled = (slot < self.counts.unsqueeze(1)).to(self.keys.device)
-        keys = self.keys.new_zeros(heads, self.most, dim)
+        log_counts = self.slot_log_counts()
+        filled = log_counts == 0
+        keys = self.keys.new_zeros(filled.shape[0], self.most, self.keys.shape[1])
         values = torch.zeros_like(keys)
         keys[filled], values[filled] = self.keys, self.values
-        log_counts = torch.zeros(heads, self.most, device=self.keys.device).masked_fill_(~filled, -torch.inf)
         return EvictedSummary(keys, values, log_counts)
+
+
+@dataclass
+class SideEntries:
+    """What a question attends beside one layer's own entries: the heads' extras (per-head budgets), then the
+    layer's summaries. The extras are the document's, read in place and never copied: they are padded to the
+    neediest head's count (`HeadExtras.padded`) only while this layer attends (`materialised`), so an answer
+    holds one layer's padding at a time, not every layer's.
+
+    log_counts: (kv_heads, most + m) float32, this answer's own: the extras' slots (0, or -inf for a padding
+    slot and for an extra that recall has brought into the layer) then the summaries' log counts.
+    """
+
+    extras: HeadExtras | None
+    summary: EvictedSummary | None
+    log_counts: Tensor
+
+    @classmethod
+    def of(cls, extras: HeadExtras | None, summary: EvictedSummary | None) -> SideEntries:
+        own = [] if extras is None else [extras.slot_log_counts()]
+        return cls(extras, summary, torch.cat(own + ([] if summary is None else [summary.log_counts.float()]), dim=1))
+
+    @property
+    def length(self) -> int:
+        return int(self.log_counts.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes an answer reads beside the layer: the extras' own (unpadded), the summaries and the log counts."""
+        own = (self.extras.nbytes if self.extras is not None else 0) + self.log_counts.numel() * 4
+        return own + (self.summary.keys.nbytes + self.summary.values.nbytes if self.summary is not None else 0)
+
+    def materialised(self) -> EvictedSummary:
+        """The entries as one layer attends to them, (kv_heads, length, head_dim), with this answer's log counts."""
+        parts = [self.extras.padded()] if self.extras is not None else []
+        parts += [self.summary] if self.summary is not None else []
+        keys = torch.cat([part.keys for part in parts], dim=1)
+        return EvictedSummary(keys, torch.cat([part.values for part in parts], dim=1), self.log_counts)
 
 
 @dataclass
@@ -192,21 +228,20 @@ class DocumentCache:
         cache.summaries = self.beside(summaries)
         return cache
 
-    def beside(self, summaries: bool = True) -> list[EvictedSummary] | None:
+    def beside(self, summaries: bool = True) -> list[SideEntries] | None:
         """Per layer, the entries a question attends beside the layer's own: its extras, then its summaries
         if `summaries` (an answer that recalls from the cold tier reads what they stand for itself)."""
-        if self.extras is None:
-            return self.summaries if summaries else None
-        first = self.layers[0].keys
-        empty = EvictedSummary.empty(first.shape[0], first.shape[2], first.dtype, first.device)
-        stand_ins = self.summaries if self.summaries and summaries else [empty] * len(self.layers)
+        stand_ins = self.summaries if summaries else None
+        if self.extras is None and stand_ins is None:
+            return None
+        nothing: list[None] = [None] * len(self.layers)
         return [
-            EvictedSummary.concatenated(extra.padded(), summary)
-            for extra, summary in zip(self.extras, stand_ins, strict=True)
+            SideEntries.of(extra, summary)
+            for extra, summary in zip(self.extras or nothing, stand_ins or nothing, strict=True)
         ]
 
 
-def summary_tokens(summaries: list[EvictedSummary] | None) -> int:
+def summary_tokens(summaries: Sequence[EvictedSummary | SideEntries] | None) -> int:
     """The most summary entries any layer has (per KV head); 0 without summaries."""
     return max((summary.length for summary in summaries or []), default=0)
 
@@ -305,7 +340,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.layers = [LayerBuffer(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
-        self.summaries: list[EvictedSummary] | None = None
+        self.summaries: list[SideEntries] | None = None
         self.pending_positions = torch.empty(0, dtype=torch.long, device=device)
         self.pending_scores = torch.empty(0, dtype=torch.float32, device=device)
 

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import EvictedSummary, KVCache
+from .cache import KVCache, SideEntries
 from .recall import Recall, attend_over_cold
 from .signals import ForwardCapture
 
@@ -47,9 +47,9 @@ def _attention(
         recalled = recall.attend(layer_index, query, scaling or query.shape[-1] ** -0.5)
         if recalled is not None:
             return recalled.transpose(1, 2).contiguous(), None
-    summaries: list[EvictedSummary] | None = kwargs.get("infokv_summaries")
+    summaries: list[SideEntries] | None = kwargs.get("infokv_summaries")
     if summaries is not None and summaries[layer_index].length:
-        summary = summaries[layer_index]
+        summary = summaries[layer_index].materialised()
         output, _ = attend_over_cold(
             query[0],
             summary.keys,
