@@ -158,13 +158,17 @@ class SideEntries:
     @property
     def nbytes(self) -> int:
         """Bytes an answer reads beside the layer: the extras' own (unpadded), the summaries and the log counts."""
-        own = (self.extras.nbytes if self.extras is not None else 0) + self.log_counts.numel() * 4
+        own = self.extras.nbytes if self.extras is not None else 0
+        own += self.log_counts.numel() * self.log_counts.element_size()
         return own + (self.summary.keys.nbytes + self.summary.values.nbytes if self.summary is not None else 0)
 
     def materialised(self) -> EvictedSummary:
-        """The entries as one layer attends to them, (kv_heads, length, head_dim), with this answer's log counts."""
+        """The entries as one layer attends to them, (kv_heads, length, head_dim), with this answer's log counts.
+        Runs for every layer of every forward pass, so a lone part is used as it is rather than copied again."""
         parts = [self.extras.padded()] if self.extras is not None else []
         parts += [self.summary] if self.summary is not None else []
+        if len(parts) == 1:
+            return EvictedSummary(parts[0].keys, parts[0].values, self.log_counts)
         keys = torch.cat([part.keys for part in parts], dim=1)
         return EvictedSummary(keys, torch.cat([part.values for part in parts], dim=1), self.log_counts)
 
