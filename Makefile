@@ -14,7 +14,7 @@ KVPRESS_PIP := $(KVPRESS_VENV)/bin/python -m pip
 KVPRESS_LOCK := benchmarks/kvpress-requirements.txt
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
 
-.PHONY: install models demo lint test test-fast test-scale bench bench-quality bench-realdocs bench-latency bench-overhead kvpress-env clean
+.PHONY: install models demo lint test test-fast test-scale bench bench-quality bench-realdocs bench-latency bench-overhead bench-gpu kvpress-env clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,11 @@ bench-latency: models
 
 bench-overhead: models
 	$(PY) benchmarks/overhead.py
+
+# The checks that need a CUDA GPU (tests on CUDA, kernel timings, overhead and latency on random weights of the
+# default architecture and a Llama-3.1-8B shape), as one script; logs in benchmarks/results/gpu.
+bench-gpu: models
+	PYTHON=$(CURDIR)/$(PY) benchmarks/gpu.sh
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) build *.egg-info .pytest_cache

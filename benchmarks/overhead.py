@@ -11,11 +11,18 @@ previous default: the observation window's attention) and `snapkv` add no forwar
 
     python benchmarks/overhead.py --tokens 1024 4096 16384
     python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
+    python benchmarks/overhead.py --tokens 16384 --repeats 1 --variants snapkv infokv --profile
+
+`--profile` then ingests the longest document once more per mode under torch.profiler (CPU, and CUDA where the
+model runs there) and cProfile, and prints the operators that take the most time and the project's functions
+that take the most (cumulative: on a GPU, waits for the device land where the host reads a result).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from typing import Any
@@ -62,7 +69,27 @@ def timed_ingest(engine: InfoKVEngine, text: str, config: CompressionConfig) -> 
     """Wall seconds of one whole ingestion (prefill, signals, scoring, compression)."""
     started = time.perf_counter()
     engine.ingest_text(text, config)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
     return time.perf_counter() - started
+
+
+def print_profiles(engine: InfoKVEngine, text: str, configs: dict[str, CompressionConfig]) -> None:
+    """One profiled ingestion of `text` per mode: operators by device (else host) time, then our functions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
+    sort = "cuda_time_total" if on_cuda else "cpu_time_total"
+    for name, config in configs.items():
+        with profile(activities=activities) as operators:
+            timed_ingest(engine, text, config)
+        functions = cProfile.Profile()
+        functions.runcall(timed_ingest, engine, text, config)
+        print(f"\n#### {name}: operators by {sort}\n")
+        print(operators.key_averages().table(sort_by=sort, row_limit=20))
+        print(f"#### {name}: the project's functions by cumulative time\n")
+        pstats.Stats(functions, stream=sys.stdout).sort_stats("cumulative").print_stats("infokv_rag|kernels", 25)
 
 
 def main() -> int:
@@ -73,6 +100,7 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=2048)
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
+    parser.add_argument("--profile", action="store_true", help="profile one more ingestion per mode (see above)")
     args = parser.parse_args()
 
     engine = InfoKVEngine.from_pretrained(args.model)
@@ -83,13 +111,16 @@ def main() -> int:
         file=sys.stderr,
     )
     variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}
+    configs = {
+        name: CompressionConfig(keep=args.keep, chunk_size=args.chunk_size, **spec) for name, spec in variants.items()
+    }
     rows = []
+    text = ""
     for tokens in args.tokens:
         text = document_of(engine, tokens)
         best: dict[str, float] = {name: float("inf") for name in variants}
         for _ in range(args.repeats):
-            for name, fields in variants.items():
-                config = CompressionConfig(keep=args.keep, chunk_size=args.chunk_size, **fields)
+            for name, config in configs.items():
                 best[name] = min(best[name], timed_ingest(engine, text, config))
         n = len(engine.prompt.document_ids(text))
         rows.append((n, best))
@@ -110,6 +141,8 @@ def main() -> int:
         "default); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
         "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
     )
+    if args.profile:
+        print_profiles(engine, text, configs)
     return 0
 
 

@@ -113,15 +113,16 @@ class Recall:
             scaling,
         )
         extras = self.extras[layer_index] if self.extras is not None else None
+        # The cold tier stays in host memory; the extras and the session are on the model's device.
         if extras is not None:
-            mass.masked_fill_(extras.held(cold.positions).to(device), -1.0)  # below any share of attention
+            mass.masked_fill_(extras.held(cold.positions.to(device)), -1.0)  # below any share of attention
         indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
-        positions = cold.positions.gather(1, indices)
+        positions = cold.positions.gather(1, indices).to(device)
         layer.insert(
             query.shape[2],
             gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
             gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
-            positions.to(device),
+            positions,
             torch.full((count,), RECALLED_SCORE, device=device),
         )
         if extras is not None:
