@@ -412,10 +412,13 @@ class Bench:
         return f"{time.perf_counter() - self.started:.0f}s"
 
     def key(self, document: Document, identity: dict[str, Any]) -> dict[str, Any]:
+        # A float32 run's key names no dtype, as before `--dtype` existed, so that its cached results stay valid.
+        dtype = self.engine.runner.dtype
         return {
             "benchmark": "realdocs",
             "version": CACHE_VERSION,
             "model": self.engine.fingerprint,
+            **({} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}),
             "document": document.sha256,
             "max_new_tokens": self.max_new_tokens,
             "row": identity,
@@ -577,6 +580,7 @@ def facts(args: argparse.Namespace, bench: Bench, results: Sequence[DocumentResu
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
         "model_fingerprint": bench.engine.fingerprint,
+        "dtype": str(bench.engine.runner.dtype).removeprefix("torch."),
         "code": bench.code,
         "rows_by_other_code": sorted(bench.other_code),
         "split": args.split,
@@ -612,6 +616,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="the model's and the cache's precision (default fp32, as every published figure; bf16 is the GPU default)",
+    )
     parser.add_argument("--split", choices=SPLITS, default="test")
     parser.add_argument("--docs", nargs="+", metavar="ID", help="only these documents of the split")
     parser.add_argument("--questions", type=int, metavar="N", help="only the first N questions of each document")
@@ -648,6 +658,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except RowSpecError as error:
         parser.error(str(error))
     args.peer_rows = [] if args.no_kvpress else peer_rows(args.kvpress_presses, args.engine_rows)
+    if args.peer_rows and args.dtype != "fp32":
+        parser.error("--dtype applies to this project's rows only (kvpress runs in float32): add --no-kvpress")
     if args.peer_rows and not args.kvpress_python.is_file():
         # Fail now rather than after the long evaluation.
         parser.error(
@@ -673,12 +685,12 @@ def run(args: argparse.Namespace, engine: InfoKVEngine | None = None) -> int:
     fresh = set(args.labels) if args.fresh == [] else set(args.fresh or ())
     torch.manual_seed(0)
     bench = Bench(
-        engine or InfoKVEngine.from_pretrained(args.model),
+        engine or InfoKVEngine.from_pretrained(args.model, dtype=args.dtype),
         ResultCache(args.cache_dir, lambda label: label in fresh),
         args.max_new_tokens,
     )
     progress(
-        f"model={args.model} split={args.split} documents={len(docs)} rows={len(args.labels)} "
+        f"model={args.model} dtype={args.dtype} split={args.split} documents={len(docs)} rows={len(args.labels)} "
         f"cache={args.cache_dir} ({bench.elapsed()})"
     )
     results = []

@@ -81,6 +81,9 @@ def test_rows_given_twice_and_the_command_line() -> None:
         parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--fresh", "infokv@0.25"])
     args = parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--fresh", "snapkv@0.25", NO_DOCUMENT])
     assert args.labels == [FULL, NO_DOCUMENT, "snapkv@0.25"] and args.peer_rows == []
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "snapkv@0.25", "--dtype", "bf16"])  # kvpress rows run in float32
+    assert parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--dtype", "bf16"]).dtype == "bf16"
 
 
 def test_default_rows_are_the_registered_ones() -> None:
@@ -246,3 +249,12 @@ def test_small_run_writes_the_reports_and_reuses_its_cache(
     third = capsys.readouterr()
     assert "infokv@0.25: cached" in third.err and "by other code: --fresh 'infokv@0.25' recomputes" in third.err
     assert "by other code than this checkout's, from the cache: `infokv@0.25`" in (out / "realdocs-dev.md").read_text()
+
+    # Another precision is another result: nothing comes from the float32 records, and the keys say which.
+    half = InfoKVEngine.from_pretrained("tiny", device="cpu", dtype="bf16")
+    assert run(parse_args([*argv, "--dtype", "bf16"]), engine=half) == 0
+    fourth = capsys.readouterr()
+    assert ": cached" not in fourth.err and "infokv@0.25: ingested" in fourth.err
+    assert json.loads((out / "realdocs-dev.json").read_text())["facts"]["dtype"] == "bfloat16"
+    keys = [json.loads(path.read_text())["key"] for path in (tmp_path / "cache").glob("*.json")]
+    assert sorted(key.get("dtype", "float32") for key in keys) == ["bfloat16"] * 3 + ["float32"] * 3
