@@ -27,7 +27,7 @@ def nearest_centre(points: Tensor, centres: Tensor) -> Tensor:
 
 def weighted_kmeans(points: Tensor, weights: Tensor, clusters: int, generator: torch.Generator) -> Tensor:
     """Cluster of every point, per head: points (heads, count, dim) float32 with weights (heads, count) >= 0 ->
-    (heads, count) int64.
+    (heads, count) int64; `generator` on the points' device (nothing here waits on the device).
 
     Lloyd's iterations from a k-means++ start (each next centre drawn in proportion to weight times squared
     distance to the nearest centre so far, so a repeated point is never drawn twice while others are left);
@@ -41,9 +41,13 @@ def weighted_kmeans(points: Tensor, weights: Tensor, clusters: int, generator: t
         return squared - 2 * (points @ centre.unsqueeze(2)).squeeze(2) + centre.square().sum(dim=1, keepdim=True)
 
     def drawn(chance: Tensor) -> Tensor:
-        chance = chance.clamp_min(0).cpu()
-        chance[chance.sum(dim=1) <= 0] = 1.0  # every point is a centre already: a duplicate, which empties
-        return points[heads, torch.multinomial(chance, 1, generator=generator).squeeze(1).to(points.device)]
+        chance = chance.clamp_min(0)
+        # Every point is a centre already: a duplicate, which empties.
+        chance = torch.where(chance.sum(dim=1, keepdim=True) > 0, chance, 1.0)
+        # torch.multinomial's own one-sample draw (the argmax of chance over Exp(1) noise), the same draws
+        # from the same generator, without its validity checks: each waited on the device, once per centre.
+        noise = torch.empty_like(chance).exponential_(1, generator=generator)
+        return points[heads, (chance / noise).argmax(dim=1)]
 
     centres = [drawn(draw)]
     nearest = distance_to(centres[0])
@@ -74,7 +78,7 @@ def absorb(
     (kv_heads, evicted), 1 or 0, leaves out the entries of weight 0 (a head that keeps them elsewhere).
     """
     kv_heads, _, head_dim = keys.shape
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=keys.device).manual_seed(seed)
     if summary is None:
         summary = EvictedSummary.empty(kv_heads, head_dim, keys.dtype, keys.device)
     points_k = torch.cat([summary.keys.float(), keys.float()], dim=1)

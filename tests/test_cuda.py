@@ -15,6 +15,7 @@ import torch
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.scorers import method_names
+from infokv_rag.summaries import absorb
 
 from .conftest import CORPUS
 
@@ -95,3 +96,18 @@ def test_a_cache_written_on_the_gpu_serves_on_the_cpu(
         assert got.keys.device.type == "cpu" and got.keys.dtype == torch.float32
         assert torch.equal(got.keys, want.keys.cpu().float()) and torch.equal(got.positions, want.positions.cpu())
     assert loaded.ask(QUESTION, max_new_tokens=6, recall=0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="waits on the device are only seen on CUDA")
+def test_summarising_evicted_entries_never_waits_on_the_gpu() -> None:
+    # A wait per k-means++ centre made the summaries most of the host time of a GPU ingestion (README, "On a GPU").
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    first = [torch.randn(4, 600, 32, device="cuda", generator=generator) for _ in range(2)]
+    later = [torch.randn(4, 300, 32, device="cuda", generator=generator) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        summary = absorb(absorb(None, *first, 16, 0), *later, 16, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.allclose(summary.log_counts.exp().sum(dim=1).cpu(), torch.full((4,), 900.0))
