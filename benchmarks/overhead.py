@@ -12,6 +12,10 @@ previous default: the observation window's attention) and `snapkv` add no forwar
     python benchmarks/overhead.py --tokens 1024 4096 16384
     python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
     python benchmarks/overhead.py --tokens 16384 --repeats 1 --variants snapkv infokv --profile
+    python benchmarks/overhead.py --tokens 1024 4096 --variants infokv --dtypes fp32 bf16
+
+`--dtypes` runs the whole measurement once per dtype, one engine at a time, and also gives each plain prefill
+as a ratio to the first dtype's (the same document, tokenised once).
 
 `--profile` then ingests the longest document once more per mode under torch.profiler (CPU, and CUDA where the
 model runs there) and cProfile, and prints the operators that take the most time and the project's functions
@@ -101,39 +105,49 @@ def main() -> int:
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
     parser.add_argument("--profile", action="store_true", help="profile one more ingestion per mode (see above)")
+    parser.add_argument("--dtypes", nargs="+", default=[None], help="fp32, bf16, fp16 (default: the engine's own)")
     args = parser.parse_args()
 
-    engine = InfoKVEngine.from_pretrained(args.model)
-    device = engine.runner.device
-    print(
-        f"model={args.model} device={device} threads={torch.get_num_threads()} kernels={get_kernel_backend()} "
-        f"chunk={args.chunk_size} keep={args.keep}",
-        file=sys.stderr,
-    )
     variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}
     configs = {
         name: CompressionConfig(keep=args.keep, chunk_size=args.chunk_size, **spec) for name, spec in variants.items()
     }
-    rows = []
-    text = ""
-    for tokens in args.tokens:
-        text = document_of(engine, tokens)
-        best: dict[str, float] = {name: float("inf") for name in variants}
-        for _ in range(args.repeats):
-            for name, config in configs.items():
-                best[name] = min(best[name], timed_ingest(engine, text, config))
-        n = len(engine.prompt.document_ids(text))
-        rows.append((n, best))
-        print(f"{n} tokens done: {best}", file=sys.stderr)
+    rows: list[tuple[str, int, dict[str, float]]] = []
+    texts: dict[int, str] = {}
+    for dtype in args.dtypes:
+        engine = InfoKVEngine.from_pretrained(args.model, dtype=dtype)
+        device = engine.runner.device
+        print(
+            f"model={args.model} device={device} dtype={engine.runner.dtype} threads={torch.get_num_threads()} "
+            f"kernels={get_kernel_backend()} chunk={args.chunk_size} keep={args.keep}",
+            file=sys.stderr,
+        )
+        for tokens in args.tokens:
+            text = texts.setdefault(tokens, document_of(engine, tokens))
+            best: dict[str, float] = {name: float("inf") for name in variants}
+            for _ in range(args.repeats):
+                for name, config in configs.items():
+                    best[name] = min(best[name], timed_ingest(engine, text, config))
+            n = len(engine.prompt.document_ids(text))
+            rows.append((str(engine.runner.dtype).removeprefix("torch."), n, best))
+            print(f"{n} tokens done: {best}", file=sys.stderr)
+        if args.profile:
+            print_profiles(engine, texts[args.tokens[-1]], configs)
+        del engine
 
-    print(f"\n`python benchmarks/overhead.py {' '.join(sys.argv[1:])}` on {device}\n")
+    print(f"\n`python benchmarks/overhead.py {' '.join(sys.argv[1:])}`\n")
     scored = [name for name in variants if name != "full"]
-    print("| tokens | prefill only (s) | " + " | ".join(f"{name} (s) | {name} overhead" for name in scored) + " |")
-    print("|---" * (2 + 2 * len(scored)) + "|")
-    for n, best in rows:
+    print(
+        "| dtype | tokens | prefill only (s) | prefill × the first dtype's | "
+        + " | ".join(f"{name} (s) | {name} overhead" for name in scored)
+        + " |"
+    )
+    print("|---" * (4 + 2 * len(scored)) + "|")
+    first_prefill = {n: best["full"] for _, n, best in rows[: len(args.tokens)]}
+    for dtype_name, n, best in rows:
         base = best["full"]
         cells = " | ".join(f"{best[name]:.2f} | {(best[name] - base) / base:+.1%}" for name in scored)
-        print(f"| {n} | {base:.2f} | {cells} |")
+        print(f"| {dtype_name} | {n} | {base:.2f} | {base / first_prefill[n]:.2f} | {cells} |")
     print(
         "\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent "
         "token ids plus the document's tokens; 16 summaries per layer and KV head; per-head budgets); "
@@ -141,8 +155,6 @@ def main() -> int:
         "default); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
         "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
     )
-    if args.profile:
-        print_profiles(engine, text, configs)
     return 0
 
 
