@@ -50,12 +50,13 @@ class ReconstructionCapture:
         subset = torch.cat(
             [keys[:, : self.sinks], keys[:, resident - self.scored : resident], keys[:, resident:]], dim=1
         ).float()
-        grouped = queries.reshape(kv_heads, heads // kv_heads, q, head_dim).float()
+        # Scaling the queries, not the (q, keys) logits, is one multiply per query instead of one per logit.
+        grouped = queries.reshape(kv_heads, heads // kv_heads, q, head_dim).float() * scaling
         context = self.sinks + self.scored
         best = torch.zeros(kv_heads, self.scored, device=keys.device)
         for first in range(0, q, QUERY_BLOCK):
             block = grouped[:, :, first : first + QUERY_BLOCK]
-            logits = torch.einsum("hgqd,hkd->hgqk", block, subset) * scaling
+            logits = torch.einsum("hgqd,hkd->hgqk", block, subset)
             rows = torch.arange(first, first + block.shape[2], device=keys.device)
             # A repeated token sees the repeated tokens up to itself only.
             future = rows[:, None] < torch.arange(q, device=keys.device)[None, :]
