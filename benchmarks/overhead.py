@@ -36,6 +36,7 @@ import torch
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.kernels import get_kernel_backend
+from infokv_rag.placement import DTYPES
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "snapkv": {"method": "snapkv"},
@@ -105,7 +106,9 @@ def main() -> int:
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
     parser.add_argument("--profile", action="store_true", help="profile one more ingestion per mode (see above)")
-    parser.add_argument("--dtypes", nargs="+", default=[None], help="fp32, bf16, fp16 (default: the engine's own)")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=sorted(DTYPES), default=[None], help="default: the engine's own for the device"
+    )
     args = parser.parse_args()
 
     variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from infokv_rag.placement import DTYPES
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "model_type": "llama",
@@ -72,10 +74,10 @@ def main() -> int:
     parser.add_argument("--like", type=Path, required=True, help="a model directory: config.json and tokenizer")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a larger architecture instead of --like's")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the engine's dtype names")
     args = parser.parse_args()
     started = time.perf_counter()
-    out = write_random_model(args.like, args.out, args.shape, getattr(torch, args.dtype))
+    out = write_random_model(args.like, args.out, args.shape, getattr(torch, DTYPES[args.dtype]))
     size = sum(path.stat().st_size for path in out.glob("*.safetensors"))
     print(f"{out}: {size / 2**30:.1f} GiB of random weights in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return 0
