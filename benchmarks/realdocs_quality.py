@@ -53,7 +53,7 @@ from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, m
 from benchmarks.realdocs import KINDS, SPLITS, RealDoc, answer_matches, load_realdocs
 from benchmarks.variants import teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.cache import HeadExtras
+from infokv_rag.cache import HeadExtras, LayerKV
 from infokv_rag.cold_tier import ColdLayer
 from infokv_rag.config import COLD_BITS
 from infokv_rag.documents import Document, Page, load_document
@@ -399,19 +399,22 @@ def stored_at(document: CompressedDocument, bits: int) -> CompressedDocument:
         saved += keys.nbytes + values.nbytes - codes.nbytes
         return codes.all_keys(bits).to(keys.dtype).contiguous(), codes.all_values(bits).to(values.dtype)
 
+    def decoded_layer(layer: LayerKV) -> LayerKV:
+        keys, values = decoded(layer.keys, layer.values)
+        return dataclasses.replace(layer, keys=keys, values=values)
+
     def decoded_extras(extras: HeadExtras) -> HeadExtras:
-        heads = [
-            decoded(extras.keys[extras.of_head(head)][None], extras.values[extras.of_head(head)][None])
-            for head in range(extras.counts.shape[0])
-        ]
-        keys, values = (torch.cat([head[i][0] for head in heads]) for i in range(2))
-        return dataclasses.replace(extras, keys=keys, values=values)
+        """Each head's extras are coded apart, as a layer's heads are."""
+        keys, values = [], []
+        for head in range(extras.counts.shape[0]):
+            rows = extras.of_head(head)
+            head_keys, head_values = decoded(extras.keys[rows].unsqueeze(0), extras.values[rows].unsqueeze(0))
+            keys.append(head_keys[0])
+            values.append(head_values[0])
+        return dataclasses.replace(extras, keys=torch.cat(keys), values=torch.cat(values))
 
     cache = document.cache
-    layers = [
-        dataclasses.replace(layer, **dict(zip(("keys", "values"), decoded(layer.keys, layer.values), strict=True)))
-        for layer in cache.layers
-    ]
+    layers = [decoded_layer(layer) for layer in cache.layers]
     extras = None if cache.extras is None else [decoded_extras(extra) for extra in cache.extras]
     stats = dataclasses.replace(document.stats, cache_bytes=document.stats.cache_bytes - saved)
     return dataclasses.replace(document, cache=dataclasses.replace(cache, layers=layers, extras=extras), stats=stats)
