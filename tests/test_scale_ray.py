@@ -62,6 +62,13 @@ MEMO = b"Memo for tenant A. The vault code is 9988776. The office closes at five
 QUESTION = {"question": "What is the vault code?", "max_tokens": 8}
 STORY = {"question": "Write a very long story about this memo.", "max_tokens": 64, "stream": True}
 """An answer that decodes for seconds (64 tokens), streamed: it holds its place in a replica's queues."""
+ESSAY = {
+    "question": "Write a 2000-word essay about office security, with many sections.",
+    "max_tokens": 512,
+    "stream": True,
+}
+"""An answer that decodes for about 20 s on two cores (tiny goes on to all 512 tokens), so that a hang-up has time to
+travel proxy, ingress and replica on a loaded machine: 64 tokens once ended before it arrived."""
 CLAUSE = "Clause {n}. The supplier delivers {n} crates of parts every week, and the buyer pays within {n} days."
 DEADLINE = 240.0
 """Seconds any one wait may take (model loads and prefills on a shared 2-core machine)."""
@@ -78,7 +85,7 @@ def _settings(tmp: Path, store: str) -> Settings:
         api_keys=(f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
         warmup=False,
         default_method="snapkv",
-        max_new_tokens=64,
+        max_new_tokens=512,
         default_max_tokens=8,
         max_active_generations=1,  # small queues, for the backpressure test to fill
         max_queued_generations=1,
@@ -377,7 +384,7 @@ def test_a_client_that_hangs_up_cancels_the_answer_on_its_replica(ingress: str) 
         # Counters first: read while the answer runs, the health round trips (to a random replica each) would
         # leave a loaded machine time to finish the answer before the hang-up reaches the replica.
         before = {replica: health["counters"] for replica, health in every_replica_health(client).items()}
-        with client.stream("POST", f"/v1/documents/{doc_id}/ask", json=STORY, headers=A) as stream:
+        with client.stream("POST", f"/v1/documents/{doc_id}/ask", json=ESSAY, headers=A) as stream:
             assert stream.status_code == 200, stream.read()
             replica = stream.headers["x-infokv-replica"]
             hang_up_after_first_token(stream)
