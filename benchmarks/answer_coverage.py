@@ -61,8 +61,9 @@ def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str
 def kept_entries(compressed: CompressedDocument) -> Tensor:
     """(layers, kv_heads, n) True where the hot cache holds the entry of that document position."""
     n = compressed.cache.document_tokens
-    kept = torch.zeros(len(compressed.cache.layers), compressed.cache.layers[0].positions.shape[0], n, dtype=torch.bool)
-    for layer in range(len(compressed.cache.layers)):
+    layers = compressed.cache.layer_positions()
+    kept = torch.zeros(len(layers), layers[0].shape[0], n, dtype=torch.bool)
+    for layer in range(len(layers)):
         for head, positions in enumerate(compressed.cache.kept_positions(layer)):
             kept[layer, head, positions.cpu()] = True
     return kept

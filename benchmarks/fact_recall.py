@@ -57,7 +57,7 @@ def main() -> int:
         docs = compress_variants(engine, document_from_text(generated.text), list(configs.values()))
         for name, doc in zip(configs, docs, strict=True):
             kept_sentence, kept_answer = [], []
-            for layer in range(len(doc.cache.layers)):
+            for layer in range(len(doc.cache.lengths)):
                 for head_positions in doc.cache.kept_positions(layer):
                     kept = set(head_positions.tolist())
                     kept_sentence += [sum(int(p) in kept for p in s) / len(s) for s in sentences]

@@ -19,11 +19,16 @@ with recall over TTFT without (target <= 1.5x, issue 13); hot + cold bytes on di
 at the model's dtype (target <= 0.5); the most keys and values the answer's working cache held (from
 its tensors: hot, recalled, question and answer) over the full cache (target <= keep + recall + the
 question's share).
+
+With `--stored-bits B` the document is also ingested with its kept entries held in codes of B bits
+(`CompressionConfig.stored_bits`), and each question is asked of both caches in turn (without recall): the codes'
+bytes, and TTFT from codes over TTFT at the model's dtype (every answer decodes the codes into its working copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -89,6 +94,13 @@ def main() -> int:
         choices=(4, 8),
         help="width of the cold tier's codes (default: the engine's choice for the model's dtype)",
     )
+    parser.add_argument(
+        "--stored-bits",
+        type=int,
+        default=None,
+        choices=(4, 8),
+        help="also hold the document's kept entries in codes of this width and compare its answers' TTFT",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of follow-up questions and of loads")
     parser.add_argument("--reprefills", type=int, default=1, help="re-prefill measurements (each costs a full prefill)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -118,11 +130,17 @@ def main() -> int:
     doc = engine.ingest_document(document, config)
     ingest_seconds = time.perf_counter() - started
     stats = doc.stats
+    coded = None
+    if args.stored_bits:
+        print(f"ingesting it again, held in {args.stored_bits}-bit codes ...", file=sys.stderr, flush=True)
+        coded = engine.ingest_document(document, dataclasses.replace(config, stored_bits=args.stored_bits))
 
-    in_memory, with_recall, recall_usages = [], [], []
+    in_memory, with_recall, recall_usages, from_codes = [], [], [], []
     for _ in range(args.repeats):
         for question in questions:
             in_memory.append(follow_up_seconds(doc, question, recall=0))
+            if coded is not None:
+                from_codes.append(follow_up_seconds(coded, question, recall=0))
             if doc.cold_tier is not None:
                 seconds, usage = follow_up(doc, question)
                 with_recall.append(seconds)
@@ -216,6 +234,23 @@ def main() -> int:
         ),
         ("speedup: re-prefill / (load + TTFT reloaded)", f"{speedup_disk_with_load:,.1f}x", "", ""),
     ]
+    if coded is not None:
+        rows += [
+            (
+                f"cache in {args.stored_bits}-bit codes (`--stored-bits`)",
+                f"{coded.stats.cache_bytes / 2**20:,.1f} MiB (ratio {coded.stats.compression_ratio:.3f}) against "
+                f"{stats.cache_bytes / 2**20:,.1f} MiB at the model's dtype",
+                "",
+                "",
+            ),
+            (
+                "follow-up TTFT from the codes, median",
+                f"{fmt(statistics.median(from_codes))} ({statistics.median(from_codes) / ttft_memory:.2f}x the "
+                f"model's dtype's, asked in turn; n={len(from_codes)})",
+                "",
+                "",
+            ),
+        ]
     if with_recall:
         rows += recall_rows(
             args, engine, doc, in_memory, with_recall, reloaded_recall, recall_usages, reprefill, cache_file_bytes
@@ -264,9 +299,9 @@ def recall_rows(
     peak = max(usage.peak_cache_bytes for usage in usages) / stats.full_cache_bytes
     question = max(usage.prompt_tokens for usage in usages)
     bound = (doc.config.budget_for(n, doc.cache.sink_tokens) + recall_tokens(args.recall, n) + question) / n
-    recalled = statistics.median(usage.recalled_tokens for usage in usages) / len(doc.cache.layers)
+    recalled = statistics.median(usage.recalled_tokens for usage in usages) / len(doc.cache.lengths)
     # While the question is read, one layer at a time holds its cold keys and values dequantised (float32).
-    head_dim = doc.cache.layers[0].keys.shape[2]
+    head_dim = engine.runner.head_dim
     decoded = max(2 * layer.positions.numel() * head_dim * 4 for layer in doc.cold_tier.layers)
 
     def met(ok: bool) -> str:

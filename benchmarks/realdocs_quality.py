@@ -14,9 +14,8 @@ distributions teacher-forced on the full cache's answer, cache bytes and ingesti
 `full` (with the time split from `doc.stats`). `kvpress:PRESS@KEEP` rows are NVIDIA kvpress's presses on
 the same prompt token ids and questions (benchmarks/kvpress_peer.py in `.venv-kvpress`; their KL is against
 kvpress's own uncompressed cache, `kvpress:none`, a sanity row that should agree with `full`; no bytes or
-times: KVzipPress masks keys instead of dropping them). A row with `stored_bits=4` or `8` answers from its cache
-decoded from the codes it would be stored as at that width (`stored_at`: the cold tier's quantiser), its bytes
-those of the codes: what a quantised cache would answer, which the package does not keep (a simulation).
+times: KVzipPress masks keys instead of dropping them). A row with `stored_bits=4` or `8` holds its cache in codes
+of that width (`CompressionConfig.stored_bits`), its bytes those of the codes.
 
 Results are cached on disk per (model fingerprint, document sha256, row's resolved config,
 max_new_tokens), one entry per question, so iterating on one method recomputes only that method's rows:
@@ -53,9 +52,6 @@ from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, m
 from benchmarks.realdocs import KINDS, SPLITS, RealDoc, answer_matches, load_realdocs
 from benchmarks.variants import teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.cache import HeadExtras, LayerKV
-from infokv_rag.cold_tier import ColdLayer
-from infokv_rag.config import COLD_BITS
 from infokv_rag.documents import Document, Page, load_document
 from infokv_rag.generation import Generation, GenerationOptions
 from infokv_rag.models import cache_root
@@ -87,8 +83,6 @@ SHARED_FIELDS = tuple(
     f.name for f in dataclasses.fields(CompressionConfig) if f.name not in ("method", "keep", "settings")
 )
 """CompressionConfig fields a row spec may set beside the method's own settings."""
-STORED_BITS = "stored_bits"
-"""The row setting that answers from the cache as stored at 4 or 8 bits (`EngineRow.stored_bits`)."""
 _ROW_SPEC = re.compile(r"(?P<method>\w+)@(?P<keep>[^\[\]@]+)(?:\[(?P<settings>[^\[\]]*)\])?")
 
 
@@ -106,14 +100,14 @@ class EngineRow:
     label: str
     config: CompressionConfig
     blank: bool = False
-    stored_bits: int | None = None
-    """Answer from the compressed cache as it would come back stored at this code width instead of the model's
-    dtype (`stored_at`): a simulation of a quantised resident cache, which the package does not keep."""
 
     def identity(self) -> dict[str, Any]:
-        identity: dict[str, Any] = {"config": self.config.to_dict(), "document": "blank" if self.blank else "own"}
-        if self.stored_bits is not None:
-            identity["stored_bits"] = self.stored_bits
+        config = self.config.to_dict()
+        identity: dict[str, Any] = {"config": config, "document": "blank" if self.blank else "own"}
+        # Beside the config, where it was when rows simulated the codes (the twenty-eighth session), so that
+        # their records stay valid: the product's codes answer the same (`tests/test_coded_cache.py`).
+        if "stored_bits" in config:
+            identity["stored_bits"] = config.pop("stored_bits")
         return identity
 
 
@@ -147,10 +141,9 @@ def parse_value(text: str) -> Any:
 def parse_row(spec: str) -> EngineRow:
     """`METHOD@KEEP` or `METHOD@KEEP[key=value,...]` -> a validated row.
 
-    KEEP is a ratio (0.25) or a token count (512). A key is one of the method's settings, a shared
-    CompressionConfig field (window, chunk_size, adaptive_budget, ...) or `stored_bits` (4 or 8: `stored_at`);
-    values are parsed as JSON when they parse, else taken as strings (so `information=entropy` and `tau=0.5`
-    both work).
+    KEEP is a ratio (0.25) or a token count (512). A key is one of the method's settings or a shared
+    CompressionConfig field (window, chunk_size, adaptive_budget, stored_bits, ...); values are parsed as JSON
+    when they parse, else taken as strings (so `information=entropy` and `tau=0.5` both work).
     """
     label = spec.strip()
     match = _ROW_SPEC.fullmatch(label)
@@ -165,25 +158,20 @@ def parse_row(spec: str) -> EngineRow:
         raise RowSpecError(f"row {spec!r}: the {FULL!r} and {NO_DOCUMENT!r} rows are always run")
     shared: dict[str, Any] = {}
     settings: dict[str, Any] = {}
-    own: dict[str, Any] = {}
     for item in (match["settings"] or "").split(","):
         if not item.strip():
             continue
         key, equals, value = (part.strip() for part in item.partition("="))
         if not equals or not key:
             raise RowSpecError(f"row {spec!r}: setting {item.strip()!r} is not key=value")
-        if key in shared or key in settings or key in own:
+        if key in shared or key in settings:
             raise RowSpecError(f"row {spec!r}: setting {key!r} is given twice")
-        target = own if key == STORED_BITS else shared if key in SHARED_FIELDS else settings
-        target[key] = parse_value(value)
-    bits = own.get(STORED_BITS)
-    if STORED_BITS in own and bits not in COLD_BITS:
-        raise RowSpecError(f"row {spec!r}: {STORED_BITS} must be one of {COLD_BITS}, got {bits!r}")
+        (shared if key in SHARED_FIELDS else settings)[key] = parse_value(value)
     try:
         config = CompressionConfig(method=method, keep=parse_value(match["keep"]), settings=settings, **shared)
     except (ConfigError, TypeError, ValueError) as error:
         raise RowSpecError(f"row {spec!r}: {error}") from error
-    return EngineRow(label, config, stored_bits=bits)
+    return EngineRow(label, config)
 
 
 def parse_rows(specs: Sequence[str]) -> list[EngineRow]:
@@ -379,47 +367,6 @@ class ResultCache:
 # --- running --------------------------------------------------------------------------------------------
 
 
-def stored_at(document: CompressedDocument, bits: int) -> CompressedDocument:
-    """`document` with every key and value as a cache stored at `bits` would give it back, and `stats.cache_bytes`
-    what that cache would store.
-
-    The codes are the cold tier's (`infokv_rag.cold_tier.ColdLayer`: keys per channel within 32-entry pages, values
-    per token in groups of 32 channels), decoded once here, so the answer runs at the model's dtype over what the
-    codes hold; the summaries stay at the model's dtype. The document's own cache is left as it is.
-    """
-    saved = 0
-
-    def decoded(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """keys, values (kv_heads, m, head_dim) -> the same, decoded from their codes."""
-        nonlocal saved
-        if not keys.shape[1]:
-            return keys, values
-        positions = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
-        codes = ColdLayer.build(keys, values, positions, bits)
-        saved += keys.nbytes + values.nbytes - codes.nbytes
-        return codes.all_keys(bits).to(keys.dtype).contiguous(), codes.all_values(bits).to(values.dtype)
-
-    def decoded_layer(layer: LayerKV) -> LayerKV:
-        keys, values = decoded(layer.keys, layer.values)
-        return dataclasses.replace(layer, keys=keys, values=values)
-
-    def decoded_extras(extras: HeadExtras) -> HeadExtras:
-        """Each head's extras are coded apart, as a layer's heads are."""
-        keys, values = [], []
-        for head in range(extras.counts.shape[0]):
-            rows = extras.of_head(head)
-            head_keys, head_values = decoded(extras.keys[rows].unsqueeze(0), extras.values[rows].unsqueeze(0))
-            keys.append(head_keys[0])
-            values.append(head_values[0])
-        return dataclasses.replace(extras, keys=torch.cat(keys), values=torch.cat(values))
-
-    cache = document.cache
-    layers = [decoded_layer(layer) for layer in cache.layers]
-    extras = None if cache.extras is None else [decoded_extras(extra) for extra in cache.extras]
-    stats = dataclasses.replace(document.stats, cache_bytes=document.stats.cache_bytes - saved)
-    return dataclasses.replace(document, cache=dataclasses.replace(cache, layers=layers, extras=extras), stats=stats)
-
-
 def answer(document: CompressedDocument, question: str, max_new_tokens: int) -> Generation:
     """Greedy answer: what `document.ask(question, max_new_tokens=...)` returns, with its token ids."""
     return document.generate(question_turns(question), GenerationOptions(max_new_tokens=max_new_tokens))
@@ -533,8 +480,6 @@ class Bench:
                     ingested[identity] = self.ingest(BLANK if row.blank else result.document, row.config)
                 compressed, seconds = ingested[identity]
                 compressed = dataclasses.replace(compressed, config=row.config)
-                if row.stored_bits is not None:
-                    compressed = stored_at(compressed, row.stored_bits)
             clock = time.perf_counter()
             for question in missing:
                 generation = answer(compressed, question, self.max_new_tokens)

@@ -8,7 +8,8 @@ per-head budgets the tokens some heads keep beyond that are held beside the laye
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,40 +174,103 @@ class SideEntries:
         return EvictedSummary(keys, torch.cat([part.values for part in parts], dim=1), self.log_counts)
 
 
-@dataclass
-class DocumentCache:
-    """The compressed cache of one document; never modified after ingestion."""
+class ResidentCache(ABC):
+    """A document's compressed cache as it is held between answers (`DocumentCache` at the model's dtype, or
+    `infokv_rag.coded_cache.CodedCache` in codes), and what every answer makes of it: a working copy."""
 
-    layers: list[LayerKV]
     document_tokens: int
     """n: the uncompressed length, and the position the first question token takes."""
-    sink_tokens: int = 4
+    sink_tokens: int
     """Leading positions that are never evicted (attention sinks, and the prompt head when protected)."""
-    summaries: list[EvictedSummary] | None = None
+    summaries: list[EvictedSummary] | None
     """Per layer, the stand-ins for its evicted entries, when the config keeps them."""
-    extras: list[HeadExtras] | None = None
-    """Per layer, the tokens some KV heads keep beyond the layer's length, with per-head budgets."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of what is held: keys and values (or their codes), summaries and extras."""
+
+    @abstractmethod
+    def layer_positions(self) -> list[Tensor]:
+        """Per layer, the positions (kv_heads, length) of its own entries, ascending per head."""
+
+    @abstractmethod
+    def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
+        """Per layer, with per-head budgets, the extras' positions (entries,), head 0's first, and how many each KV
+        head holds (kv_heads,) (`HeadExtras`)."""
+
+    @abstractmethod
+    def answer_layers(self) -> Iterator[LayerKV]:
+        """Each layer as an answer reads it, at the model's dtype, one at a time."""
+
+    @abstractmethod
+    def answer_extras(self) -> list[HeadExtras] | None:
+        """Per layer, the extras as an answer reads them, at the model's dtype."""
+
+    @abstractmethod
+    def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
+        """kv_heads, head_dim, dtype and device of an answer's working copy."""
 
     @property
     def lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
+        return [int(positions.shape[1]) for positions in self.layer_positions()]
 
     @property
     def kept_per_layer(self) -> list[int]:
         """Tokens each layer keeps per KV head: its length, plus the mean of its heads' extras."""
-        if self.extras is None:
+        extras = self.extra_positions()
+        if extras is None:
             return self.lengths
-        heads = self.layers[0].keys.shape[0]
-        extras = [int(extra.counts.sum()) for extra in self.extras]
-        return [layer.length + round(count / heads) for layer, count in zip(self.layers, extras, strict=True)]
+        counts = [count for _, count in extras]
+        return [
+            length + round(int(count.sum()) / len(count)) for length, count in zip(self.lengths, counts, strict=True)
+        ]
 
     def beside_tokens(self, summaries: bool = True) -> int:
         """The most entries a question attends beside any layer's own (per KV head): the extras, and the
         summaries if `summaries`."""
-        nothing = [0] * len(self.layers)
-        extras = [extra.most for extra in self.extras] if self.extras else nothing
+        layout = self.extra_positions()
+        nothing = [0] * len(self.lengths)
+        extras = [int(count.max()) if count.numel() else 0 for _, count in layout] if layout else nothing
         stand_ins = [summary.length for summary in self.summaries] if self.summaries and summaries else nothing
         return max(map(sum, zip(extras, stand_ins, strict=True)), default=0)
+
+    def kept_positions(self, layer: int) -> list[Tensor]:
+        """Per KV head, the document positions layer `layer` keeps for it (its own, then its extras)."""
+        own = self.layer_positions()[layer]
+        extras = self.extra_positions()
+        if extras is None:
+            return list(own)
+        positions, counts = extras[layer]
+        return [torch.cat(pair) for pair in zip(own, positions.split(counts.tolist()), strict=True)]
+
+    def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
+        """A growable copy for answering a question, with what it attends beside each layer (`SideEntries`:
+        the extras, then the summaries if `summaries`; an answer that recalls from the cold tier reads what
+        they stand for itself); what is held stays untouched."""
+        cache = KVCache(len(self.lengths), *self.working_layout())
+        for buffer, layer in zip(cache.layers, self.answer_layers(), strict=True):
+            buffer.load(layer, capacity=layer.length + extra_tokens)
+        extras, stand_ins = self.answer_extras(), self.summaries if summaries else None
+        if extras is not None or stand_ins is not None:
+            nothing: list[None] = [None] * len(cache.layers)
+            cache.summaries = [
+                SideEntries.of(extra, summary)
+                for extra, summary in zip(extras or nothing, stand_ins or nothing, strict=True)
+            ]
+        return cache
+
+
+@dataclass
+class DocumentCache(ResidentCache):
+    """The compressed cache of one document at the model's dtype; never modified after ingestion."""
+
+    layers: list[LayerKV]
+    document_tokens: int
+    sink_tokens: int = 4
+    summaries: list[EvictedSummary] | None = None
+    extras: list[HeadExtras] | None = None
+    """Per layer, the tokens some KV heads keep beyond the layer's length, with per-head budgets."""
 
     @property
     def nbytes(self) -> int:
@@ -214,35 +278,22 @@ class DocumentCache:
         side: list[EvictedSummary | HeadExtras] = [*(self.summaries or []), *(self.extras or [])]
         return sum(layer.nbytes for layer in self.layers) + sum(entries.nbytes for entries in side)
 
-    def kept_positions(self, layer: int) -> list[Tensor]:
-        """Per KV head, the document positions layer `layer` keeps for it (its own, then its extras)."""
-        own = self.layers[layer].positions
-        if self.extras is None:
-            return list(own)
-        extras = self.extras[layer]
-        return [torch.cat([own[head], extras.positions[extras.of_head(head)]]) for head in range(own.shape[0])]
+    def layer_positions(self) -> list[Tensor]:
+        return [layer.positions for layer in self.layers]
 
-    def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
-        """A growable copy for answering a question, with what it attends beside each layer (`beside`); the
-        document tensors stay untouched."""
-        first = self.layers[0]
-        cache = KVCache(len(self.layers), first.keys.shape[0], first.keys.shape[2], first.keys.dtype, first.keys.device)
-        for index, layer in enumerate(self.layers):
-            cache.layers[index].load(layer, capacity=layer.length + extra_tokens)
-        cache.summaries = self.beside(summaries)
-        return cache
+    def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
+        return None if self.extras is None else [(extra.positions, extra.counts) for extra in self.extras]
 
-    def beside(self, summaries: bool = True) -> list[SideEntries] | None:
-        """Per layer, the entries a question attends beside the layer's own: its extras, then its summaries
-        if `summaries` (an answer that recalls from the cold tier reads what they stand for itself)."""
-        stand_ins = self.summaries if summaries else None
-        if self.extras is None and stand_ins is None:
-            return None
-        nothing: list[None] = [None] * len(self.layers)
-        return [
-            SideEntries.of(extra, summary)
-            for extra, summary in zip(self.extras or nothing, stand_ins or nothing, strict=True)
-        ]
+    def answer_layers(self) -> Iterator[LayerKV]:
+        return iter(self.layers)
+
+    def answer_extras(self) -> list[HeadExtras] | None:
+        """The document's own extras: an answer reads them in place (`SideEntries`)."""
+        return self.extras
+
+    def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
+        keys = self.layers[0].keys
+        return keys.shape[0], keys.shape[2], keys.dtype, keys.device
 
 
 def summary_tokens(summaries: Sequence[EvictedSummary | SideEntries] | None) -> int:

@@ -102,6 +102,14 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
         help="width of the cold tier's codes (with --recall); default: 8 for a 32-bit cache, 4 for a 16-bit one",
     )
     parser.add_argument(
+        "--stored-bits",
+        type=int,
+        choices=COLD_BITS,
+        default=None,
+        help="hold the kept entries in codes of this width between answers, in memory and on disk (about 5/16 "
+        "(4) or 9/16 (8) of a 16-bit cache's bytes); default: at the model's dtype",
+    )
+    parser.add_argument(
         "--summaries",
         type=int,
         default=CompressionConfig.summaries,
@@ -186,7 +194,12 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> CompressionConfig:
     return CompressionConfig(
-        method=args.method, keep=args.keep, recall=args.recall, cold_bits=args.cold_bits, summaries=args.summaries
+        method=args.method,
+        keep=args.keep,
+        recall=args.recall,
+        cold_bits=args.cold_bits,
+        stored_bits=args.stored_bits,
+        summaries=args.summaries,
     )
 
 

@@ -106,6 +106,9 @@ class CompressionConfig:
     document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
     cold_bits: int | None = None
     """Width of the cold tier's codes: 4 or 8; None: by the model's cache dtype (`cold_tier_bits`)."""
+    stored_bits: int | None = None
+    """Hold the kept entries in codes of 4 or 8 bits between answers, in memory and on disk
+    (`infokv_rag.coded_cache`), each answer decoding them into its working copy; None: at the model's dtype."""
     summaries: int = 16
     """Entries per (layer, KV head) that stand in for the evicted ones (`infokv_rag.summaries`: centroids of
     their keys, weighted by how many each stands for), taken from the keep budget; 0: none."""
@@ -128,8 +131,9 @@ class CompressionConfig:
             raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
         if isinstance(self.summaries, bool) or not isinstance(self.summaries, int) or self.summaries < 0:
             raise ConfigError(f"summaries must be a count >= 0, not {self.summaries!r}")
-        if self.cold_bits is not None and self.cold_bits not in COLD_BITS:
-            raise ConfigError(f"cold_bits must be one of {COLD_BITS}, got {self.cold_bits}")
+        for name in ("cold_bits", "stored_bits"):
+            if getattr(self, name) is not None and getattr(self, name) not in COLD_BITS:
+                raise ConfigError(f"{name} must be one of {COLD_BITS}, got {getattr(self, name)!r}")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
         if not method.compresses:
@@ -179,15 +183,17 @@ class CompressionConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the shared fields and `settings`, a dict of the method's settings.
 
-        Without a cold tier its fields are left out, and so is `summaries` when 0, and each of `SETTINGS_ADDED`
-        at the value it stands for: such a config reads as it did before they existed (saved caches and their
-        store keys keep their meaning).
+        Without a cold tier its fields are left out, and so are `stored_bits` when None, `summaries` when 0,
+        and each of `SETTINGS_ADDED` at the value it stands for: such a config reads as it did before they
+        existed (saved caches and their store keys keep their meaning).
         """
         data = dataclasses.asdict(self)
         if not self.recall:
             del data["recall"], data["cold_bits"]
         if not self.summaries:
             del data["summaries"]
+        if self.stored_bits is None:
+            del data["stored_bits"]
         settings = data["settings"]
         for name, before in SETTINGS_ADDED.items():
             if name in settings and settings[name] == before:

@@ -76,7 +76,7 @@ def working_session(document: CompressedDocument, extra_tokens: int, recall: int
     # A question that reads the cold tier itself has no use for its summaries (they would count it twice); it
     # still reads the heads' extras beside each layer, which recall then leaves alone.
     session = document.cache.working_copy(extra_tokens + recall, summaries=cold is None)
-    return session, None if cold is None else Recall(cold, session, recall, document.cache.extras)
+    return session, None if cold is None else Recall(cold, session, recall)
 
 
 def _decode(

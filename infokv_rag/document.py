@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from . import decoding, store
-from .cache import DocumentCache
+from .cache import ResidentCache
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
@@ -28,7 +28,8 @@ class CompressedDocument:
     """A document read once into a compressed cache; answers any number of questions against it."""
 
     engine: InfoKVEngine
-    cache: DocumentCache
+    cache: ResidentCache
+    """At the model's dtype (`DocumentCache`), or in codes (`CodedCache`) when `config.stored_bits` is set."""
     config: CompressionConfig
     document: Document
     stats: DocumentStats

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .cache import DocumentCache, EvictedSummary, HeadExtras, KVCache, LayerBuffer, gather_tokens
+from .cache import EvictedSummary, HeadExtras, KVCache, LayerBuffer, ResidentCache, gather_tokens
+from .coded_cache import CodedCache
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
@@ -90,7 +91,7 @@ class DocumentStats:
 class IngestionResult:
     """What reading one document produced."""
 
-    cache: DocumentCache
+    cache: ResidentCache
     stats: DocumentStats
     information_reference: Tensor | None
     """(n,) the sorted information values of the document tokens, when the method computed them."""
@@ -196,11 +197,14 @@ class Ingestion:
                 if not pieces:  # the layer never exceeded its budget: its cold layer is empty, not missing
                     pieces.append((layer.keys[:, :0], layer.values[:, :0], layer.positions[:, :0]))
             cold = ColdTier.build(self.evicted, self.config.cold_tier_bits(self.runner.dtype.itemsize))
+        held: ResidentCache = frozen
+        if self.config.stored_bits is not None:
+            held = CodedCache.encode(frozen, self.config.stored_bits)
         self.timings["compression"] += time.perf_counter() - clock
         stats = DocumentStats(
             document_tokens=self.n,
             kept_tokens_per_layer=frozen.kept_per_layer,
-            cache_bytes=frozen.nbytes,
+            cache_bytes=held.nbytes,
             full_cache_bytes=self.n * self.engine.bytes_per_token,
             prefill_seconds=self.timings["prefill"],
             scoring_seconds=self.timings["scoring"],
@@ -211,7 +215,7 @@ class Ingestion:
             cold_bytes=cold.nbytes if cold is not None else 0,
         )
         information = self.information.sort().values if self.information is not None else None
-        return IngestionResult(frozen, stats, information, cold)
+        return IngestionResult(held, stats, information, cold)
 
     def forward_chunk(self, cache: KVCache, capture: SignalCapture, start: int, end: int) -> Tensor:
         """Prefills tokens [start, end) into `cache`; returns their final hidden states (end - start, hidden)."""

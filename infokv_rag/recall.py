@@ -75,15 +75,14 @@ def attend_over_cold(
 class Recall:
     """One answer's recall: up to `tokens` cold entries per (layer, KV head) into `session`.
 
-    `extras`: per layer, the entries some heads keep beyond the layer's length (per-head budgets). They are in
-    the cold tier too (the question reads every entry once) and `session` attends them beside each layer, so
-    a head recalls them last, once its other cold entries are all in; one recalled leaves the side entries.
+    The extras of `session` (per-head budgets: the entries some heads keep beyond the layer's length, which
+    it attends beside each layer) are in the cold tier too (the question reads every entry once), so a head
+    recalls them last, once its other cold entries are all in; one recalled leaves the side entries.
     """
 
     cold: ColdTier
     session: KVCache
     tokens: int
-    extras: list[HeadExtras] | None = None
     recalled: list[int] = field(default_factory=list)
     """Entries recalled per KV head, one count per layer that has run."""
 
@@ -112,7 +111,8 @@ class Recall:
             layer.live("values"),
             scaling,
         )
-        extras = self.extras[layer_index] if self.extras is not None else None
+        side = self.session.summaries[layer_index] if self.session.summaries is not None else None
+        extras = side.extras if side is not None else None
         # The cold tier stays in host memory; the extras and the session are on the model's device.
         if extras is not None:
             mass.masked_fill_(extras.held(cold.positions.to(device)), -1.0)  # below any share of attention

@@ -8,17 +8,20 @@ A saved cache is a directory:
                        summary_values.L (kv_heads, m_L, head_dim) and summary_log_counts.L (kv_heads, m_L);
                        with per-head budgets (`infokv_rag.cache.HeadExtras`) extra_keys.L, extra_values.L
                        (entries_L, head_dim), extra_positions.L (entries_L,) and extra_counts.L (kv_heads,);
-                       information_reference (n,) when the method computed it
+                       information_reference (n,) when the method computed it. A cache held in codes
+                       (`CompressionConfig.stored_bits`, `infokv_rag.coded_cache`) has codes.<name>.L instead
+                       of keys.L and values.L, and extra_codes.<name>.L.H (head H's extras) instead of
+                       extra_keys.L and extra_values.L, <name> each of `infokv_rag.quantisation.TENSOR_NAMES`
   document.txt         the document text (page spans in the manifest index into it)
   cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
                        then memory-mapped from a local directory (a page is read when a question recalls it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 6 may hold per-head extras; format 5 may hold summaries of the evicted entries; format 4 may hold a
-cold tier; format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one
-flat dict of every field) is read too, each field that the method does not take dropped; a config without
-`summaries` had none.
+Format 7 may hold its entries in codes; format 6 may hold per-head extras; format 5 may hold summaries of the
+evicted entries; format 4 may hold a cold tier; format 3 stores the config as its shared fields plus `settings`,
+the method's own; format 2 (one flat dict of every field) is read too, each field that the method does not take
+dropped; a config without `summaries` had none.
 """
 
 from __future__ import annotations
@@ -43,21 +46,23 @@ import torch
 from safetensors.torch import load, save
 
 from . import scorers
-from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV
+from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV, ResidentCache
+from .coded_cache import CodedCache, CodedExtras, CodedLayer
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
 from .files import fsync_dir, safetensors_views, write_synced
 from .ingestion import DocumentStats, ProgressCallback
+from .quantisation import TENSOR_NAMES, QuantisedEntries
 
 if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
 
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (2, 3, 4, 5, 6)
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -81,19 +86,10 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     """The files of `document`'s saved cache, by name, the manifest last (the order to write them in)."""
     from . import __version__
 
-    tensors: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(document.cache.layers):
-        for name in ("keys", "values", "positions", "scores"):
-            tensors[f"{name}.{index}"] = getattr(layer, name).detach().cpu().contiguous()
-    for index, summary in enumerate(document.cache.summaries or []):
-        for name in SUMMARY_TENSORS:
-            tensors[f"summary_{name}.{index}"] = getattr(summary, name).detach().cpu().contiguous()
-    for index, extra in enumerate(document.cache.extras or []):
-        for name in EXTRA_TENSORS:
-            tensors[f"extra_{name}.{index}"] = getattr(extra, name).detach().cpu().contiguous()
+    tensors = _cache_tensors(document.cache)
     if document.information_reference is not None:
-        tensors["information_reference"] = document.information_reference.detach().cpu().contiguous()
-    tensor_bytes = save(tensors)
+        tensors["information_reference"] = document.information_reference
+    tensor_bytes = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
     text_bytes = document.document.text.encode("utf-8")
     cold = {COLD: save(document.cold_tier.tensors())} if document.cold_tier is not None else {}
     manifest: dict[str, Any] = {
@@ -293,7 +289,7 @@ def _verified(files: CacheFiles, name: str, record: dict[str, Any], read: Callab
 class SavedDocument:
     """A verified saved cache, ready to become a `CompressedDocument` of the engine that loaded it."""
 
-    cache: DocumentCache
+    cache: ResidentCache
     config: CompressionConfig
     document: Document
     stats: DocumentStats
@@ -319,6 +315,29 @@ def load_files(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         ) from exc
 
 
+def _cache_tensors(cache: ResidentCache) -> dict[str, torch.Tensor]:
+    """The tensors of a held cache by name, as the module docstring lays them out."""
+    tensors: dict[str, torch.Tensor] = {}
+    for index, summary in enumerate(cache.summaries or []):
+        for name in SUMMARY_TENSORS:
+            tensors[f"summary_{name}.{index}"] = getattr(summary, name)
+    if isinstance(cache, CodedCache):
+        for index, layer in enumerate(cache.layers):
+            tensors |= {f"positions.{index}": layer.positions, f"scores.{index}": layer.scores}
+            tensors |= {f"codes.{name}.{index}": getattr(layer.entries, name) for name in TENSOR_NAMES}
+        for index, coded in enumerate(cache.extras or []):
+            tensors |= {f"extra_positions.{index}": coded.positions, f"extra_counts.{index}": coded.counts}
+            for head, entries in enumerate(coded.heads):
+                tensors |= {f"extra_codes.{name}.{index}.{head}": getattr(entries, name) for name in TENSOR_NAMES}
+        return tensors
+    assert isinstance(cache, DocumentCache)
+    for index, plain in enumerate(cache.layers):
+        tensors |= {f"{name}.{index}": getattr(plain, name) for name in ("keys", "values", "positions", "scores")}
+    for index, extra in enumerate(cache.extras or []):
+        tensors |= {f"extra_{name}.{index}": getattr(extra, name) for name in EXTRA_TENSORS}
+    return tensors
+
+
 def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     path = files.where
     manifest = verified_manifest(files)
@@ -337,25 +356,6 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     text = _read_verified(files, TEXT, manifest["files"][TEXT]).decode("utf-8")
     runner = engine.runner
     n = int(manifest["tokens"]["document"])
-    layers = []
-    for index in range(runner.num_layers):
-        try:
-            layer = LayerKV(*(tensors[f"{name}.{index}"] for name in ("keys", "values", "positions", "scores")))
-        except KeyError as exc:
-            raise CacheStoreError(f"{path} lacks tensors of layer {index}; ingest the document again") from exc
-        expected = (runner.kv_heads, layer.length, runner.head_dim)
-        if tuple(layer.keys.shape) != expected or layer.values.shape != layer.keys.shape:
-            raise CacheStoreError(f"{path} layer {index} has shape {tuple(layer.keys.shape)}, expected {expected}")
-        if layer.length and int(layer.positions.max()) >= n:
-            raise CacheStoreError(f"{path} layer {index} holds positions beyond the document length {n}")
-        layers.append(
-            LayerKV(
-                keys=layer.keys.to(device=runner.device, dtype=runner.dtype),
-                values=layer.values.to(device=runner.device, dtype=runner.dtype),
-                positions=layer.positions.to(runner.device),
-                scores=layer.scores.to(runner.device),
-            )
-        )
     try:
         config = _config(manifest["config"], manifest["format_version"])
     except (ConfigError, TypeError) as exc:
@@ -363,8 +363,14 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
     summaries = _summaries(tensors, config, runner, path) if "summary_keys.0" in tensors or config.summaries else None
-    extras = _extras(tensors, [layer.length for layer in layers], n, runner, path) if config.heads_differ else None
-    cache = DocumentCache(layers, n, int(manifest["tokens"]["sink_tokens"]), summaries, extras)
+    sinks = int(manifest["tokens"]["sink_tokens"])
+    cache: ResidentCache
+    if config.stored_bits is None:
+        layers = [_layer(tensors, index, n, runner, path) for index in range(runner.num_layers)]
+        extras = _extras(tensors, [layer.length for layer in layers], n, runner, path) if config.heads_differ else None
+        cache = DocumentCache(layers, n, sinks, summaries, extras)
+    else:
+        cache = _coded_cache(tensors, config.stored_bits, n, sinks, summaries, config.heads_differ, runner, path)
     cold = None
     if COLD in manifest["files"]:
         cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
@@ -377,6 +383,77 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         information.to(runner.device) if information is not None else None,
         cold,
     )
+
+
+def _layer_positions(
+    tensors: dict[str, torch.Tensor], index: int, n: int, runner: ModelRunner, path: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index`'s positions and scores (kv_heads, length), checked against the model and the document."""
+    try:
+        positions, scores = tensors[f"positions.{index}"], tensors[f"scores.{index}"]
+    except KeyError as exc:
+        raise CacheStoreError(f"{path} lacks tensors of layer {index}; ingest the document again") from exc
+    if (
+        positions.dim() != 2
+        or positions.shape[0] != runner.kv_heads
+        or scores.shape != positions.shape
+        or (positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < n)
+    ):
+        raise CacheStoreError(f"{path} layer {index} holds positions that do not fit the model and the document {n}")
+    return positions.to(runner.device), scores.to(runner.device)
+
+
+def _layer(tensors: dict[str, torch.Tensor], index: int, n: int, runner: ModelRunner, path: str) -> LayerKV:
+    """Layer `index` at the model's dtype, checked against the model and the document."""
+    positions, scores = _layer_positions(tensors, index, n, runner, path)
+    keys, values = tensors.get(f"keys.{index}"), tensors.get(f"values.{index}")
+    if keys is None or values is None:
+        raise CacheStoreError(f"{path} lacks tensors of layer {index}; ingest the document again")
+    expected = (runner.kv_heads, positions.shape[1], runner.head_dim)
+    if tuple(keys.shape) != expected or values.shape != keys.shape:
+        raise CacheStoreError(f"{path} layer {index} has shape {tuple(keys.shape)}, expected {expected}")
+    return LayerKV(
+        keys.to(device=runner.device, dtype=runner.dtype),
+        values.to(device=runner.device, dtype=runner.dtype),
+        positions,
+        scores,
+    )
+
+
+def _coded_cache(
+    tensors: dict[str, torch.Tensor],
+    bits: int,
+    n: int,
+    sinks: int,
+    summaries: list[EvictedSummary] | None,
+    heads_differ: bool,
+    runner: ModelRunner,
+    path: str,
+) -> CodedCache:
+    """A cache held in codes of `bits`, every tensor checked against the model and the document."""
+    layers = []
+    for index in range(runner.num_layers):
+        positions, scores = _layer_positions(tensors, index, n, runner, path)
+        shape = (runner.kv_heads, positions.shape[1], runner.head_dim)
+        entries = QuantisedEntries.from_saved(tensors, f"codes.{{name}}.{index}", shape, bits, f"{path} layer {index}")
+        layers.append(CodedLayer(entries.to(runner.device), positions, scores))
+    extras = None
+    if heads_differ:
+        extras = []
+        for index, layer in enumerate(layers):
+            positions, counts = _extra_positions(tensors, index, layer.positions.shape[1], n, runner, path)
+            heads = [
+                QuantisedEntries.from_saved(
+                    tensors,
+                    f"extra_codes.{{name}}.{index}.{head}",
+                    (1, int(count), runner.head_dim),
+                    bits,
+                    f"{path} layer {index}'s extras of head {head}",
+                ).to(runner.device)
+                for head, count in enumerate(counts)
+            ]
+            extras.append(CodedExtras(heads, positions, counts))
+    return CodedCache(layers, n, sinks, bits, runner.dtype, summaries, extras)
 
 
 def _summaries(
@@ -421,37 +498,43 @@ def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, t
         ) from exc
 
 
+def _extra_positions(
+    tensors: dict[str, torch.Tensor], index: int, length: int, n: int, runner: ModelRunner, path: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index`'s per-head extras' positions (entries,) and counts (kv_heads,), checked against the model,
+    the document and the layer's own `length`."""
+    try:
+        positions, counts = tensors[f"extra_positions.{index}"], tensors[f"extra_counts.{index}"]
+    except KeyError as exc:
+        raise CacheStoreError(f"{path} lacks the per-head extras of layer {index}; ingest again") from exc
+    entries = positions.shape[0] if positions.dim() == 1 else -1
+    if (
+        entries < 0
+        or tuple(counts.shape) != (runner.kv_heads,)
+        or counts.dtype != torch.long
+        or bool((counts < 0).any())
+        or int(counts.sum()) != entries
+        or int(counts.max()) > n - length
+        or (entries and not 0 <= int(positions.min()) <= int(positions.max()) < n)
+    ):
+        raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
+    return positions.to(runner.device), counts
+
+
 def _extras(
     tensors: dict[str, torch.Tensor], lengths: list[int], n: int, runner: ModelRunner, path: str
 ) -> list[HeadExtras]:
-    """Each layer's per-head extras, checked against the model and the layers' own lengths."""
+    """Each layer's per-head extras at the model's dtype, checked against the model and the layers' own lengths."""
     extras = []
     for index, length in enumerate(lengths):
-        try:
-            extra = HeadExtras(*(tensors[f"extra_{name}.{index}"] for name in EXTRA_TENSORS))
-        except KeyError as exc:
-            raise CacheStoreError(f"{path} lacks the per-head extras of layer {index}; ingest again") from exc
-        entries = extra.keys.shape[0]
-        if (
-            tuple(extra.keys.shape) != (entries, runner.head_dim)
-            or extra.values.shape != extra.keys.shape
-            or tuple(extra.positions.shape) != (entries,)
-            or tuple(extra.counts.shape) != (runner.kv_heads,)
-            or extra.counts.dtype != torch.long
-            or bool((extra.counts < 0).any())
-            or int(extra.counts.sum()) != entries
-            or extra.most > n - length
-            or (entries and not 0 <= int(extra.positions.min()) <= int(extra.positions.max()) < n)
-        ):
+        keys, values = tensors.get(f"extra_keys.{index}"), tensors.get(f"extra_values.{index}")
+        if keys is None or values is None:
+            raise CacheStoreError(f"{path} lacks the per-head extras of layer {index}; ingest again")
+        positions, counts = _extra_positions(tensors, index, length, n, runner, path)
+        if tuple(keys.shape) != (len(positions), runner.head_dim) or values.shape != keys.shape:
             raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
-        extras.append(
-            HeadExtras(
-                extra.keys.to(device=runner.device, dtype=runner.dtype),
-                extra.values.to(device=runner.device, dtype=runner.dtype),
-                extra.positions.to(runner.device),
-                extra.counts,
-            )
-        )
+        keys, values = (t.to(device=runner.device, dtype=runner.dtype) for t in (keys, values))
+        extras.append(HeadExtras(keys, values, positions, counts))
     return extras
 
 

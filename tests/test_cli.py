@@ -347,3 +347,24 @@ def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, 
     refit = run_cli("calibrate", "--model", str(random_model_dir), "--refit", cache_dir=tmp_path)
     assert refit.returncode == 0, refit.stderr
     assert cached.stat().st_mtime_ns != stamp
+
+
+def test_ingest_and_ask_with_the_cache_in_codes(tmp_path: Path, random_model_dir: Path) -> None:
+    doc = _write(tmp_path / "contract.txt", " ".join(CORPUS * 6).encode())
+    common = ("--model", str(random_model_dir), "--keep", "0.5")
+    ingest = run_cli(
+        "ingest", str(doc), "--out", str(tmp_path / "coded"), *common, "--stored-bits", "4", cache_dir=tmp_path
+    )
+    assert ingest.returncode == 0, ingest.stderr
+    info = run_cli("info", str(tmp_path / "coded"), cache_dir=tmp_path)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["config"]["stored_bits"] == 4
+
+    ask = ("ask", str(doc), "-q", "Who pays?", *common, "--store", str(tmp_path / "store"), "--max-new-tokens", "2")
+    coded = json.loads(run_cli(*ask, "--stored-bits", "4", "--json", cache_dir=tmp_path).stdout)
+    plain = json.loads(run_cli(*ask, "--json", cache_dir=tmp_path).stdout)
+    # Another width is another cache: not reused, and its codes are a fraction of the entries' bytes.
+    assert coded["reused_cache"] is False and plain["reused_cache"] is False
+    assert 0 < coded["stats"]["cache_bytes"] < plain["stats"]["cache_bytes"] / 2
+    refused = run_cli(*ask, "--stored-bits", "3", cache_dir=tmp_path)
+    assert refused.returncode == 2 and "--stored-bits: invalid choice: 3 (choose from 4, 8)" in refused.stderr

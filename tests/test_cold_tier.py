@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.cold_tier import PAGE_TOKENS, ColdTier
+from infokv_rag.cold_tier import ColdTier
 from infokv_rag.config import recall_tokens
 from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
+from infokv_rag.quantisation import PAGE_TOKENS
 from infokv_rag.recall import attend_over_cold
 from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
 
@@ -174,7 +175,7 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     # Beside each layer, the heads' extras (per-head budgets, the default), read in place: their own bytes and one
     # log count per padded slot, never a padded copy of every layer's; no summaries when recalling.
-    side = sum(entries.nbytes for entries in doc.cache.beside(summaries=False) or [])
+    side = sum(entries.nbytes for entries in doc.cache.working_copy(0, summaries=False).summaries or [])
     assert doc.cache.extras is not None and side > 0
     assert side == sum(extra.nbytes + 4 * extra.counts.numel() * extra.most for extra in doc.cache.extras)
     assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes + side
@@ -267,7 +268,7 @@ def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
     manifest["files"][COLD] = json.loads((other_path / MANIFEST).read_text())["files"][COLD]
     manifest["checksum"] = _manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CacheStoreError, match="does not match the hot cache"):
+    with pytest.raises(CacheStoreError, match="cold tier of layer 0, beside the hot cache: key_codes does not match"):
         random_engine.load(path)
 
 

@@ -83,6 +83,8 @@ class DocumentRecord:
     """Each question's default recall from the cold tier; 0: the document has no cold tier."""
     cold_bits: int | None = None
     """Width of the cold tier's codes; None without a cold tier."""
+    stored_bits: int | None = None
+    """Width of the codes the kept entries are held in; None: at the model's dtype."""
     size_bytes: int = 0
     pages: int = 0
     skipped_pages: list[int] = field(default_factory=list)
@@ -116,6 +118,7 @@ class DocumentRecord:
         "keep",
         "recall",
         "cold_bits",
+        "stored_bits",
         "created_at",
         "updated_at",
         "size_bytes",
@@ -439,6 +442,7 @@ class Registry:
                 and other.keep == record.keep
                 and other.recall == record.recall
                 and other.cold_bits == record.cold_bits
+                and other.stored_bits == record.stored_bits
             ),
             None,
         )

@@ -117,6 +117,9 @@ class DocumentInfo(BaseModel):
         0, description="What each question recalls from the cold tier by default (0: the document has none)."
     )
     cold_bits: int | None = Field(None, description="Width of the cold tier's codes; None without a cold tier.")
+    stored_bits: int | None = Field(
+        None, description="Width of the codes the kept entries are held in; None: at the model's dtype."
+    )
     size_bytes: int
     pages: int = Field(description="Pages with text.")
     skipped_pages: list[int] = Field(description="PDF pages whose text could not be extracted.")
@@ -171,6 +174,11 @@ class UploadForm(BaseModel):
     )
     cold_bits: ColdBits | None = Field(
         None, description="Width of the cold tier's codes, 4 or 8; default: 8 for a 32-bit cache, 4 for a 16-bit one."
+    )
+    stored_bits: ColdBits | None = Field(
+        None,
+        description="Hold the kept entries in codes of 4 or 8 bits (about 5/16 or 9/16 of a 16-bit cache's bytes), "
+        "each answer decoding them; default: at the model's dtype.",
     )
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
     password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .registry import DocumentRecord, Registry
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
-_FIELDS = ("method", "keep", "recall", "cold_bits", "password")
+_FIELDS = ("method", "keep", "recall", "cold_bits", "stored_bits", "password")
 
 TOKENIZE_PIECE_CHARS = 16_384
 """Text is tokenized in pieces of about this many characters, so that counting stops early."""
@@ -52,6 +52,7 @@ class StagedUpload:
     keep: str | None
     recall: str | None
     cold_bits: str | None
+    stored_bits: str | None
     password: str | None
 
     def discard(self) -> None:
@@ -129,7 +130,7 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
         path,
         name,
         size,
-        *(fields[option] or None for option in ("method", "keep", "recall", "cold_bits", "password")),
+        *(fields[option] or None for option in _FIELDS),
     )
 
 
@@ -139,16 +140,16 @@ def compression_config(
     keep: str | float | int | None,
     recall: str | float | int | None = None,
     cold_bits: str | int | None = None,
+    stored_bits: str | int | None = None,
 ) -> CompressionConfig:
     """The config of an upload's form fields (text) or of a record (typed); None: the server's default."""
     cold: dict[str, Any] = {}
     try:
         if recall is not None:
             cold["recall"] = parse_ratio_or_count(recall, "recall")
-        if cold_bits is not None:
-            cold["cold_bits"] = int(cold_bits)
-    except ValueError:
-        raise ServiceError(422, "invalid_option", f"cold_bits must be 4 or 8, not {str(cold_bits)[:40]!r}") from None
+        for name, bits in (("cold_bits", cold_bits), ("stored_bits", stored_bits)):
+            if bits is not None:
+                cold[name] = _bits(name, bits)
     except ConfigError as exc:
         raise ServiceError(422, "invalid_option", str(exc)) from exc
     try:
@@ -164,7 +165,14 @@ def compression_config(
 
 def record_config(settings: Settings, record: DocumentRecord) -> CompressionConfig:
     """The config a document was uploaded with, to read it again (a restart, a lost cache, a takeover)."""
-    return compression_config(settings, record.method, record.keep, record.recall, record.cold_bits)
+    return compression_config(settings, record.method, record.keep, record.recall, record.cold_bits, record.stored_bits)
+
+
+def _bits(name: str, value: str | int) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ServiceError(422, "invalid_option", f"{name} must be 4 or 8, not {str(value)[:40]!r}") from None
 
 
 def _pdf_page_count(path: Path) -> int | None:

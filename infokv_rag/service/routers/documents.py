@@ -63,6 +63,7 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
         keep=record.keep,
         recall=record.recall,
         cold_bits=record.cold_bits,
+        stored_bits=record.stored_bits,
         size_bytes=record.size_bytes,
         pages=record.pages,
         skipped_pages=record.skipped_pages,
@@ -100,7 +101,9 @@ async def upload_document(request: Request, response: Response, service: Service
     staged = await receive_upload(request, service.registry, settings)
     try:
         config = service.engine.resolve_config(
-            compression_config(settings, staged.method, staged.keep, staged.recall, staged.cold_bits)
+            compression_config(
+                settings, staged.method, staged.keep, staged.recall, staged.cold_bits, staged.stored_bits
+            )
         )
         document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
         now = time.time()
@@ -114,6 +117,7 @@ async def upload_document(request: Request, response: Response, service: Service
             keep=config.keep,
             recall=config.recall,
             cold_bits=config.cold_bits if config.keeps_cold_tier else None,
+            stored_bits=config.stored_bits,
             created_at=now,
             updated_at=now,
             size_bytes=staged.size,

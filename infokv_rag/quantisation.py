@@ -1,0 +1,157 @@
+"""Cache entries in codes of 8 or 4 bits: what the cold tier keeps of the evicted entries
+(`infokv_rag.cold_tier`) and what a cache held in codes keeps of the resident ones (`infokv_rag.coded_cache`).
+
+Keys are quantised per channel within pages of `PAGE_TOKENS` consecutive entries (key outliers live in
+channels, KIVI), between the page's per-channel min and max, which also bound q.k over the page from above
+(Quest); values are quantised per token in groups of `VALUE_GROUP` channels. Codes are `bits` = 8 or 4 wide
+(two 4-bit codes per byte).
+
+Shapes of m entries per KV head, p = ceil(m / PAGE_TOKENS) pages:
+  key_codes, value_codes  (kv_heads, m, head_dim * bits // 8) uint8
+  key_low, key_high       (kv_heads, p, head_dim) float16: the page's per-channel range
+  value_low, value_high   (kv_heads, m, head_dim // group) float16: each group's range (`value_group`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import CacheStoreError
+
+PAGE_TOKENS = 32
+VALUE_GROUP = 32
+TENSOR_NAMES = ("key_codes", "key_low", "key_high", "value_codes", "value_low", "value_high")
+
+
+def code_step(low: Tensor, high: Tensor, bits: int) -> Tensor:
+    """What one code step is worth within [low, high] (float32, the shape of `low`)."""
+    return (high.float() - low.float()).clamp_min(1e-8) / (2**bits - 1)
+
+
+def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
+    """values (..., d) within [low, high] (same shape) -> codes (..., d * bits // 8) uint8."""
+    codes = ((values.float() - low.float()) / code_step(low, high, bits)).round_().clamp_(0, 2**bits - 1)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
+
+
+def unpack_into(out: Tensor, codes: Tensor, bits: int) -> None:
+    """Writes the code of each channel, codes (..., d * bits // 8) uint8, into `out` (..., d) float32 (a view
+    of any layout: the decoders lay keys out channel-major)."""
+    if bits == 4:
+        out[..., 0::2] = codes & 15
+        out[..., 1::2] = codes >> 4
+    else:
+        out.copy_(codes)
+
+
+def value_group(head_dim: int) -> int:
+    """Channels that share one value range: `VALUE_GROUP`, or the whole head when it does not divide it."""
+    return VALUE_GROUP if head_dim % VALUE_GROUP == 0 else head_dim
+
+
+def _per_channel(low: Tensor, high: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Group ranges (..., head_dim // group) -> per-channel ranges (..., head_dim)."""
+    group = head_dim // low.shape[-1]
+    return low.repeat_interleave(group, dim=-1), high.repeat_interleave(group, dim=-1)
+
+
+@dataclass
+class QuantisedEntries:
+    """Keys and values of m entries per KV head in codes, in the order they were given; shapes in the module
+    docstring."""
+
+    key_codes: Tensor
+    key_low: Tensor
+    key_high: Tensor
+    value_codes: Tensor
+    value_low: Tensor
+    value_high: Tensor
+
+    @classmethod
+    def from_saved(
+        cls, tensors: Mapping[str, Tensor], saved_as: str, shape: tuple[int, int, int], bits: int, what: str
+    ) -> QuantisedEntries:
+        """The entries of shape (kv_heads, m, head_dim) from saved `tensors`, each saved under the name
+        `saved_as.format(name=...)` (e.g. "cold.{name}.3"); refuses any that is missing or does not match, naming
+        `what` they belong to."""
+        heads, entries, head_dim = shape
+        pages = -(-entries // PAGE_TOKENS)
+        codes = ((heads, entries, head_dim * bits // 8), torch.uint8)
+        ranges = ((heads, pages, head_dim), torch.float16)
+        groups = ((heads, entries, head_dim // value_group(head_dim)), torch.float16)
+        expected = dict(zip(TENSOR_NAMES, (codes, ranges, ranges, codes, groups, groups), strict=True))
+        found = {}
+        for name, (wanted_shape, wanted_dtype) in expected.items():
+            tensor = tensors.get(saved_as.format(name=name))
+            if tensor is None or tuple(tensor.shape) != wanted_shape or tensor.dtype != wanted_dtype:
+                raise CacheStoreError(
+                    f"{what}: {name} does not match (expected {wanted_shape} {wanted_dtype}); ingest the document again"
+                )
+            found[name] = tensor
+        return cls(**found)
+
+    @classmethod
+    def encode(cls, keys: Tensor, values: Tensor, bits: int) -> QuantisedEntries:
+        """Quantises keys, values (kv_heads, m, head_dim), pages cut in the order given."""
+        heads, m, dim = keys.shape
+        pages = -(-m // PAGE_TOKENS)
+        padded = keys.new_zeros(heads, pages * PAGE_TOKENS, dim)
+        padded[:, :m] = keys
+        # The padding of the last page repeats its first entry, so that it widens no range.
+        if m % PAGE_TOKENS:
+            padded[:, m:] = keys[:, (pages - 1) * PAGE_TOKENS].unsqueeze(1)
+        paged = padded.reshape(heads, pages, PAGE_TOKENS, dim)
+        key_low, key_high = paged.amin(dim=2).half(), paged.amax(dim=2).half()
+        page_of_entry = torch.arange(m, device=keys.device) // PAGE_TOKENS
+        group = value_group(dim)
+        groups = values.float().reshape(heads, m, dim // group, group)
+        value_low, value_high = groups.amin(dim=3).half(), groups.amax(dim=3).half()
+        return cls(
+            key_codes=quantize(keys, key_low[:, page_of_entry], key_high[:, page_of_entry], bits),
+            key_low=key_low,
+            key_high=key_high,
+            value_codes=quantize(values, *_per_channel(value_low, value_high, dim), bits),
+            value_low=value_low,
+            value_high=value_high,
+        )
+
+    def to(self, device: torch.device) -> QuantisedEntries:
+        return QuantisedEntries(*(getattr(self, name).to(device) for name in TENSOR_NAMES))
+
+    @property
+    def length(self) -> int:
+        """m: entries per KV head."""
+        return int(self.key_codes.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in TENSOR_NAMES)
+
+    def all_keys(self, bits: int) -> Tensor:
+        """Every dequantised key (kv_heads, m, head_dim) float32, in the stored order.
+
+        Laid out channel-major (a transposed view), so that recall's q.k over them is one contiguous
+        product; decoded page by page against the page's range, broadcast: recall decodes every key per question.
+        """
+        heads, pages, dim = self.key_low.shape
+        keys = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
+        unpack_into(keys.transpose(1, 2)[:, : self.length], self.key_codes, bits)
+        low, high = (ranges.float().transpose(1, 2).unsqueeze(3) for ranges in (self.key_low, self.key_high))
+        keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
+        return keys[:, :, : self.length].transpose(1, 2)
+
+    def all_values(self, bits: int) -> Tensor:
+        """Every dequantised value (kv_heads, m, head_dim) float32, in the stored order."""
+        heads, m, groups = self.value_low.shape
+        dim = self.value_codes.shape[2] * 8 // bits
+        values = torch.empty(heads, m, dim, device=self.value_codes.device)
+        unpack_into(values, self.value_codes, bits)
+        low, high = self.value_low.unsqueeze(3), self.value_high.unsqueeze(3)
+        grouped = values.view(heads, m, groups, dim // groups)
+        grouped.mul_(code_step(low, high, bits)).add_(low.float())
+        return values
