@@ -55,6 +55,7 @@ from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoK
 from infokv_rag.documents import Document, Page, load_document
 from infokv_rag.generation import Generation, GenerationOptions
 from infokv_rag.models import cache_root
+from infokv_rag.placement import DTYPES, dtype_name
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
@@ -626,7 +627,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="default")
     parser.add_argument(
         "--dtype",
-        choices=("fp32", "bf16", "fp16"),
+        choices=sorted(DTYPES),
         default="fp32",
         help="the model's and the cache's precision (default fp32, as every published figure; bf16 is the GPU default)",
     )
@@ -666,7 +667,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except RowSpecError as error:
         parser.error(str(error))
     args.peer_rows = [] if args.no_kvpress else peer_rows(args.kvpress_presses, args.engine_rows)
-    if args.peer_rows and args.dtype != "fp32":
+    if args.peer_rows and dtype_name(args.dtype) != "float32":
         parser.error("--dtype applies to this project's rows only (kvpress runs in float32): add --no-kvpress")
     if args.peer_rows and not args.kvpress_python.is_file():
         # Fail now rather than after the long evaluation.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,9 @@ def test_rows_given_twice_and_the_command_line() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--rows", "snapkv@0.25", "--dtype", "bf16"])  # kvpress rows run in float32
     assert parse_args(["--rows", "snapkv@0.25", "--no-kvpress", "--dtype", "bf16"]).dtype == "bf16"
+    # The engine's own names (infokv_rag.placement.DTYPES): float32 by any name keeps the kvpress rows.
+    peers = ["--rows", "snapkv@0.25", "--kvpress-python", sys.executable]
+    assert parse_args([*peers, "--dtype", "float32"]).peer_rows
 
 
 def test_default_rows_are_the_registered_ones() -> None:
