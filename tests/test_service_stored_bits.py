@@ -54,3 +54,20 @@ def test_an_upload_held_in_codes_answers_from_them_after_a_restart(random_engine
         counters = client.get("/healthz").json()["counters"]
         assert counters["prefills"] == 0 and counters["cache_loads"] == 1
         assert client.get(f"/v1/documents/{coded}", headers=A).json()["cache_bytes"] == info["cache_bytes"]
+
+
+def test_the_shared_store_carries_the_codes(
+    random_engine: InfoKVEngine, random_model_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
+    store = f"file://{tmp_path}/store"
+    with running(random_engine, tmp_path / "a", store=store) as first:
+        doc_id = upload_ready(first, A, "coded.txt", LONG, stored_bits="8")
+        reference = answer(first, doc_id)
+        cache_bytes = first.get(f"/v1/documents/{doc_id}", headers=A).json()["cache_bytes"]
+    second_engine = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+    with running(second_engine, tmp_path / "b", store=store) as second:
+        assert answer(second, doc_id) == reference
+        info = second.get(f"/v1/documents/{doc_id}", headers=A).json()
+        assert info["cache_origin"] == "store" and info["stored_bits"] == 8 and info["cache_bytes"] == cache_bytes
+        assert second.get("/healthz").json()["counters"]["prefills"] == 0
