@@ -33,8 +33,7 @@ class CodedLayer:
     scores: Tensor
 
     def decoded(self, bits: int, dtype: torch.dtype) -> LayerKV:
-        keys = self.entries.all_keys(bits).to(dtype)
-        return LayerKV(keys, self.entries.all_values(bits).to(dtype), self.positions, self.scores)
+        return LayerKV(*self.entries.decoded(bits, dtype), self.positions, self.scores)
 
 
 @dataclass
@@ -55,9 +54,8 @@ class CodedExtras:
         return sum(head.nbytes for head in self.heads) + self.counts.numel() * self.counts.element_size()
 
     def decoded(self, bits: int, dtype: torch.dtype) -> HeadExtras:
-        keys = [head.all_keys(bits)[0].to(dtype) for head in self.heads]
-        values = [head.all_values(bits)[0].to(dtype) for head in self.heads]
-        return HeadExtras(torch.cat(keys), torch.cat(values), self.positions, self.counts)
+        keys, values = zip(*(head.decoded(bits, dtype) for head in self.heads), strict=True)
+        return HeadExtras(torch.cat(keys, dim=1)[0], torch.cat(values, dim=1)[0], self.positions, self.counts)
 
 
 @dataclass

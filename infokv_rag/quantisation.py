@@ -145,6 +145,10 @@ class QuantisedEntries:
         keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
         return keys[:, :, : self.length].transpose(1, 2)
 
+    def decoded(self, bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every key and value (kv_heads, m, head_dim) at `dtype`, in the stored order (keys channel-major)."""
+        return self.all_keys(bits).to(dtype), self.all_values(bits).to(dtype)
+
     def all_values(self, bits: int) -> Tensor:
         """Every dequantised value (kv_heads, m, head_dim) float32, in the stored order."""
         heads, m, groups = self.value_low.shape
