@@ -5,7 +5,8 @@
 #   2. each Triton kernel against its PyTorch reference at 32K tokens (benchmarks/kernels.py);
 #   3. ingestion overhead over a plain prefill on random weights of the default model's architecture
 #      (benchmarks/random_weights.py: timing depends on shapes only), then of a Llama-3.1-8B shape;
-#   4. follow-up latency (benchmarks/latency.py) on the default architecture's random weights.
+#   4. follow-up latency (benchmarks/latency.py) on the default architecture's random weights, then from a cache
+#      held in 4-bit codes against the same cache at the model's dtype.
 # Each step has its own time limit and the script starts no step past GPU_CHECK_SECONDS, so that a short lease
 # still brings back the first steps. Logs and tables go to OUT_DIR (at most 7 files).
 #
@@ -58,9 +59,11 @@ step tests 300 "$OUT_DIR/tests.log" $PY -m pytest -q -p no:cacheprovider -rs tes
 step kernels 180 "$OUT_DIR/kernels.md" $PY benchmarks/kernels.py --repeats 5
 step random-default 120 "$OUT_DIR/overhead.md" $PY -m benchmarks.random_weights --like "$LIKE" --out "$WORK/default"
 step overhead-default 180 "$OUT_DIR/overhead.md" $PY benchmarks/overhead.py --model "$WORK/default" \
-    --tokens 1024 4096 16384 --repeats 2 --variants infokv snapkv infokv_quality kvzip
+    --tokens 1024 4096 16384 --repeats 2 --variants infokv infokv_4bit snapkv infokv_quality kvzip
 step latency-default 120 "$OUT_DIR/latency.md" $PY benchmarks/latency.py --model "$WORK/default" --repeats 3 \
     --reprefills 3
+step latency-codes 120 "$OUT_DIR/latency.md" $PY benchmarks/latency.py --model "$WORK/default" --repeats 3 \
+    --keep 0.8 --recall 0 --stored-bits 4
 step random-8b 180 "$OUT_DIR/overhead-8b.md" $PY -m benchmarks.random_weights --like "$LIKE" --shape llama-3.1-8b \
     --out "$WORK/llama-8b"
 step overhead-8b 300 "$OUT_DIR/overhead-8b.md" $PY benchmarks/overhead.py --model "$WORK/llama-8b" \

@@ -4,7 +4,8 @@ For each document length, the same document is ingested with `full` (prefill onl
 captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
 the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
 (the fast default: the surrogate's predicted reconstruction attention, with summaries of what it evicts),
-`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_global` (one length
+`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_4bit` (the same with
+its kept entries held in 4-bit codes: the encoding added), `infokv_global` (one length
 per layer, the previous default: no per-head selection or extras), `infokv_window` (the
 previous default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
 `kvzip` add a reconstruction pass per chunk.
@@ -13,6 +14,7 @@ previous default: the observation window's attention) and `snapkv` add no forwar
     python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
     python benchmarks/overhead.py --tokens 16384 --repeats 1 --variants snapkv infokv --profile
     python benchmarks/overhead.py --tokens 1024 4096 --variants infokv --dtypes fp32 bf16
+    python benchmarks/overhead.py --tokens 4096 --keep 0.8 --variants infokv infokv_4bit
 
 `--dtypes` runs the whole measurement once per dtype, one engine at a time, and also gives each plain prefill
 as a ratio to the first dtype's (the same document, tokenised once).
@@ -42,6 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "snapkv": {"method": "snapkv"},
     "infokv": {"method": "infokv"},
     "infokv_no_summaries": {"method": "infokv", "summaries": 0},
+    "infokv_4bit": {"method": "infokv", "stored_bits": 4},
     "infokv_global": {"method": "infokv", "settings": {"layer_budgets": "global"}},
     "infokv_window": {
         "method": "infokv",
@@ -154,7 +157,8 @@ def main() -> int:
     print(
         "\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent "
         "token ids plus the document's tokens; 16 summaries per layer and KV head; per-head budgets); "
-        "infokv_no_summaries: the same without summaries; infokv_global: one length per layer (the previous "
+        "infokv_no_summaries: the same without summaries; infokv_4bit: the same with the kept entries encoded in "
+        "4-bit codes; infokv_global: one length per layer (the previous "
         "default); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
         "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
     )

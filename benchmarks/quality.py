@@ -315,6 +315,14 @@ def main() -> int:
         choices=(4, 8),
         help="code width of those cold tiers (default: the engine's choice for the model's dtype)",
     )
+    parser.add_argument(
+        "--stored-bits",
+        type=int,
+        nargs="+",
+        default=[],
+        choices=(4, 8),
+        help="also infokv with its kept entries held in codes of this width (CompressionConfig.stored_bits)",
+    )
     parser.add_argument("--ablate", action="store_true", help="also sweep each InfoKV knob (dev split)")
     parser.add_argument("--no-sample", action="store_true", help="skip the Apache-2.0 PDF questions")
     parser.add_argument("--max-new-tokens", type=int, default=20)
@@ -351,6 +359,10 @@ def main() -> int:
             asked = CompressionConfig(keep=keep, recall=recall, cold_bits=args.cold_bits, chunk_size=8192)
             configs[name] = config = engine.resolve_config(asked)
             labels[name] = (f"infokv + recall {recall}, {config.cold_bits}-bit", str(keep))
+        for bits in args.stored_bits:
+            name = f"infokv[stored_bits={bits}]@{keep}"
+            configs[name] = CompressionConfig(keep=keep, stored_bits=bits, chunk_size=8192)
+            labels[name] = (f"infokv, {bits}-bit codes", str(keep))
         if args.ablate:
             for knob, change in ABLATIONS.items():
                 name = f"infokv[{knob}]@{keep}"

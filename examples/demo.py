@@ -1,6 +1,6 @@
 """Read a PDF once into an InfoKV-compressed cache, then answer questions about it.
 
-    make demo                       # or: python examples/demo.py [--model default] [--keep 0.25]
+    make demo                       # or: python examples/demo.py [--model default] [--keep 0.25] [--stored-bits 4]
 
 The sample is the Apache License 2.0 (examples/sample/apache-license-2.0.pdf); the questions and the
 text a right answer contains come from examples/sample/QUESTIONS.md. The compressed cache goes into
@@ -76,6 +76,13 @@ def main() -> int:
     parser.add_argument(
         "--recall", type=float, default=0.1, help="keep a cold tier and recall this share per question (0: none)"
     )
+    parser.add_argument(
+        "--stored-bits",
+        type=int,
+        default=None,
+        choices=(4, 8),
+        help="hold the kept entries in codes of this width (default: at the model's dtype)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--store", default=None, help="cache store (default: $INFOKV_CACHE_DIR/documents)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when an answer lacks the expected text")
@@ -93,7 +100,7 @@ def main() -> int:
 
     document = load_document(PDF)
     print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")
-    config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall)
+    config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
     store = CacheStore(args.store or cache_root() / "documents")
     progress = ProgressBar(f"reading {PDF.name}", enabled=True)
     started = time.perf_counter()

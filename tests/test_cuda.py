@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU (random 3-layer model from conftest): every method ingests, saves, loads and answers
-there, keeps what the same model keeps on the CPU, and a cache written on the GPU serves on the CPU.
+there, keeps what the same model keeps on the CPU, a cache held in codes decodes there as on the CPU, and a cache
+written on the GPU serves on the CPU.
 
 Skipped without CUDA (CI has none); on a GPU: `python -m pytest tests/test_cuda.py tests/test_kernels.py`.
 `INFOKV_TEST_GPU=cpu` runs this module on the CPU instead, to check the tests themselves.
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.coded_cache import CodedCache
+from infokv_rag.quantisation import TENSOR_NAMES
 from infokv_rag.scorers import method_names
 from infokv_rag.summaries import absorb
 
@@ -96,6 +99,31 @@ def test_a_cache_written_on_the_gpu_serves_on_the_cpu(
         assert got.keys.device.type == "cpu" and got.keys.dtype == torch.float32
         assert torch.equal(got.keys, want.keys.cpu().float()) and torch.equal(got.positions, want.positions.cpu())
     assert loaded.ask(QUESTION, max_new_tokens=6, recall=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_cache_held_in_codes_decodes_on_the_gpu_as_on_the_cpu(
+    random_engine: InfoKVEngine, gpu_engines: dict[str, InfoKVEngine], dtype: str, tmp_path: Path
+) -> None:
+    engine = gpu_engines[dtype]
+    doc = engine.ingest_text(TEXT, CompressionConfig(keep=0.8, stored_bits=4, chunk_size=256))
+    assert isinstance(doc.cache, CodedCache)
+    for layer in doc.cache.layers:
+        assert all(getattr(layer.entries, name).device.type == torch.device(GPU).type for name in TENSOR_NAMES)
+    saved = doc.save(tmp_path / "doc")
+    on_cpu = random_engine.load(saved)
+    decoded, decoded_on_cpu = doc.cache.working_copy(0), on_cpu.cache.working_copy(0)
+    for got, want in zip(decoded.layers, decoded_on_cpu.layers, strict=True):
+        assert got.live("keys").dtype == engine.runner.dtype
+        for name in ("keys", "values"):
+            # The same codes by the same arithmetic, up to the device's rounding (a fused multiply-add may move a
+            # float32 result by an ulp, and so a bf16 one across a rounding edge); the CPU copy is float32.
+            tolerance = 1e-6 if engine.runner.dtype == torch.float32 else 2**-7
+            torch.testing.assert_close(
+                got.live(name).cpu(), want.live(name).to(engine.runner.dtype), rtol=tolerance, atol=1e-6
+            )
+    answer = doc.ask(QUESTION, max_new_tokens=6)
+    assert answer and engine.load(saved).ask(QUESTION, max_new_tokens=6) == answer
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="waits on the device are only seen on CUDA")
