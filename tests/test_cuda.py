@@ -113,12 +113,12 @@ def test_a_cache_held_in_codes_decodes_on_the_gpu_as_on_the_cpu(
     saved = doc.save(tmp_path / "doc")
     on_cpu = random_engine.load(saved)
     decoded, decoded_on_cpu = doc.cache.working_copy(0), on_cpu.cache.working_copy(0)
+    # The same codes by the same arithmetic, up to the device's rounding (a fused multiply-add may move a float32
+    # result by an ulp, and so a bf16 one across a rounding edge); the CPU copy is float32.
+    tolerance = 1e-6 if engine.runner.dtype == torch.float32 else 2**-7
     for got, want in zip(decoded.layers, decoded_on_cpu.layers, strict=True):
         assert got.live("keys").dtype == engine.runner.dtype
         for name in ("keys", "values"):
-            # The same codes by the same arithmetic, up to the device's rounding (a fused multiply-add may move a
-            # float32 result by an ulp, and so a bf16 one across a rounding edge); the CPU copy is float32.
-            tolerance = 1e-6 if engine.runner.dtype == torch.float32 else 2**-7
             torch.testing.assert_close(
                 got.live(name).cpu(), want.live(name).to(engine.runner.dtype), rtol=tolerance, atol=1e-6
             )
