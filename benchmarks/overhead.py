@@ -2,13 +2,8 @@
 
 For each document length, the same document is ingested with `full` (prefill only: no signal is
 captured and nothing is compressed) and with each variant, interleaved and repeated; the fastest of
-the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. `infokv`
-(the fast default: the surrogate's predicted reconstruction attention, with summaries of what it evicts),
-`infokv_no_summaries` (the same without summaries, so without their k-means), `infokv_4bit` (the same with
-its kept entries held in 4-bit codes: the encoding added), `infokv_global` (one length
-per layer, the previous default: no per-head selection or extras), `infokv_window` (the
-previous default: the observation window's attention) and `snapkv` add no forward pass; `infokv_quality` and
-`kvzip` add a reconstruction pass per chunk.
+the repeats is kept. Overhead = (method time - full time) / full time, all at one chunk size. Each variant
+is described in `VARIANTS`, and the table's footnote repeats the descriptions of those measured.
 
     python benchmarks/overhead.py --tokens 1024 4096 16384
     python benchmarks/overhead.py --tokens 2048 4096 --variants infokv infokv_quality kvzip
@@ -31,6 +26,7 @@ import cProfile
 import pstats
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,29 +36,55 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.kernels import get_kernel_backend
 from infokv_rag.placement import DTYPES
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "snapkv": {"method": "snapkv"},
-    "infokv": {"method": "infokv"},
-    "infokv_no_summaries": {"method": "infokv", "summaries": 0},
-    "infokv_4bit": {"method": "infokv", "stored_bits": 4},
-    "infokv_global": {"method": "infokv", "settings": {"layer_budgets": "global"}},
-    "infokv_window": {
-        "method": "infokv",
-        "settings": {
-            "attention": "window",
-            "layer_budgets": "uniform",
-            "lam": 0.25,
-            "normalization": "minmax",
-            "aggregation": "sentence",
-            "units": "token",
+
+@dataclass(frozen=True)
+class Variant:
+    """A mode measured against `full`: its `CompressionConfig` fields, and what it is (the table's footnote)."""
+
+    fields: dict[str, Any]
+    description: str
+
+
+VARIANTS: dict[str, Variant] = {
+    "snapkv": Variant({"method": "snapkv"}, "the observation window's attention, pooled; no forward pass added"),
+    "infokv": Variant(
+        {"method": "infokv"},
+        "the defaults (the surrogate's predicted reconstruction attention; surprisal over the 16,384 most frequent "
+        "token ids plus the document's tokens; 16 summaries per layer and KV head, from a k-means of what it "
+        "evicts; per-head budgets)",
+    ),
+    "infokv_no_summaries": Variant({"method": "infokv", "summaries": 0}, "the same without summaries (no k-means)"),
+    "infokv_4bit": Variant(
+        {"method": "infokv", "stored_bits": 4},
+        "the same, its kept entries in 4-bit codes (the encoding added)",
+    ),
+    "infokv_global": Variant(
+        {"method": "infokv", "settings": {"layer_budgets": "global"}},
+        "one length per layer, no per-head selection or extras (a previous default)",
+    ),
+    "infokv_window": Variant(
+        {
+            "method": "infokv",
+            "settings": {
+                "attention": "window",
+                "layer_budgets": "uniform",
+                "lam": 0.25,
+                "normalization": "minmax",
+                "aggregation": "sentence",
+                "units": "token",
+            },
         },
-    },
-    "infokv_entropy": {"method": "infokv", "settings": {"information": "entropy"}},
-    "infokv_full_vocab": {"method": "infokv", "settings": {"entropy_vocabulary": 0}},
-    "infokv_quality": {"method": "infokv_quality"},
-    "kvzip": {"method": "kvzip"},
+        "the observation window's attention (an earlier default)",
+    ),
+    "infokv_entropy": Variant(
+        {"method": "infokv", "settings": {"information": "entropy"}}, "top-k entropy instead of surprisal"
+    ),
+    "infokv_full_vocab": Variant(
+        {"method": "infokv", "settings": {"entropy_vocabulary": 0}}, "surprisal over the whole vocabulary"
+    ),
+    "infokv_quality": Variant({"method": "infokv_quality"}, "the quality mode: a reconstruction pass per chunk"),
+    "kvzip": Variant({"method": "kvzip"}, "our KVzip: a reconstruction pass per chunk"),
 }
-"""CompressionConfig fields of each variant measured against `full`."""
 
 
 def document_of(engine: InfoKVEngine, tokens: int) -> str:
@@ -114,9 +136,10 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    variants = {"full": {"method": "full"}, **{name: VARIANTS[name] for name in args.variants}}
+    variants = {"full": {"method": "full"}, **{name: VARIANTS[name].fields for name in args.variants}}
     configs = {
-        name: CompressionConfig(keep=args.keep, chunk_size=args.chunk_size, **spec) for name, spec in variants.items()
+        name: CompressionConfig(keep=args.keep, chunk_size=args.chunk_size, **fields)
+        for name, fields in variants.items()
     }
     rows: list[tuple[str, int, dict[str, float]]] = []
     texts: dict[int, str] = {}
@@ -154,14 +177,7 @@ def main() -> int:
         base = best["full"]
         cells = " | ".join(f"{best[name]:.2f} | {(best[name] - base) / base:+.1%}" for name in scored)
         print(f"| {dtype_name} | {n} | {base:.2f} | {base / first_prefill[n]:.2f} | {cells} |")
-    print(
-        "\ninfokv: the defaults (predicted reconstruction attention; surprisal over the 16,384 most frequent "
-        "token ids plus the document's tokens; 16 summaries per layer and KV head; per-head budgets); "
-        "infokv_no_summaries: the same without summaries; infokv_4bit: the same with the kept entries encoded in "
-        "4-bit codes; infokv_global: one length per layer (the previous "
-        "default); infokv_entropy: top-k entropy instead of surprisal; infokv_full_vocab: "
-        "surprisal over the whole vocabulary; infokv_quality and kvzip: a reconstruction pass per chunk."
-    )
+    print("\n" + "; ".join(f"{name}: {VARIANTS[name].description}" for name in scored) + ".")
     return 0
 
 
