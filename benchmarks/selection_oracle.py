@@ -135,7 +135,7 @@ def question_attention(
     runner = engine.runner
     for question, continuation in conversations:
         ids = [*engine.prompt.conversation_ids(question_turns(question)), *continuation]
-        session = full.working_copy(len(ids), summaries=False)
+        session = full.working_cache(len(ids), summaries=False)
         positions = torch.arange(n, n + len(ids), device=runner.device)
         runner.forward(torch.tensor(ids, device=runner.device), positions, session, capture)
     return capture.attention

@@ -57,7 +57,8 @@ def compress_variants(
             if key not in informations:
                 informations[key] = ingestion.chunk_information(hidden, 0, len(ids))
             information = informations[key]
-        cache = full_cache.working_copy(0)
+        cache = full_cache.working_cache(0)
+        cache.materialise()  # compression changes the layers
         ingestion.score_and_compress(cache, capture, hidden, 0, len(ids), information)
         result = ingestion.finish(cache)
         result.stats.pages = len(document.pages)

@@ -146,11 +146,14 @@ class SideEntries:
     extras: HeadExtras | None
     summary: EvictedSummary | None
     log_counts: Tensor
+    owns_extras: bool = False
+    """Whether `extras` were made for this answer alone (a decode of codes), so that their bytes count as held."""
 
     @classmethod
-    def of(cls, extras: HeadExtras | None, summary: EvictedSummary | None) -> SideEntries:
+    def of(cls, extras: HeadExtras | None, summary: EvictedSummary | None, owns_extras: bool) -> SideEntries:
         own = [] if extras is None else [extras.slot_log_counts()]
-        return cls(extras, summary, torch.cat(own + ([] if summary is None else [summary.log_counts.float()]), dim=1))
+        log_counts = torch.cat(own + ([] if summary is None else [summary.log_counts.float()]), dim=1)
+        return cls(extras, summary, log_counts, owns_extras)
 
     @property
     def length(self) -> int:
@@ -158,10 +161,10 @@ class SideEntries:
 
     @property
     def nbytes(self) -> int:
-        """Bytes an answer reads beside the layer: the extras' own (unpadded), the summaries and the log counts."""
-        own = self.extras.nbytes if self.extras is not None else 0
-        own += self.log_counts.numel() * self.log_counts.element_size()
-        return own + (self.summary.keys.nbytes + self.summary.values.nbytes if self.summary is not None else 0)
+        """Bytes the answer holds beside the layer: its log counts, and the extras when it owns them (unpadded).
+        The summaries, and extras read in place, are the document's."""
+        own = self.log_counts.numel() * self.log_counts.element_size()
+        return own + (self.extras.nbytes if self.extras is not None and self.owns_extras else 0)
 
     def materialised(self) -> EvictedSummary:
         """The entries as one layer attends to them, (kv_heads, length, head_dim), with this answer's log counts.
@@ -176,7 +179,7 @@ class SideEntries:
 
 class ResidentCache(ABC):
     """A document's compressed cache as it is held between answers (`DocumentCache` at the model's dtype, or
-    `infokv_rag.coded_cache.CodedCache` in codes), and what every answer makes of it: a working copy."""
+    `infokv_rag.coded_cache.CodedCache` in codes), and what every answer makes of it: a working cache."""
 
     document_tokens: int
     """n: the uncompressed length, and the position the first question token takes."""
@@ -209,7 +212,7 @@ class ResidentCache(ABC):
 
     @abstractmethod
     def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
-        """kv_heads, head_dim, dtype and device of an answer's working copy."""
+        """kv_heads, head_dim, dtype and device of an answer's working cache."""
 
     @property
     def lengths(self) -> list[int]:
@@ -244,18 +247,27 @@ class ResidentCache(ABC):
         positions, counts = extras[layer]
         return [torch.cat(pair) for pair in zip(own, positions.split(counts.tolist()), strict=True)]
 
-    def working_copy(self, extra_tokens: int, summaries: bool = True) -> KVCache:
-        """A growable copy for answering a question, with what it attends beside each layer (`SideEntries`:
+    @property
+    @abstractmethod
+    def answers_read_in_place(self) -> bool:
+        """Whether `answer_layers` and `answer_extras` are what is held itself (an answer then reads them in place
+        and holds none of their bytes), rather than a copy each answer makes (a decode of codes)."""
+
+    def working_cache(self, extra_tokens: int, summaries: bool = True) -> KVCache:
+        """A working cache for answering a question: each layer reads the document's entries (`answer_layers`)
+        in place and holds room for `extra_tokens` of its own; beside each layer, what it attends (`SideEntries`:
         the extras, then the summaries if `summaries`; an answer that recalls from the cold tier reads what
-        they stand for itself); what is held stays untouched."""
+        they stand for itself). What is held stays untouched: `LayerBuffer.materialise` copies a layer's
+        document entries in before anything would change them."""
         cache = KVCache(len(self.lengths), *self.working_layout())
+        shared = self.answers_read_in_place
         for buffer, layer in zip(cache.layers, self.answer_layers(), strict=True):
-            buffer.load(layer, capacity=layer.length + extra_tokens)
+            buffer.read_in_place(layer, owned=not shared, capacity=extra_tokens)
         extras, stand_ins = self.answer_extras(), self.summaries if summaries else None
         if extras is not None or stand_ins is not None:
             nothing: list[None] = [None] * len(cache.layers)
             cache.summaries = [
-                SideEntries.of(extra, summary)
+                SideEntries.of(extra, summary, owns_extras=not shared)
                 for extra, summary in zip(extras or nothing, stand_ins or nothing, strict=True)
             ]
         return cache
@@ -284,6 +296,10 @@ class DocumentCache(ResidentCache):
     def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
         return None if self.extras is None else [(extra.positions, extra.counts) for extra in self.extras]
 
+    @property
+    def answers_read_in_place(self) -> bool:
+        return True
+
     def answer_layers(self) -> Iterator[LayerKV]:
         return iter(self.layers)
 
@@ -308,7 +324,12 @@ def gather_tokens(tensor: Tensor, indices: Tensor) -> Tensor:
 
 
 class LayerBuffer:
-    """Preallocated storage of one layer that grows by doubling; the first `length` slots are live."""
+    """Preallocated storage of one layer that grows by doubling; the first `length` slots are live.
+
+    An answer's layer reads the document's entries in place (`base`, ahead of its own) and stores only its own:
+    recalled entries, the question and the answer so far. `materialise` copies the base in, for whatever must
+    change or see the whole layer at once (decode-time eviction, a signal capture).
+    """
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.keys = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
@@ -316,6 +337,19 @@ class LayerBuffer:
         self.positions = torch.empty(kv_heads, 0, dtype=torch.long, device=device)
         self.scores = torch.empty(kv_heads, 0, dtype=torch.float32, device=device)
         self.length = 0
+        self.base: LayerKV | None = None
+        """Entries read in place ahead of the live ones, never modified; None once materialised (or never set)."""
+        self.owns_base = False
+        """Whether `base` was made for this buffer alone (a decode of codes), so that its bytes count as held."""
+
+    @property
+    def base_length(self) -> int:
+        return self.base.length if self.base is not None else 0
+
+    @property
+    def total_length(self) -> int:
+        """Entries the layer attends: the base, then the live ones."""
+        return self.base_length + self.length
 
     def _reserve(self, capacity: int) -> None:
         if capacity <= self.keys.shape[1]:
@@ -327,11 +361,23 @@ class LayerBuffer:
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
 
-    def load(self, layer: LayerKV, capacity: int) -> None:
+    def read_in_place(self, layer: LayerKV, owned: bool, capacity: int) -> None:
+        """Reads `layer` in place as the base, with nothing live yet and room for `capacity` entries."""
         self._reserve(capacity)
-        self.length = layer.length
+        self.base, self.owns_base, self.length = layer, owned, 0
+
+    def materialise(self) -> None:
+        """Copies the base in ahead of the live entries, so that the live entries are the whole layer."""
+        if self.base is None:
+            return
+        base, added = self.base, self.base.length
+        self._reserve(self.length + added)
         for name in ("keys", "values", "positions", "scores"):
-            getattr(self, name)[:, : self.length] = getattr(layer, name)
+            buffer = getattr(self, name)
+            buffer[:, added : added + self.length] = buffer[:, : self.length].clone()
+            buffer[:, :added] = getattr(base, name)
+        self.length += added
+        self.base, self.owns_base = None, False
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
         """keys, values: (kv_heads, q, head_dim); positions: (q,); scores: (q,)."""
@@ -381,6 +427,7 @@ class LayerBuffer:
         return keys, values, positions
 
     def freeze(self) -> LayerKV:
+        self.materialise()
         return LayerKV(*(self.live(name).clone() for name in ("keys", "values", "positions", "scores")))
 
 
@@ -389,7 +436,8 @@ class KVCache:
 
     The model runner sets `pending_positions` (q,) and `pending_scores` (q,) before each forward; every
     layer's `update` appends its new keys and values with them and returns the layer's live tensors
-    (1, kv_heads, length, head_dim), which is what the attention layers expect. `summaries`, when set, are
+    (1, kv_heads, length, head_dim), which is what the attention layers expect; a layer that reads a base in
+    place (`LayerBuffer`) is attended over it too (`infokv_rag.model_runner`). `summaries`, when set, are
     attended to beside every layer's entries (never modified, never evicted).
     """
 
@@ -408,13 +456,21 @@ class KVCache:
 
     @property
     def lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
+        """Entries each layer attends (per KV head): its base and its live ones."""
+        return [layer.total_length for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live keys and values over all layers, summaries included."""
+        """Bytes of keys and values this cache holds over all layers: the live ones, the bases it owns (not those
+        it reads in place) and what it holds beside each layer (`SideEntries.nbytes`)."""
         entries = sum(2 * layer.live("keys").numel() * layer.keys.element_size() for layer in self.layers)
+        entries += sum(layer.base.nbytes for layer in self.layers if layer.base is not None and layer.owns_base)
         return entries + sum(summary.nbytes for summary in self.summaries or [])
+
+    def materialise(self) -> None:
+        """Copies every layer's base in (`LayerBuffer.materialise`)."""
+        for layer in self.layers:
+            layer.materialise()
 
     @property
     def summary_tokens(self) -> int:
@@ -429,9 +485,12 @@ class KVCache:
     def rollback(self, lengths: list[int]) -> None:
         """Drops every entry appended after the cache had these per-layer `lengths`."""
         for layer, length in zip(self.layers, lengths, strict=True):
-            if length > layer.length:
-                raise ValueError(f"cannot roll a layer of {layer.length} entries back to {length}")
-            layer.length = length
+            if not layer.base_length <= length <= layer.total_length:
+                raise ValueError(
+                    f"cannot roll a layer of {layer.total_length} entries ({layer.base_length} read in place) "
+                    f"back to {length}"
+                )
+            layer.length = length - layer.base_length
 
     def freeze(
         self,

@@ -4,8 +4,8 @@ The entries a document keeps (each layer's own, and each KV head's extras with p
 in 8- or 4-bit codes, the cold tier's (`infokv_rag.quantisation`: keys per channel in pages of 32 entries,
 values per token in groups of 32 channels, float16 ranges), in memory and on disk; positions, eviction
 scores and the summaries of evicted entries stay as they are. Each answer decodes the codes into its own
-working copy at the model's dtype, one layer at a time, and its extras once: an answer's peak is what it
-was at the model's dtype (the working copy was always a full copy), plus the extras it decodes.
+working cache at the model's dtype, one layer at a time, and its extras once: where an answer over a cache at the
+model's dtype reads the document's entries in place, one over codes holds their decode while it runs.
 
 So a cache in codes costs about 9/32 (8-bit) or 5/32 (4-bit) of its entries' bytes at float32, 9/16 or 5/16
 at 16 bits, and every answer pays one decode of the kept entries.
@@ -107,6 +107,10 @@ class CodedCache(ResidentCache):
 
     def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
         return None if self.extras is None else [(extra.positions, extra.counts) for extra in self.extras]
+
+    @property
+    def answers_read_in_place(self) -> bool:
+        return False
 
     def answer_layers(self) -> Iterator[LayerKV]:
         return (layer.decoded(self.bits, self.dtype) for layer in self.layers)

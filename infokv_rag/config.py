@@ -108,7 +108,7 @@ class CompressionConfig:
     """Width of the cold tier's codes: 4 or 8; None: by the model's cache dtype (`cold_tier_bits`)."""
     stored_bits: int | None = None
     """Hold the kept entries in codes of 4 or 8 bits between answers, in memory and on disk
-    (`infokv_rag.coded_cache`), each answer decoding them into its working copy; None: at the model's dtype."""
+    (`infokv_rag.coded_cache`), each answer decoding them into its working cache; None: at the model's dtype."""
     summaries: int = 16
     """Entries per (layer, KV head) that stand in for the evicted ones (`infokv_rag.summaries`: centroids of
     their keys, weighted by how many each stands for), taken from the keep budget; 0: none."""

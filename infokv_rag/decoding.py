@@ -1,9 +1,10 @@
-"""Answering against a compressed document: decoding on a working copy, with decode-time eviction.
+"""Answering against a compressed document: decoding on a working cache, with decode-time eviction.
 
-The document's cache is never modified: each answer decodes on a growable copy. When
-`GenerationOptions.max_cache_tokens` is set, the lowest-scored tokens of each layer are evicted before
-a step would exceed it (never the sinks, the question or the recent window); a generated token is
-scored by where its information falls among the document's (`information_rank`).
+The document's cache is never modified: each answer reads its entries in place and decodes on a growable cache
+of its own (`ResidentCache.working_cache`). When `GenerationOptions.max_cache_tokens` is set, the lowest-scored
+tokens of each layer are evicted before a step would exceed it (never the sinks, the question or the recent
+window), from the answer's own copy of the layer; a generated token is scored by where its information falls
+among the document's (`information_rank`).
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def recall_budget(document: CompressedDocument, recall: float | int | None) -> i
 
 
 def working_session(document: CompressedDocument, extra_tokens: int, recall: int) -> tuple[KVCache, Recall | None]:
-    """A working copy of the document's cache with room for `extra_tokens` and `recall` cold entries per
+    """A working cache over the document's cache with room for `extra_tokens` and `recall` cold entries per
     layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
     cold = document.cold_tier if recall > 0 else None
     # A question that reads the cold tier itself has no use for its summaries (they would count it twice); it
     # still reads the heads' extras beside each layer, which recall then leaves alone.
-    session = document.cache.working_copy(extra_tokens + recall, summaries=cold is None)
+    session = document.cache.working_cache(extra_tokens + recall, summaries=cold is None)
     return session, None if cold is None else Recall(cold, session, recall)
 
 
@@ -147,8 +148,9 @@ def _evict(
         return
     target = max(cap - incoming - options.eviction_slack + 1, 0)
     for layer in session.layers:
-        if layer.length <= target:
+        if layer.total_length <= target:
             continue
+        layer.materialise()  # eviction cuts the document's entries too: this answer's own copy of them
         positions = layer.live("positions")
         protected = (
             (positions < document.cache.sink_tokens)

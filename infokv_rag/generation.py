@@ -148,8 +148,10 @@ class Usage:
     max_resident_tokens: int = 0
     """Most tokens held by any layer (per KV head) while answering, its summaries included."""
     peak_cache_bytes: int = 0
-    """Most bytes of keys and values the answer's working cache held over all layers (document entries,
-    recalled ones, the question and the answer so far), counted from its live tensors."""
+    """Most bytes of keys and values the answer's working cache held of its own over all layers (recalled
+    entries, the question and the answer so far, a decode of a cache held in codes, and its log counts beside
+    each layer), counted from its live tensors. The document's entries it reads in place are not counted: they
+    are the document's (`DocumentStats.cache_bytes`), shared by every answer."""
     recalled_tokens: int = 0
     """Cold-tier entries the question recalled, per KV head, summed over layers."""
 

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import KVCache, SideEntries
+from .cache import EvictedSummary, KVCache
 from .recall import Recall, attend_over_cold
 from .signals import ForwardCapture
 
@@ -47,17 +47,24 @@ def _attention(
         recalled = recall.attend(layer_index, query, scaling or query.shape[-1] ** -0.5)
         if recalled is not None:
             return recalled.transpose(1, 2).contiguous(), None
-    summaries: list[SideEntries] | None = kwargs.get("infokv_summaries")
-    if summaries is not None and summaries[layer_index].length:
-        summary = summaries[layer_index].materialised()
+    cache: KVCache = kwargs["infokv_cache"]
+    base = cache.layers[layer_index].base
+    side = cache.summaries[layer_index] if cache.summaries is not None else None
+    if base is not None or (side is not None and side.length):
+        beside = (
+            side.materialised()
+            if side is not None and side.length
+            else EvictedSummary.empty(key.shape[1], key.shape[3], key.dtype, key.device)
+        )
         output, _ = attend_over_cold(
             query[0],
-            summary.keys,
-            summary.values,
+            beside.keys,
+            beside.values,
             key[0],
             value[0],
             scaling or query.shape[-1] ** -0.5,
-            summary.log_counts,
+            beside.log_counts,
+            document=base,
         )
         return output.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -117,8 +124,11 @@ class ModelRunner:
 
         Appends the tokens to every layer of `cache` (with `token_scores` (q,) as their eviction priority),
         and with `recall`, ahead of them the cold entries their queries recall; the tokens attend to the
-        cache's summaries too, when it has them and no recall reads the cold tier itself.
+        cache's summaries too, when it has them and no recall reads the cold tier itself. A `capture` sees
+        whole layers, so the layers' bases are copied in first (`KVCache.materialise`).
         """
+        if capture is not None:
+            cache.materialise()
         cache.pending_positions = positions
         cache.pending_scores = (
             token_scores if token_scores is not None else torch.zeros(len(positions), device=self.device)
@@ -137,7 +147,7 @@ class ModelRunner:
                 infokv_forward=True,
                 infokv_capture=capture,
                 infokv_recall=recall,
-                infokv_summaries=cache.summaries,
+                infokv_cache=cache,
             )
             if capture is not None:
                 capture.record_layer_change(index, hidden[0], updated[0])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cache import HeadExtras, KVCache, gather_tokens
+from .cache import HeadExtras, KVCache, LayerKV, gather_tokens
 from .cold_tier import ColdTier
 
 NEGLIGIBLE = -80.0
@@ -37,14 +37,16 @@ def attend_over_cold(
     hot_values: Tensor,
     scaling: float,
     cold_log_counts: Tensor | None = None,
+    document: LayerKV | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The question's attention over every entry of a layer, hot and cold, and each cold entry's share of it.
 
     query: (heads, q, head_dim) of the question's q tokens; cold_keys, cold_values: (kv_heads, m, head_dim);
-    hot_keys, hot_values: (kv_heads, length, head_dim) whose last q are the question's own. Returns the
-    attention output (heads, q, head_dim) float32, what attention over the full cache gives up to the cold
-    codes' precision, and the attention mass of each cold entry summed over its KV group's query heads and
-    the question's tokens (kv_heads, m). `cold_log_counts` (kv_heads, m), when given, is added to the cold
+    hot_keys, hot_values: (kv_heads, length, head_dim) whose last q are the question's own; `document`, when
+    given, the layer's entries read in place ahead of the hot ones (`LayerBuffer.base`), seen by every query.
+    Returns the attention output (heads, q, head_dim) float32, what attention over the full cache gives up to
+    the cold codes' precision, and the attention mass of each cold entry summed over its KV group's query heads
+    and the question's tokens (kv_heads, m). `cold_log_counts` (kv_heads, m), when given, is added to the cold
     logits: a cold entry that stands for several (`infokv_rag.summaries`) weighs in as that many.
     """
     kv_heads, heads, q = cold_keys.shape[0], query.shape[0], query.shape[1]
@@ -58,17 +60,25 @@ def attend_over_cold(
     # A question token sees the question only up to itself.
     future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
     hot[:, :, hot.shape[2] - q :].masked_fill_(future, -torch.inf)
-    # One softmax over hot + cold keys per query, in place on the (kv_heads, queries, m) logits: this is
-    # most of what recall adds to a question's time to first token. Logits more than -NEGLIGIBLE below the
-    # query's largest are floored there: their share (< 1e-34 each) changes no ranking, and exp of them
-    # would be a denormal, which CPUs compute tens of times slower.
-    top = torch.maximum(cold.amax(dim=2, keepdim=True), hot.amax(dim=2, keepdim=True))
+    seen = [(hot, hot_values)]
+    if document is not None:
+        seen.append((torch.bmm(grouped, document.keys.float().transpose(1, 2)), document.values))
+    # One softmax over every key per query, in place on the (kv_heads, queries, keys) logits: this is most of
+    # what recall adds to a question's time to first token. Logits more than -NEGLIGIBLE below the query's
+    # largest are floored there: their share (< 1e-34 each) changes no ranking, and exp of them would be a
+    # denormal, which CPUs compute tens of times slower. The hot logits hold each query's own, never -inf.
+    top = torch.stack([logits.amax(dim=2) for logits, _ in seen] + ([cold.amax(dim=2)] if cold.shape[2] else []))
+    top = top.amax(dim=0).unsqueeze(2)
     cold.sub_(top).clamp_min_(NEGLIGIBLE).exp_()
-    hot.sub_(top).exp_()
-    inverse_total = (cold.sum(dim=2, keepdim=True) + hot.sum(dim=2, keepdim=True)).reciprocal_()
+    total = cold.sum(dim=2, keepdim=True)
+    output = torch.bmm(cold, cold_values.float())
+    for logits, values in seen:
+        logits.sub_(top).exp_()
+        total.add_(logits.sum(dim=2, keepdim=True))
+        output.add_(torch.bmm(logits, values.float()))
+    inverse_total = total.reciprocal_()
     mass = torch.bmm(inverse_total.transpose(1, 2), cold).squeeze(1)
-    output = torch.bmm(cold, cold_values.float()).add_(torch.bmm(hot, hot_values.float())).mul_(inverse_total)
-    return output.reshape(heads, q, -1), mass
+    return output.mul_(inverse_total).reshape(heads, q, -1), mass
 
 
 @dataclass
@@ -110,6 +120,7 @@ class Recall:
             layer.live("keys"),
             layer.live("values"),
             scaling,
+            document=layer.base,
         )
         side = self.session.summaries[layer_index] if self.session.summaries is not None else None
         extras = side.extras if side is not None else None
@@ -133,7 +144,7 @@ class Recall:
         """Turns the side entries of the extras just recalled into the layer (positions `recalled` (kv_heads,
         count)) into padding slots, so that no entry is read twice."""
         assert self.session.summaries is not None
-        log_counts = self.session.summaries[layer_index].log_counts  # the working copy's own: extras first
+        log_counts = self.session.summaries[layer_index].log_counts  # the working cache's own: extras first
         for head in range(recalled.shape[0]):
             moved = torch.isin(extras.positions[extras.of_head(head)], recalled[head]).to(log_counts.device)
             log_counts[head, : len(moved)].masked_fill_(moved, -torch.inf)

@@ -68,21 +68,29 @@ def test_a_cache_in_codes_answers_as_its_entries_decoded_from_them(random_engine
     assert isinstance(coded.cache, CodedCache) and coded.cache.extras is not None, "per-head budgets: extras too"
     expected = decoded_in_place(plain, bits)
     # Every entry an answer reads, layer by layer and beside each layer, is what the codes decode to.
-    got, want = coded.cache.working_copy(8), expected.cache.working_copy(8)
+    got, want = coded.cache.working_cache(8), expected.cache.working_cache(8)
     for layer, reference in zip(got.layers, want.layers, strict=True):
+        assert layer.base is not None and reference.base is not None and layer.length == reference.length == 0
+        assert layer.owns_base and not reference.owns_base, "a decode is the answer's own; entries are read in place"
         for name in ("keys", "values", "positions", "scores"):
-            assert torch.equal(layer.live(name), reference.live(name)), name
+            assert torch.equal(getattr(layer.base, name), getattr(reference.base, name)), name
     assert got.summaries is not None and want.summaries is not None
     for side, reference_side in zip(got.summaries, want.summaries, strict=True):
         materialised, reference_materialised = side.materialised(), reference_side.materialised()
         assert torch.equal(materialised.keys, reference_materialised.keys)
         assert torch.equal(materialised.values, reference_materialised.values)
         assert torch.equal(side.log_counts, reference_side.log_counts)
+    # The answer over codes holds their decode, layers and extras; the one at the model's dtype holds neither.
+    log_counts = sum(side.log_counts.nbytes for side in want.summaries)
+    assert want.nbytes == log_counts
+    decoded_extras = sum(extra.nbytes for extra in coded.cache.answer_extras() or [])
+    assert got.nbytes == sum(layer.base.nbytes for layer in got.layers if layer.base) + decoded_extras + log_counts
     assert answer_ids(coded) == answer_ids(expected)
     # Decoded, not copied: near the entries at the model's dtype, nearer at 8 bits.
     error = max(
-        float((a.live("keys") - b.keys).abs().max() / b.keys.abs().max())
+        float((a.base.keys - b.keys).abs().max() / b.keys.abs().max())
         for a, b in zip(got.layers, plain.cache.layers, strict=True)
+        if a.base is not None
     )
     assert 0 < error < (0.01 if bits == 8 else 0.1), error
 

@@ -169,15 +169,16 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
     first_text = first.text()
     expected = recall_tokens(0.1, doc.cache.document_tokens)
     assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)  # type: ignore[union-attr]
-    # The working cache held the hot entries, the recalled ones, the question and the answer fed back.
+    # The working cache held the recalled entries, the question and the answer fed back; it read the hot entries
+    # in place, holding none of their bytes.
     entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
-    held = sum(doc.cache.lengths) + first.usage.recalled_tokens
+    held = first.usage.recalled_tokens
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    # Beside each layer, the heads' extras (per-head budgets, the default), read in place: their own bytes and one
+    # Beside each layer, the heads' extras (per-head budgets, the default), read in place: the answer holds one
     # log count per padded slot, never a padded copy of every layer's; no summaries when recalling.
-    side = sum(entries.nbytes for entries in doc.cache.working_copy(0, summaries=False).summaries or [])
+    side = sum(entries.nbytes for entries in doc.cache.working_cache(0, summaries=False).summaries or [])
     assert doc.cache.extras is not None and side > 0
-    assert side == sum(extra.nbytes + 4 * extra.counts.numel() * extra.most for extra in doc.cache.extras)
+    assert side == sum(4 * extra.counts.numel() * extra.most for extra in doc.cache.extras)
     assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes + side
     doc.ask("Who delivers the goods?", max_new_tokens=6, recall=0.5)
     assert doc.ask(QUESTION, max_new_tokens=6) == first_text

@@ -112,15 +112,18 @@ def test_a_cache_held_in_codes_decodes_on_the_gpu_as_on_the_cpu(
         assert all(getattr(layer.entries, name).device.type == torch.device(GPU).type for name in TENSOR_NAMES)
     saved = doc.save(tmp_path / "doc")
     on_cpu = random_engine.load(saved)
-    decoded, decoded_on_cpu = doc.cache.working_copy(0), on_cpu.cache.working_copy(0)
+    decoded, decoded_on_cpu = doc.cache.working_cache(0), on_cpu.cache.working_cache(0)
     # The same codes by the same arithmetic, up to the device's rounding (a fused multiply-add may move a float32
     # result by an ulp, and so a bf16 one across a rounding edge); the CPU copy is float32.
     tolerance = 1e-6 if engine.runner.dtype == torch.float32 else 2**-7
     for got, want in zip(decoded.layers, decoded_on_cpu.layers, strict=True):
-        assert got.live("keys").dtype == engine.runner.dtype
+        assert got.base is not None and want.base is not None and got.base.keys.dtype == engine.runner.dtype
         for name in ("keys", "values"):
             torch.testing.assert_close(
-                got.live(name).cpu(), want.live(name).to(engine.runner.dtype), rtol=tolerance, atol=1e-6
+                getattr(got.base, name).cpu(),
+                getattr(want.base, name).to(engine.runner.dtype),
+                rtol=tolerance,
+                atol=1e-6,
             )
     answer = doc.ask(QUESTION, max_new_tokens=6)
     assert answer and engine.load(saved).ask(QUESTION, max_new_tokens=6) == answer

@@ -87,6 +87,32 @@ def test_questions_never_change_the_document_cache(random_engine: InfoKVEngine) 
         assert torch.equal(positions, layer.positions)
 
 
+@pytest.mark.parametrize("config", [CompressionConfig(method="full"), CompressionConfig(keep=0.25)])
+def test_an_answer_reads_the_document_in_place_as_it_would_a_copy(
+    random_engine: InfoKVEngine, config: CompressionConfig
+) -> None:
+    doc = random_engine.ingest_text(TEXT, config)
+    runner, n = random_engine.runner, doc.cache.document_tokens
+    ids = torch.tensor(random_engine.prompt.conversation_ids(question_turns("What is the notice period?")))
+    in_place, copied = doc.cache.working_cache(len(ids)), doc.cache.working_cache(len(ids))
+    copied.materialise()
+    assert all(layer.base is layer_kv for layer, layer_kv in zip(in_place.layers, doc.cache.layers, strict=True))
+    assert all(
+        layer.base is None and layer.length == kv.length
+        for layer, kv in zip(copied.layers, doc.cache.layers, strict=True)
+    )
+    assert in_place.lengths == copied.lengths
+    positions = torch.arange(n, n + len(ids))
+    got = runner.logits(runner.forward(ids, positions, in_place))
+    want = runner.logits(runner.forward(ids, positions, copied))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # The answer holds its own entries only: the question's, in every layer.
+    entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
+    beside = sum(side.nbytes for side in in_place.summaries or [])
+    assert in_place.nbytes == len(doc.cache.layers) * len(ids) * entry_bytes + beside
+    assert copied.nbytes == in_place.nbytes + sum(layer.nbytes for layer in doc.cache.layers)
+
+
 def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) -> None:
     config = CompressionConfig(keep=0.2, chunk_size=64, settings={"layer_budgets": "uniform"})
     doc = random_engine.ingest_text(TEXT, config)
@@ -153,10 +179,14 @@ def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None
     extras = max(extra.most for extra in doc.cache.extras or [])
     assert doc.cache.beside_tokens() == 16 + extras, "the cap counts the summaries and the per-head extras too"
     cap = max(doc.stats.kept_tokens_per_layer) + 60
+    before = [(layer.keys.clone(), layer.positions.clone()) for layer in doc.cache.layers]
     generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
     generation.text()
     assert generation.usage.completion_tokens == 2 * cap
     assert generation.usage.max_resident_tokens <= cap
+    # Eviction cut the answer's own copy of each layer, never the document's entries it had read in place.
+    for (keys, positions), layer in zip(before, doc.cache.layers, strict=True):
+        assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
     with pytest.raises(ConfigError, match="max_cache_tokens"):
         doc.ask("What?", max_cache_tokens=20)
 

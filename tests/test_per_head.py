@@ -59,7 +59,7 @@ def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
 def _question_logits(engine: InfoKVEngine, cache: DocumentCache) -> torch.Tensor:
     runner, n = engine.runner, cache.document_tokens
     ids = torch.tensor(engine.prompt.conversation_ids(question_turns(QUESTION)))
-    session = cache.working_copy(len(ids))
+    session = cache.working_cache(len(ids))
     return runner.logits(runner.forward(ids, torch.arange(n, n + len(ids)), session))
 
 
@@ -154,7 +154,9 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
     random_engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
     assert session.summaries is not None
     for index, (extras, cold) in enumerate(zip(doc.cache.extras, doc.cold_tier.layers, strict=True)):
-        positions = session.layers[index].live("positions")
+        layer = session.layers[index]
+        assert layer.base is doc.cache.layers[index], "the document's own entries are read in place"
+        positions = torch.cat([layer.base.positions, layer.live("positions")], dim=1)
         side = session.summaries[index].log_counts
         for head in range(positions.shape[0]):
             in_layer = positions[head][positions[head] < n].tolist()
