@@ -45,8 +45,9 @@ demo: models
 	$(PY) examples/demo.py
 
 # mypy cannot map kernels/ and integrations/ to infokv_rag.kernels and infokv_rag.integrations (setuptools'
-# package-dir), so it checks a tree of symlinks laid out like the installed package, benchmarks/ beside it;
-# the examples are scripts that import their sibling _common. Tests are linted, not type-checked.
+# package-dir), so it checks a tree of symlinks laid out like the installed package, benchmarks/ and tests/
+# beside it (tests/ as the package `tests`: its modules import each other relatively); the examples are scripts
+# that import their sibling _common.
 LINT_PATHS := infokv_rag kernels integrations benchmarks examples tests
 TYPECHECK_TREE := build/typecheck
 MYPY = $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache
@@ -58,7 +59,8 @@ lint: $(STAMP)
 	ln -s $(CURDIR)/kernels $(TYPECHECK_TREE)/infokv_rag/kernels
 	ln -s $(CURDIR)/integrations $(TYPECHECK_TREE)/infokv_rag/integrations
 	ln -s $(CURDIR)/benchmarks $(TYPECHECK_TREE)/benchmarks
-	cd $(TYPECHECK_TREE) && $(MYPY) -p infokv_rag -p benchmarks && MYPYPATH=$(CURDIR)/examples $(MYPY) $(CURDIR)/examples
+	ln -s $(CURDIR)/tests $(TYPECHECK_TREE)/tests
+	cd $(TYPECHECK_TREE) && $(MYPY) -p infokv_rag -p benchmarks -p tests && MYPYPATH=$(CURDIR)/examples $(MYPY) $(CURDIR)/examples
 
 test: lint models
 	$(PY) -m pytest -q -m "not scale"

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from infokv_rag import InfoKVEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -25,7 +29,7 @@ CORPUS = [
 ]
 
 
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 

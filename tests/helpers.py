@@ -1,5 +1,5 @@
-"""What several test modules share: the framework adapters' facts, running an example as a user does, and
-a Hugging Face hub cache built from a local model."""
+"""What several test modules share: the framework adapters' facts, running an example as a user does, a
+document's cache at the model's dtype, and a Hugging Face hub cache built from a local model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from infokv_rag import CompressionConfig
+from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag.cache import DocumentCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +62,16 @@ def run_example(script: str, document: Path, question: str) -> list[str]:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.splitlines()
+
+
+# A document's cache --------------------------------------------------------------------------------
+
+
+def document_cache(document: CompressedDocument) -> DocumentCache:
+    """`document`'s cache at the model's dtype (`DocumentCache`): what every config but stored bits holds."""
+    cache = document.cache
+    assert isinstance(cache, DocumentCache), type(cache)
+    return cache
 
 
 # A Hugging Face hub cache, laid out as huggingface_hub lays it out -----------------------------------

@@ -1,6 +1,6 @@
 """What the service tests share: in-process settings, error checks, uploads and polling (in-process
-TestClient or a live httpx client: both have the same request methods), and making a directory read-only
-for real."""
+TestClient or a live httpx client: both have the same request methods, `HTTPClient`), and making a directory
+read-only for real."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -34,6 +34,36 @@ def random_model_settings(data_dir: Path, api_keys: tuple[str, ...], **overrides
     return Settings(**{**base, **overrides})
 
 
+class HTTPResponse(Protocol):
+    """What the helpers read of a response: httpx's (a live server) or the in-process TestClient's (httpx2's)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self, **kwargs: Any) -> Any: ...
+
+
+class HTTPClient(Protocol):
+    """The requests the helpers make, as an httpx.Client and the in-process TestClient (an httpx2.Client) take them."""
+
+    def get(self, url: str, *, headers: Mapping[str, str] | None = None) -> HTTPResponse: ...
+
+    def post(
+        self,
+        url: str,
+        *,
+        data: Mapping[str, Any] | None = None,
+        files: Mapping[str, tuple[str, bytes]] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> HTTPResponse: ...
+
+
 LEAKS = ("Traceback", 'File "', "/tmp/", "/uploads/", "site-packages")
 
 
@@ -41,7 +71,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+def assert_error(response: HTTPResponse, status: int, code: str) -> dict[str, Any]:
     """A typed JSON error with this status and code, and nothing of the server's insides in it."""
     assert response.status_code == status, (response.status_code, response.text)
     assert response.headers["content-type"].startswith("application/json")
@@ -53,11 +83,11 @@ def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, 
     return body["error"]
 
 
-def upload(client: httpx.Client, headers: dict[str, str], name: str, data: bytes, **fields: str) -> httpx.Response:
+def upload(client: HTTPClient, headers: dict[str, str], name: str, data: bytes, **fields: str) -> HTTPResponse:
     return client.post("/v1/documents", files={"file": (name, data)}, data=fields, headers=headers)
 
 
-def wait_settled(client: httpx.Client, doc_id: str, headers: dict[str, str], timeout: float = 120) -> dict[str, Any]:
+def wait_settled(client: HTTPClient, doc_id: str, headers: dict[str, str], timeout: float = 120) -> dict[str, Any]:
     """The document's info once it is ready or failed."""
     deadline = time.monotonic() + timeout
     while True:
@@ -68,7 +98,7 @@ def wait_settled(client: httpx.Client, doc_id: str, headers: dict[str, str], tim
         time.sleep(0.05)
 
 
-def upload_ready(client: httpx.Client, headers: dict[str, str], name: str, data: bytes, **fields: str) -> str:
+def upload_ready(client: HTTPClient, headers: dict[str, str], name: str, data: bytes, **fields: str) -> str:
     created = upload(client, headers, name, data, **fields)
     assert created.status_code == 202, created.text
     info = wait_settled(client, created.json()["id"], headers)

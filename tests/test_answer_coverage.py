@@ -7,6 +7,8 @@ import torch
 from benchmarks.answer_coverage import answer_spans, coverage, kept_entries
 from infokv_rag import CompressionConfig, InfoKVEngine
 
+from .helpers import document_cache
+
 
 def test_answers_are_found_in_the_document_tokens_wherever_they_occur(random_engine: InfoKVEngine) -> None:
     text = "The notice period is 30 days. After the term, notice within 30 days ends it; see Section 4."
@@ -15,12 +17,12 @@ def test_answers_are_found_in_the_document_tokens_wherever_they_occur(random_eng
     assert len(spans) == 2, "both occurrences, case-insensitively; an answer that is not there has none"
     for span in spans:
 
-        def text(start: int, stop: int) -> str:
+        def piece(start: int, stop: int) -> str:
             return random_engine.tokenizer.decode(ids[start:stop]).lower()
 
         # The span holds the answer, and no token less does.
-        assert "30 days" in text(span.start, span.stop)
-        assert "30 days" not in text(span.start + 1, span.stop) and "30 days" not in text(span.start, span.stop - 1)
+        assert "30 days" in piece(span.start, span.stop)
+        assert "30 days" not in piece(span.start + 1, span.stop) and "30 days" not in piece(span.start, span.stop - 1)
 
 
 def test_coverage_is_the_best_occurrences_share_of_kept_entries(random_engine: InfoKVEngine) -> None:
@@ -36,4 +38,4 @@ def test_coverage_is_the_best_occurrences_share_of_kept_entries(random_engine: I
     # Per head: the layer's own entries and that head's extras (per-head budgets).
     expected = [[len(positions) for positions in doc.cache.kept_positions(layer)] for layer in range(3)]
     assert entries.sum(dim=2).tolist() == expected
-    assert doc.cache.extras is not None and expected != [[length] * 2 for length in doc.cache.lengths]
+    assert document_cache(doc).extras is not None and expected != [[length] * 2 for length in doc.cache.lengths]

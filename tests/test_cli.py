@@ -271,7 +271,15 @@ def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path)
     cold = described["cold_tier"]
     assert cold["bits"] == 8 and cold["bytes"] == saved["cold_bytes"] and cold["file_bytes"] > cold["bytes"]
 
-    ask = ("ask", str(doc), "-q", "What is the notice period?", *common, "--store", str(tmp_path / "store"))
+    ask: tuple[str, ...] = (
+        "ask",
+        str(doc),
+        "-q",
+        "What is the notice period?",
+        *common,
+        "--store",
+        str(tmp_path / "store"),
+    )
     ask += ("--max-new-tokens", "2", "--json")
     first = json.loads(run_cli(*ask, "--recall", "16", cache_dir=tmp_path / "cache").stdout)
     assert first["reused_cache"] is False and first["answers"][0]["recalled_tokens"] == 16 * 3

@@ -19,6 +19,8 @@ from infokv_rag.prompt import question_turns
 from infokv_rag.quantisation import QuantisedEntries
 from infokv_rag.store import FORMAT_VERSION, MANIFEST, TENSORS, _manifest_checksum
 
+from .helpers import document_cache
+
 TEXT = " ".join(f"Clause {i}: the fee is {i * 37} euros within {i + 3} days." for i in range(40))
 QUESTION = "What is the fee of clause 7?"
 
@@ -89,7 +91,7 @@ def test_a_cache_in_codes_answers_as_its_entries_decoded_from_them(random_engine
     # Decoded, not copied: near the entries at the model's dtype, nearer at 8 bits.
     error = max(
         float((a.base.keys - b.keys).abs().max() / b.keys.abs().max())
-        for a, b in zip(got.layers, plain.cache.layers, strict=True)
+        for a, b in zip(got.layers, document_cache(plain).layers, strict=True)
         if a.base is not None
     )
     assert 0 < error < (0.01 if bits == 8 else 0.1), error

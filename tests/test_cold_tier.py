@@ -21,6 +21,7 @@ from infokv_rag.recall import attend_over_cold
 from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
 
 from .conftest import CORPUS
+from .helpers import document_cache
 
 TEXT = " ".join(CORPUS * 8)
 QUESTION = "What is the notice period?"
@@ -71,7 +72,9 @@ def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: Inf
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1, cold_bits=bits))
     assert doc.cold_tier is not None
     n = doc.cache.document_tokens
-    for hot, cold, whole in zip(doc.cache.layers, doc.cold_tier.layers, full.cache.layers, strict=True):
+    for hot, cold, whole in zip(
+        document_cache(doc).layers, doc.cold_tier.layers, document_cache(full).layers, strict=True
+    ):
         together = torch.cat([hot.positions, cold.positions], dim=1).sort(dim=1).values
         assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
         assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
@@ -150,7 +153,7 @@ def test_recalling_everything_restores_the_full_cache(
         keep=0.25, recall=1.0, cold_bits=8, chunk_size=chunk_size, summaries=0, settings=settings
     )
     doc = random_engine.ingest_text(TEXT, config)
-    assert (doc.cache.extras is not None) == (layer_budgets == "per_head")
+    assert (document_cache(doc).extras is not None) == (layer_budgets == "per_head")
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
     reference_question, reference_answer = log_probs(full, 0)
     question, answer = {}, {}
@@ -164,28 +167,30 @@ def test_recalling_everything_restores_the_full_cache(
 
 def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
-    before = [(layer.keys.clone(), layer.positions.clone()) for layer in doc.cache.layers]
+    cache = document_cache(doc)
+    before = [(layer.keys.clone(), layer.positions.clone()) for layer in cache.layers]
     first = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6))
     first_text = first.text()
     expected = recall_tokens(0.1, doc.cache.document_tokens)
-    assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)  # type: ignore[union-attr]
+    assert doc.cold_tier is not None
+    assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)
     # The working cache held the recalled entries, the question and the answer fed back; it read the hot entries
     # in place, holding none of their bytes.
-    entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
+    entry_bytes = random_engine.bytes_per_token // len(cache.layers)
     held = first.usage.recalled_tokens
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     # Beside each layer, the heads' extras (per-head budgets, the default), read in place: the answer holds one
     # log count per padded slot, never a padded copy of every layer's; no summaries when recalling.
     side = sum(entries.nbytes for entries in doc.cache.working_cache(0, summaries=False).summaries or [])
-    assert doc.cache.extras is not None and side > 0
-    assert side == sum(4 * extra.counts.numel() * extra.most for extra in doc.cache.extras)
-    assert first.usage.peak_cache_bytes == (held + len(doc.cache.layers) * fed) * entry_bytes + side
+    assert cache.extras is not None and side > 0
+    assert side == sum(4 * extra.counts.numel() * extra.most for extra in cache.extras)
+    assert first.usage.peak_cache_bytes == (held + len(cache.layers) * fed) * entry_bytes + side
     doc.ask("Who delivers the goods?", max_new_tokens=6, recall=0.5)
     assert doc.ask(QUESTION, max_new_tokens=6) == first_text
     off = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=6, recall=0))
     off.text()
     assert off.usage.recalled_tokens == 0
-    for (keys, positions), layer in zip(before, doc.cache.layers, strict=True):
+    for (keys, positions), layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
 
 
@@ -217,7 +222,7 @@ def test_a_cap_with_no_room_to_recall_counts_the_summaries_it_reads(random_engin
 def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:
     for bad in ({"recall": 1.5}, {"recall": -3}, {"recall": True}, {"cold_bits": 2}):
         with pytest.raises(ConfigError):
-            CompressionConfig(**bad)  # type: ignore[arg-type]
+            CompressionConfig(**bad)
     with pytest.raises(ConfigError, match="recall"):
         GenerationOptions(recall=2.0)
     plain = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))

@@ -21,6 +21,7 @@ from infokv_rag.scorers import method_names
 from infokv_rag.summaries import absorb
 
 from .conftest import CORPUS
+from .helpers import document_cache
 
 GPU = os.environ.get("INFOKV_TEST_GPU", "cuda")
 pytestmark = pytest.mark.skipif(GPU.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,7 +41,7 @@ def gpu_engines(random_model_dir: Path) -> dict[str, InfoKVEngine]:
 
 def kept(document: CompressedDocument) -> list[set[int]]:
     """The document positions each (layer, KV head) keeps."""
-    return [set(head.tolist()) for layer in document.cache.layers for head in layer.positions.cpu()]
+    return [set(head.tolist()) for layer in document_cache(document).layers for head in layer.positions.cpu()]
 
 
 def overlap(a: CompressedDocument, b: CompressedDocument) -> float:
@@ -56,7 +57,7 @@ def test_every_method_ingests_saves_loads_and_answers_on_the_gpu(
     engine = gpu_engines[dtype]
     for method in method_names():
         doc = engine.ingest_text(TEXT, CompressionConfig(method=method, keep=0.25, chunk_size=256))
-        for layer in doc.cache.layers:
+        for layer in document_cache(doc).layers:
             assert layer.keys.device.type == torch.device(GPU).type and layer.keys.dtype == engine.runner.dtype
         answer = doc.ask(QUESTION, max_new_tokens=6)
         assert answer, method
@@ -95,7 +96,7 @@ def test_a_cache_written_on_the_gpu_serves_on_the_cpu(
     doc = gpu_engines["bf16"].ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
     loaded = random_engine.load(doc.save(tmp_path / "doc"))
     assert loaded.stats == doc.stats
-    for got, want in zip(loaded.cache.layers, doc.cache.layers, strict=True):
+    for got, want in zip(document_cache(loaded).layers, document_cache(doc).layers, strict=True):
         assert got.keys.device.type == "cpu" and got.keys.dtype == torch.float32
         assert torch.equal(got.keys, want.keys.cpu().float()) and torch.equal(got.positions, want.positions.cpu())
     assert loaded.ask(QUESTION, max_new_tokens=6, recall=0.1)
@@ -138,7 +139,7 @@ def test_summarising_evicted_entries_never_waits_on_the_gpu() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        summary = absorb(absorb(None, *first, 16, 0), *later, 16, 1)
+        summary = absorb(absorb(None, first[0], first[1], 16, 0), later[0], later[1], 16, 1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.allclose(summary.log_counts.exp().sum(dim=1).cpu(), torch.full((4,), 900.0))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CORPUS, build_random_model_dir
+from .helpers import document_cache
 
 TEXT = " ".join(CORPUS * 12)
 
@@ -34,7 +38,7 @@ def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> N
             # Per head, a layer reports the mean over its heads, rounded.
             assert abs(doc.stats.kept_tokens - 3 * expected) <= (3 if budgets == "per_head" else 0), method
             assert min(doc.stats.kept_tokens_per_layer) >= 36
-        for layer in doc.cache.layers:
+        for layer in document_cache(doc).layers:
             positions = layer.positions
             assert bool((positions[:, 1:] > positions[:, :-1]).all()), "kept tokens stay in original order"
             assert bool((positions[:, :4] == torch.arange(4)).all()), "attention sinks are kept"
@@ -52,7 +56,8 @@ def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
         assert summaries is not None
         entry_bytes = random_engine.bytes_per_token // len(summaries)  # one (layer, token): keys and values
         stored = sum((budget + s.length) * entry_bytes + s.log_counts.numel() * 4 for s in summaries)
-        stored += sum(extra.counts.numel() * 8 for extra in doc.cache.extras or [])  # extras: flat, counted per head
+        extras = document_cache(doc).extras or []
+        stored += sum(extra.counts.numel() * 8 for extra in extras)  # extras: flat, counted per head
         assert doc.stats.cache_bytes == stored
         assert (
             abs(doc.stats.cache_bytes - keep * full.stats.cache_bytes)
@@ -77,12 +82,13 @@ def test_token_count_budget(random_engine: InfoKVEngine) -> None:
 
 def test_questions_never_change_the_document_cache(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
-    before = [(layer.keys.clone(), layer.values.clone(), layer.positions.clone()) for layer in doc.cache.layers]
+    cache = document_cache(doc)
+    before = [(layer.keys.clone(), layer.values.clone(), layer.positions.clone()) for layer in cache.layers]
     first = doc.ask("What is the notice period?", max_new_tokens=12)
     doc.ask("Who delivers the goods?", max_new_tokens=12)
     again = doc.ask("What is the notice period?", max_new_tokens=12)
     assert first == again
-    for (keys, values, positions), layer in zip(before, doc.cache.layers, strict=True):
+    for (keys, values, positions), layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
         assert torch.equal(positions, layer.positions)
 
@@ -92,14 +98,14 @@ def test_an_answer_reads_the_document_in_place_as_it_would_a_copy(
     random_engine: InfoKVEngine, config: CompressionConfig
 ) -> None:
     doc = random_engine.ingest_text(TEXT, config)
+    cache = document_cache(doc)
     runner, n = random_engine.runner, doc.cache.document_tokens
     ids = torch.tensor(random_engine.prompt.conversation_ids(question_turns("What is the notice period?")))
     in_place, copied = doc.cache.working_cache(len(ids)), doc.cache.working_cache(len(ids))
     copied.materialise()
-    assert all(layer.base is layer_kv for layer, layer_kv in zip(in_place.layers, doc.cache.layers, strict=True))
+    assert all(layer.base is layer_kv for layer, layer_kv in zip(in_place.layers, cache.layers, strict=True))
     assert all(
-        layer.base is None and layer.length == kv.length
-        for layer, kv in zip(copied.layers, doc.cache.layers, strict=True)
+        layer.base is None and layer.length == kv.length for layer, kv in zip(copied.layers, cache.layers, strict=True)
     )
     assert in_place.lengths == copied.lengths
     positions = torch.arange(n, n + len(ids))
@@ -107,10 +113,10 @@ def test_an_answer_reads_the_document_in_place_as_it_would_a_copy(
     want = runner.logits(runner.forward(ids, positions, copied))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # The answer holds its own entries only: the question's, in every layer.
-    entry_bytes = random_engine.bytes_per_token // len(doc.cache.layers)
+    entry_bytes = random_engine.bytes_per_token // len(cache.layers)
     beside = sum(side.nbytes for side in in_place.summaries or [])
-    assert in_place.nbytes == len(doc.cache.layers) * len(ids) * entry_bytes + beside
-    assert copied.nbytes == in_place.nbytes + sum(layer.nbytes for layer in doc.cache.layers)
+    assert in_place.nbytes == len(cache.layers) * len(ids) * entry_bytes + beside
+    assert copied.nbytes == in_place.nbytes + sum(layer.nbytes for layer in cache.layers)
 
 
 def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) -> None:
@@ -134,7 +140,7 @@ def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
     assert doc.stats.kept_tokens == 3 * budget
     assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "layers keep what their scores earn"
-    for layer in doc.cache.layers:
+    for layer in document_cache(doc).layers:
         assert bool((layer.positions[:, 1:] > layer.positions[:, :-1]).all())
         assert bool((layer.positions[:, -32:] == torch.arange(n - 32, n)).all())
     assert doc.ask("What is the notice period?", max_new_tokens=6)
@@ -154,13 +160,13 @@ def test_a_full_layer_floor_makes_layer_budgets_uniform(random_engine: InfoKVEng
 def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:
     one_shot = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     chunked = random_engine.ingest_text(TEXT, CompressionConfig(method="full", chunk_size=64))
-    for a, b in zip(one_shot.cache.layers, chunked.cache.layers, strict=True):
+    for a, b in zip(document_cache(one_shot).layers, document_cache(chunked).layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
     question = "What is the notice period?"
     assert one_shot.ask(question, max_new_tokens=8) == chunked.ask(question, max_new_tokens=8)
 
 
-def test_document_longer_than_context_names_both_lengths(tmp_path) -> None:
+def test_document_longer_than_context_names_both_lengths(tmp_path: Path) -> None:
     engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=256)), device="cpu")
     with pytest.raises(ContextLengthError) as error:
         engine.ingest_text(TEXT)
@@ -176,16 +182,17 @@ def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) ->
 
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
-    extras = max(extra.most for extra in doc.cache.extras or [])
+    cache = document_cache(doc)
+    extras = max(extra.most for extra in cache.extras or [])
     assert doc.cache.beside_tokens() == 16 + extras, "the cap counts the summaries and the per-head extras too"
     cap = max(doc.stats.kept_tokens_per_layer) + 60
-    before = [(layer.keys.clone(), layer.positions.clone()) for layer in doc.cache.layers]
+    before = [(layer.keys.clone(), layer.positions.clone()) for layer in cache.layers]
     generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
     generation.text()
     assert generation.usage.completion_tokens == 2 * cap
     assert generation.usage.max_resident_tokens <= cap
     # Eviction cut the answer's own copy of each layer, never the document's entries it had read in place.
-    for (keys, positions), layer in zip(before, doc.cache.layers, strict=True):
+    for (keys, positions), layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
     with pytest.raises(ConfigError, match="max_cache_tokens"):
         doc.ask("What?", max_cache_tokens=20)
@@ -239,7 +246,7 @@ def test_config_validation() -> None:
         CompressionConfig(method="random", settings={"lam": 0.5})
 
 
-def _options(**kwargs):
+def _options(**kwargs: Any) -> GenerationOptions:
     from infokv_rag.generation import GenerationOptions
 
     return GenerationOptions(**kwargs)

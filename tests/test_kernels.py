@@ -102,7 +102,9 @@ def dense_column_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: f
 # --------------------------------------------------------------------------- helpers
 
 
-def make_lm_head(n: int, vocab: int, dim: int, dtype: torch.dtype, logit_std: float = 3.0, seed: int = 0):
+def make_lm_head(
+    n: int, vocab: int, dim: int, dtype: torch.dtype, logit_std: float = 3.0, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random hidden states (n, d) and LM head (V, d) whose logits have std ~logit_std."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, dim, generator=gen)
@@ -110,7 +112,9 @@ def make_lm_head(n: int, vocab: int, dim: int, dtype: torch.dtype, logit_std: fl
     return hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype)
 
 
-def make_qk(heads: int, kv_heads: int, q_len: int, n: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+def make_qk(
+    heads: int, kv_heads: int, q_len: int, n: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random queries (H, q, dh) and keys (Hkv, n, dh); logits std ~2 so attention is peaked."""
     gen = torch.Generator().manual_seed(seed)
     queries = torch.randn(heads, q_len, head_dim, generator=gen) * 2.0**0.5
@@ -129,7 +133,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 @runs_triton
 @pytest.mark.skipif(DEVICE == "cuda", reason="with CUDA the kernels run compiled")
-def test_triton_kernels_are_interpreted_on_cpu():
+def test_triton_kernels_are_interpreted_on_cpu() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     from infokv_rag.kernels import _triton_attention, _triton_entropy
@@ -139,7 +143,7 @@ def test_triton_kernels_are_interpreted_on_cpu():
 
 
 @pytest.mark.skipif(DEVICE == "cuda" or not HAS_TRITON, reason="needs triton and no CUDA")
-def test_interpreted_kernels_in_child_process():
+def test_interpreted_kernels_in_child_process() -> None:
     """Where this process cannot interpret Triton, a fresh pytest with TRITON_INTERPRET=1 must."""
     if TRITON_RUNS_HERE:
         pytest.skip("the Triton tests run in this process")
@@ -166,7 +170,7 @@ def test_interpreted_kernels_in_child_process():
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
 
 
-def test_backend_switch_precedence(monkeypatch):
+def test_backend_switch_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFOKV_KERNELS", raising=False)
     assert get_kernel_backend() == "auto"
     monkeypatch.setenv("INFOKV_KERNELS", "Torch")
@@ -185,7 +189,7 @@ def test_backend_switch_precedence(monkeypatch):
     assert get_kernel_backend() == "torch"
 
 
-def test_backend_switch_rejects_unknown_names(monkeypatch):
+def test_backend_switch_rejects_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown kernel backend"):
         set_kernel_backend("cuda")
     with pytest.raises(ValueError, match="unknown kernel backend"):
@@ -196,7 +200,7 @@ def test_backend_switch_rejects_unknown_names(monkeypatch):
         get_kernel_backend()
 
 
-def test_auto_and_torch_choose_the_reference_for_cpu_tensors():
+def test_auto_and_torch_choose_the_reference_for_cpu_tensors() -> None:
     x = torch.zeros(2, 2)
     with kernel_backend("auto"):
         assert not use_triton(x)
@@ -205,13 +209,13 @@ def test_auto_and_torch_choose_the_reference_for_cpu_tensors():
 
 
 @needs_triton
-def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch):
+def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with kernel_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         use_triton(torch.zeros(2, 2))
 
 
-def test_package_imports_without_triton_and_runs_when_it_is_missing():
+def test_package_imports_without_triton_and_runs_when_it_is_missing() -> None:
     """In a fresh interpreter: importing the package leaves triton unimported, and with
     ``import triton`` failing, the kernels still run (on the references) under "auto"."""
     script = (
@@ -240,7 +244,7 @@ ENTROPY_CASES = [
 
 
 @pytest.mark.parametrize("n,vocab,dim,dtype,top_k", ENTROPY_CASES)
-def test_entropy_reference_matches_dense(n, vocab, dim, dtype, top_k):
+def test_entropy_reference_matches_dense(n: int, vocab: int, dim: int, dtype: torch.dtype, top_k: int) -> None:
     hidden, weight = make_lm_head(n, vocab, dim, dtype)
     expected = dense_entropy(hidden, weight, top_k)
     assert_close(predictive_entropy_reference(hidden, weight, top_k), expected, "reference")
@@ -250,7 +254,9 @@ def test_entropy_reference_matches_dense(n, vocab, dim, dtype, top_k):
 
 @runs_triton
 @pytest.mark.parametrize("n,vocab,dim,dtype,top_k", ENTROPY_CASES)
-def test_entropy_triton_matches_reference_and_dense(n, vocab, dim, dtype, top_k):
+def test_entropy_triton_matches_reference_and_dense(
+    n: int, vocab: int, dim: int, dtype: torch.dtype, top_k: int
+) -> None:
     hidden, weight = make_lm_head(n, vocab, dim, dtype)
     with kernel_backend("triton"):
         actual = predictive_entropy(hidden, weight, top_k)
@@ -265,7 +271,7 @@ def tied_large_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("top_k", [0, 4, 7])
-def test_entropy_reference_with_tied_and_large_logits(top_k):
+def test_entropy_reference_with_tied_and_large_logits(top_k: int) -> None:
     hidden, weight = tied_large_logits()
     expected = dense_entropy(hidden, weight, top_k)
     assert torch.isfinite(expected).all()
@@ -275,7 +281,7 @@ def test_entropy_reference_with_tied_and_large_logits(top_k):
 
 @runs_triton
 @pytest.mark.parametrize("top_k", [0, 4, 7])
-def test_entropy_triton_with_tied_and_large_logits(top_k):
+def test_entropy_triton_with_tied_and_large_logits(top_k: int) -> None:
     hidden, weight = tied_large_logits()
     with kernel_backend("triton"):
         assert_close(predictive_entropy(hidden, weight, top_k), dense_entropy(hidden, weight, top_k), "triton")
@@ -283,7 +289,7 @@ def test_entropy_triton_with_tied_and_large_logits(top_k):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logit_std", [3.0, 100.0])
-def test_surprisal_matches_dense(dtype, logit_std):
+def test_surprisal_matches_dense(dtype: torch.dtype, logit_std: float) -> None:
     hidden, weight = make_lm_head(53, 300, 32, dtype, logit_std=logit_std, seed=2)
     targets = torch.randint(0, 300, (53,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     log_p = (hidden.float() @ weight.float().T).log_softmax(dim=1)
@@ -295,7 +301,7 @@ def test_surprisal_matches_dense(dtype, logit_std):
         predictive_surprisal(hidden, weight, targets[:-1])
 
 
-def test_entropy_edge_cases():
+def test_entropy_edge_cases() -> None:
     hidden, weight = make_lm_head(9, 40, 16, torch.float32)
     full = predictive_entropy_reference(hidden, weight, 0)
     assert torch.equal(predictive_entropy_reference(hidden, weight, 40), full)
@@ -305,7 +311,7 @@ def test_entropy_edge_cases():
     assert predictive_entropy(hidden[:0], weight).shape == (0,)
 
 
-def test_entropy_rejects_bad_inputs():
+def test_entropy_rejects_bad_inputs() -> None:
     hidden, weight = make_lm_head(4, 10, 8, torch.float32)
     with pytest.raises(ValueError, match="hidden size mismatch"):
         predictive_entropy(hidden, weight[:, :4])
@@ -316,7 +322,7 @@ def test_entropy_rejects_bad_inputs():
 
 
 @runs_triton
-def test_forced_triton_entropy_refuses_large_top_k():
+def test_forced_triton_entropy_refuses_large_top_k() -> None:
     hidden, weight = make_lm_head(4, 500, 16, torch.float32)
     with kernel_backend("triton"), pytest.raises(ValueError, match=f"top_k <= {TRITON_MAX_TOP_K}"):
         predictive_entropy(hidden, weight, TRITON_MAX_TOP_K + 1)
@@ -342,7 +348,9 @@ ACCUMULATED_CASES = [
 
 
 @pytest.mark.parametrize("kv_heads,ratio,n,head_dim,window,dtype", WINDOW_CASES)
-def test_window_attention_reference_matches_dense(kv_heads, ratio, n, head_dim, window, dtype):
+def test_window_attention_reference_matches_dense(
+    kv_heads: int, ratio: int, n: int, head_dim: int, window: int, dtype: torch.dtype
+) -> None:
     queries, keys = make_qk(kv_heads * ratio, kv_heads, window, n, head_dim, dtype)
     scaling = head_dim**-0.5
     expected = dense_column_attention(queries, keys, scaling) / window
@@ -354,7 +362,9 @@ def test_window_attention_reference_matches_dense(kv_heads, ratio, n, head_dim, 
 
 @runs_triton
 @pytest.mark.parametrize("kv_heads,ratio,n,head_dim,window,dtype", WINDOW_CASES)
-def test_window_attention_triton_matches_reference_and_dense(kv_heads, ratio, n, head_dim, window, dtype):
+def test_window_attention_triton_matches_reference_and_dense(
+    kv_heads: int, ratio: int, n: int, head_dim: int, window: int, dtype: torch.dtype
+) -> None:
     queries, keys = make_qk(kv_heads * ratio, kv_heads, window, n, head_dim, dtype)
     scaling = head_dim**-0.5
     with kernel_backend("triton"):
@@ -364,7 +374,9 @@ def test_window_attention_triton_matches_reference_and_dense(kv_heads, ratio, n,
 
 
 @pytest.mark.parametrize("kv_heads,ratio,n,head_dim,q_len,dtype", ACCUMULATED_CASES)
-def test_accumulated_attention_reference_matches_dense(kv_heads, ratio, n, head_dim, q_len, dtype):
+def test_accumulated_attention_reference_matches_dense(
+    kv_heads: int, ratio: int, n: int, head_dim: int, q_len: int, dtype: torch.dtype
+) -> None:
     queries, keys = make_qk(kv_heads * ratio, kv_heads, q_len, n, head_dim, dtype)
     scaling = head_dim**-0.5
     expected = dense_column_attention(queries, keys, scaling)
@@ -376,7 +388,9 @@ def test_accumulated_attention_reference_matches_dense(kv_heads, ratio, n, head_
 
 @runs_triton
 @pytest.mark.parametrize("kv_heads,ratio,n,head_dim,q_len,dtype", ACCUMULATED_CASES)
-def test_accumulated_attention_triton_matches_reference_and_dense(kv_heads, ratio, n, head_dim, q_len, dtype):
+def test_accumulated_attention_triton_matches_reference_and_dense(
+    kv_heads: int, ratio: int, n: int, head_dim: int, q_len: int, dtype: torch.dtype
+) -> None:
     queries, keys = make_qk(kv_heads * ratio, kv_heads, q_len, n, head_dim, dtype)
     scaling = head_dim**-0.5
     with kernel_backend("triton"):
@@ -385,7 +399,7 @@ def test_accumulated_attention_triton_matches_reference_and_dense(kv_heads, rati
     assert_close(actual, dense_column_attention(queries, keys, scaling), "triton vs dense")
 
 
-def test_attention_rejects_bad_inputs():
+def test_attention_rejects_bad_inputs() -> None:
     queries, keys = make_qk(6, 4, 3, 10, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         window_attention(queries, keys, 1.0)
@@ -396,7 +410,7 @@ def test_attention_rejects_bad_inputs():
         window_attention(queries[:, :3], keys[..., :4], 1.0)
 
 
-def test_group_reduce():
+def test_group_reduce() -> None:
     scores = torch.arange(24, dtype=torch.float32).reshape(6, 4)  # 6 query heads, 2 KV heads
     torch.testing.assert_close(group_reduce(scores, 2, "mean"), torch.stack([scores[:3].mean(0), scores[3:].mean(0)]))
     torch.testing.assert_close(group_reduce(scores, 2, "max"), torch.stack([scores[2], scores[5]]))
@@ -447,7 +461,7 @@ needs_tracker = pytest.mark.skipif(not _memory_tracker_usable(), reason="needs L
 
 
 @needs_tracker
-def test_memory_tracker_catches_dense_logits():
+def test_memory_tracker_catches_dense_logits() -> None:
     """The tracker must see a naive (1024 x 16384) float32 logits matrix: 64 MiB, plus its softmax."""
     hidden, weight = torch.randn(1024, 64), torch.randn(16384, 64)
     assert peak_extra_rss(lambda: dense_entropy(hidden, weight, 0)) > 64 * MiB
@@ -464,7 +478,7 @@ def test_memory_tracker_catches_dense_logits():
     ],
     ids=str,
 )
-def test_entropy_reference_peak_memory_under_64_mib(n, vocab, dtype, top_k):
+def test_entropy_reference_peak_memory_under_64_mib(n: int, vocab: int, dtype: torch.dtype, top_k: int) -> None:
     """Peak extra memory of CPU entropy scoring stays under 64 MiB (d = 896, default model).
 
     The reference loops over (512 tokens x 2048 vocabulary) tiles; everything it holds at one step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import pytest
 
@@ -14,10 +14,11 @@ pytest.importorskip("langchain_tests")
 pytest.importorskip("pytest_asyncio")
 
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.runnables import Runnable
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -88,7 +89,12 @@ class TestChatInfoKVStandardIntegration(ChatModelIntegrationTests):
         return str(resolve_model_dir("tiny"))
 
     @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+    def supported_usage_metadata_details(
+        self,
+    ) -> dict[
+        Literal["invoke", "stream"],
+        list[Literal["audio_input", "audio_output", "reasoning_output", "cache_read_input", "cache_creation_input"]],
+    ]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
@@ -142,7 +148,7 @@ def fact_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _chain(chat: ChatInfoKV) -> Any:
+def _chain(chat: Runnable[LanguageModelInput, AIMessage]) -> Runnable[dict[str, Any], str]:
     return ChatPromptTemplate.from_messages([("human", QUESTION)]) | chat | StrOutputParser()
 
 
@@ -202,10 +208,13 @@ def test_stop_max_tokens_temperature(fact_file: Path) -> None:
     assert "Lindqvist" in full.content
     stopped = chat.invoke(prompt, stop=["Lindqvist"])
     assert "Lindqvist" not in stopped.content and stopped.response_metadata["finish_reason"] == "stop"
+    assert isinstance(full.content, str) and isinstance(stopped.content, str)
     assert full.content.startswith(stopped.content)
     short = chat.bind(max_tokens=2).invoke(prompt)
+    assert short.usage_metadata is not None
     assert short.usage_metadata["output_tokens"] == 2 and short.response_metadata["finish_reason"] == "length"
     sampled = chat.bind(temperature=0.8, seed=3).invoke(prompt)
+    assert sampled.usage_metadata is not None
     assert sampled.usage_metadata["output_tokens"] >= 1
 
 
@@ -242,7 +251,8 @@ class _TokenRecorder(BaseCallbackHandler):
     def __init__(self) -> None:
         self.tokens: list[str] = []
 
-    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+    def on_llm_new_token(self, token: str | list[str | dict[str, Any]], **kwargs: Any) -> None:
+        assert isinstance(token, str), token  # a completion LLM streams text
         self.tokens.append(token)
 
 
@@ -256,6 +266,7 @@ def test_completion_llm_chain_streams_tokens_to_callbacks(fact_file: Path) -> No
     assert len(recorder.tokens) > 1 and "".join(recorder.tokens) == answer
     result = llm.generate([QUESTION.format(question="What is the notice period?")])
     info = result.generations[0][0].generation_info
+    assert info is not None
     assert info["usage"]["cached_tokens"] == llm.compressed_document().stats.document_tokens
     assert info["model_name"] == "tiny"
 
@@ -296,11 +307,13 @@ def test_lcel_chain_on_default_model_reads_compressed_fact() -> None:
 # The cold tier, on the random model -------------------------------------------------------------------
 
 COLD_TEXT = " ".join(CORPUS * 6)
+# Passed as a dict, which the adapters take: pydantic types their __init__ by a field's validated type
+# (CompressionConfig), not by what its before-validator accepts, hence `type: ignore[arg-type]` where one is passed.
 COLD = {"keep": 0.25, "recall": 0.1, "cold_bits": 8}
 
 
 def test_recall_from_compression_and_per_call(random_model_dir: Path) -> None:
-    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2)
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2)  # type: ignore[arg-type]
     document = chat.compressed_document()
     assert document.cold_tier is not None and document.cold_tier.bits == 8
     layers = len(document.cold_tier.layers)
@@ -316,7 +329,7 @@ def test_recall_from_compression_and_per_call(random_model_dir: Path) -> None:
     assert bound.content == expected.text()
     assert chat.invoke("What is the notice period?", recall=0).response_metadata["recalled_tokens"] == 0
 
-    llm = InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2, recall=4)
+    llm = InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT, compression=COLD, max_tokens=2, recall=4)  # type: ignore[arg-type]
     result = llm.generate(["What is the notice period?"])
     info = result.generations[0][0].generation_info
     assert info is not None and info["recalled_tokens"] == 4 * layers
@@ -324,6 +337,6 @@ def test_recall_from_compression_and_per_call(random_model_dir: Path) -> None:
 
 
 def test_recall_without_a_cold_tier_is_refused(random_model_dir: Path) -> None:
-    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression={"keep": 0.25}, max_tokens=2)
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression={"keep": 0.25}, max_tokens=2)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no cold tier"):
         chat.invoke("What is the notice period?", recall=0.1)

@@ -10,6 +10,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 import torch
@@ -20,14 +21,18 @@ from infokv_rag.models import resolve_model
 from infokv_rag.placement import dtype_name, resolve_placement
 
 from .conftest import CORPUS, build_tokenizer
-from .helpers import FACT_PAGES, build_hub_cache
+from .helpers import FACT_PAGES, build_hub_cache, document_cache
+
+if TYPE_CHECKING:
+    import httpx2
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TEXT = " ".join(CORPUS * 6)
 QUESTION = "What is the notice period?"
 REPO = "infokv-test/random-llama"
 
 
-def _install_transport(monkeypatch: pytest.MonkeyPatch, handler: Callable[..., object]) -> None:
+def _install_transport(monkeypatch: pytest.MonkeyPatch, handler: Callable[[httpx2.Request], httpx2.Response]) -> None:
     """Routes every request huggingface_hub makes to `handler` (restored after the test)."""
     import httpx2
     from huggingface_hub.utils import _http
@@ -36,7 +41,7 @@ def _install_transport(monkeypatch: pytest.MonkeyPatch, handler: Callable[..., o
     monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", lambda: httpx2.Client(transport=httpx2.MockTransport(handler)))
 
 
-def _no_network(request: object) -> object:
+def _no_network(request: object) -> NoReturn:
     raise AssertionError(f"a test reached for the network: {request}")
 
 
@@ -200,7 +205,7 @@ def test_tiny_model_loads_by_hub_id_from_a_hub_layout_cache(hf_home: Path, tiny_
 # Models in memory -----------------------------------------------------------------------------------
 
 
-def _load(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+def _load(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype), AutoTokenizer.from_pretrained(directory)
@@ -212,7 +217,7 @@ def test_from_model_answers_equal_from_pretrained(random_engine: InfoKVEngine, r
     assert engine.name == "in-memory" and engine.model_dir is None
     for config in (CompressionConfig(method="full"), CompressionConfig(keep=0.25)):
         ours, theirs = engine.ingest_text(TEXT, config), random_engine.ingest_text(TEXT, config)
-        for mine, reference in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+        for mine, reference in zip(document_cache(ours).layers, document_cache(theirs).layers, strict=True):
             assert torch.equal(mine.positions, reference.positions), config.method
         assert ours.ask(QUESTION, max_new_tokens=12) == theirs.ask(QUESTION, max_new_tokens=12), config.method
 
@@ -233,7 +238,7 @@ def test_from_model_in_any_dtype(dtype: torch.dtype, random_model_dir: Path) -> 
     engine = InfoKVEngine.from_model(*_load(random_model_dir, dtype))
     assert engine.runner.dtype == dtype
     doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.25, chunk_size=64))
-    assert all(layer.keys.dtype == dtype for layer in doc.cache.layers)
+    assert all(layer.keys.dtype == dtype for layer in document_cache(doc).layers)
     assert doc.ask(QUESTION, max_new_tokens=6)
 
 
@@ -277,7 +282,7 @@ def test_from_pretrained_refuses_before_the_weights_load(random_model_dir: Path,
 # Architectures ----------------------------------------------------------------------------------------
 
 
-def _random_model(model_type: str, vocab_size: int) -> object:
+def _random_model(model_type: str, vocab_size: int) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"sliding_window": None} if model_type in ("mistral", "phi3") else {}
@@ -402,7 +407,8 @@ def test_adapters_take_device_and_dtype(random_model_dir: Path, fresh_adapters: 
     from infokv_rag.integrations.langchain import ChatInfoKV
     from infokv_rag.integrations.llama_index import InfoKV
 
-    chat = ChatInfoKV(model=str(random_model_dir), document_text=TEXT, device="cpu", dtype=torch.bfloat16, max_tokens=4)
+    # pydantic types __init__ by the validated field (str); the field's before-validator takes a torch dtype too.
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=TEXT, device="cpu", dtype=torch.bfloat16, max_tokens=4)  # type: ignore[arg-type]
     assert chat.dtype == "bfloat16"
     assert chat.compressed_document().engine.runner.dtype == torch.bfloat16
     llm = InfoKV(model=str(random_model_dir), document_text=TEXT, device="cpu", dtype="fp16", max_tokens=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
+from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV, ResidentCache
 from infokv_rag.config import recall_tokens
 from infokv_rag.decoding import working_session
 from infokv_rag.prompt import question_turns
+from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import MANIFEST, TENSORS, _manifest_checksum, _sha256
 
+from .helpers import document_cache
 from .test_cold_tier import TEXT
 
 QUESTION = "What is the notice period?"
@@ -24,8 +27,10 @@ PER_HEAD = {"layer_budgets": "per_head"}
 
 def held_entries(doc: CompressedDocument, layer: int, head: int) -> torch.Tensor:
     """(kept, head_dim) every key the head keeps in the layer: its own, then its extras."""
-    extras = doc.cache.extras[layer]
-    return torch.cat([doc.cache.layers[layer].keys[head], extras.keys[extras.of_head(head)]])
+    cache = document_cache(doc)
+    assert cache.extras is not None
+    extras = cache.extras[layer]
+    return torch.cat([cache.layers[layer].keys[head], extras.keys[extras.of_head(head)]])
 
 
 @pytest.mark.parametrize("chunk_size", [2048, 64])
@@ -35,7 +40,7 @@ def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     config = CompressionConfig(keep=0.2, chunk_size=chunk_size, summaries=0, settings=PER_HEAD)
     doc = random_engine.ingest_text(TEXT, config)
-    n, layers = doc.stats.document_tokens, len(doc.cache.layers)
+    n, layers = doc.stats.document_tokens, len(document_cache(doc).layers)
     budget = config.budget_for(n, random_engine.prompt.head_tokens)
     kv_heads = random_engine.runner.kv_heads
     kept = [[len(held_entries(doc, layer, head)) for head in range(kv_heads)] for layer in range(layers)]
@@ -43,7 +48,7 @@ def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
     assert sum(map(sum, kept)) == budget * layers * kv_heads, kept
     assert any(len(set(row)) > 1 for row in kept), "the heads of some layer keep different numbers"
     assert abs(doc.stats.kept_tokens - budget * layers) <= layers, "per layer, the mean over its heads"
-    entry_bytes = 2 * random_engine.runner.head_dim * doc.cache.layers[0].keys.element_size()
+    entry_bytes = 2 * random_engine.runner.head_dim * document_cache(doc).layers[0].keys.element_size()
     assert doc.stats.cache_bytes == budget * layers * kv_heads * entry_bytes + layers * kv_heads * 8, "no padding"
     # Read in one chunk, every key is the full cache's (chunked, later chunks attend to a compressed cache).
     for layer in range(layers if chunk_size >= n else 0):
@@ -51,12 +56,12 @@ def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
             positions = doc.cache.kept_positions(layer)[head]
             assert len(set(positions.tolist())) == len(positions), "no position twice"
             # The full cache holds every position in order: each kept key is the document's at its position.
-            document = full.cache.layers[layer].keys[head]
+            document = document_cache(full).layers[layer].keys[head]
             torch.testing.assert_close(held_entries(doc, layer, head), document[positions], atol=1e-5, rtol=1e-4)
     assert doc.ask(QUESTION, max_new_tokens=6)
 
 
-def _question_logits(engine: InfoKVEngine, cache: DocumentCache) -> torch.Tensor:
+def _question_logits(engine: InfoKVEngine, cache: ResidentCache) -> torch.Tensor:
     runner, n = engine.runner, cache.document_tokens
     ids = torch.tensor(engine.prompt.conversation_ids(question_turns(QUESTION)))
     session = cache.working_cache(len(ids))
@@ -66,7 +71,7 @@ def _question_logits(engine: InfoKVEngine, cache: DocumentCache) -> torch.Tensor
 def test_extras_are_read_as_the_same_entries_held_in_the_layer(random_engine: InfoKVEngine) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     moved, extras = [], []
-    for layer in full.cache.layers:
+    for layer in document_cache(full).layers:
         # The first 20 positions of each head move out of the layer into its extras.
         rest = LayerKV(layer.keys[:, 20:], layer.values[:, 20:], layer.positions[:, 20:], layer.scores[:, 20:])
         moved.append(rest)
@@ -89,7 +94,7 @@ def test_padding_slots_of_a_head_with_fewer_extras_get_no_attention() -> None:
     assert padded.log_counts.tolist() == [[0.0, 0.0, -torch.inf], [0.0, 0.0, 0.0]]
 
 
-def _rewrite_tensors(directory: Path, edit) -> None:
+def _rewrite_tensors(directory: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     """Edits the saved tensors as a broken tool would: the checksums are made to match."""
     tensors = load_file(directory / TENSORS)
     edit(tensors)
@@ -106,14 +111,18 @@ def test_a_per_head_cache_round_trips_and_malformed_extras_are_refused(
 ) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.2, chunk_size=64, settings=PER_HEAD))
     n = doc.stats.document_tokens
-    for layer, extras, summary in zip(doc.cache.layers, doc.cache.extras, doc.cache.summaries, strict=True):
+    cache = document_cache(doc)
+    assert cache.extras is not None and cache.summaries is not None
+    for layer, extras, summary in zip(cache.layers, cache.extras, cache.summaries, strict=True):
         # The summaries stand for exactly what each head evicted: not its extras.
         evicted = n - layer.length - extras.counts
         torch.testing.assert_close(summary.log_counts.exp().sum(dim=1), evicted.float())
     saved = doc.save(tmp_path / "doc")
     loaded = random_engine.load(saved)
-    assert loaded.stats == doc.stats and loaded.cache.extras is not None and doc.cache.extras is not None
-    for got, want in zip(loaded.cache.extras, doc.cache.extras, strict=True):
+    assert loaded.stats == doc.stats
+    loaded_cache = document_cache(loaded)
+    assert loaded_cache.extras is not None and cache.extras is not None
+    for got, want in zip(loaded_cache.extras, cache.extras, strict=True):
         assert torch.equal(got.keys, want.keys) and torch.equal(got.counts, want.counts)
     assert loaded.ask(QUESTION, max_new_tokens=8) == doc.ask(QUESTION, max_new_tokens=8)
 
@@ -133,9 +142,10 @@ def test_a_per_head_cache_with_a_cold_tier_holds_the_extras_there_too(
 ) -> None:
     config = CompressionConfig(keep=0.2, recall=0.1, settings=PER_HEAD)
     doc = random_engine.ingest_text(TEXT, config)
-    assert doc.cold_tier is not None and doc.cache.extras is not None
+    cache = document_cache(doc)
+    assert doc.cold_tier is not None and cache.extras is not None
     n = doc.stats.document_tokens
-    for layer, cold in zip(doc.cache.layers, doc.cold_tier.layers, strict=True):
+    for layer, cold in zip(cache.layers, doc.cold_tier.layers, strict=True):
         assert cold.length == n - layer.length, "an answer that recalls finds every entry outside the layer"
     loaded = random_engine.load(doc.save(tmp_path / "doc"))
     for recall in (0.1, 0.0):
@@ -145,17 +155,21 @@ def test_a_per_head_cache_with_a_cold_tier_holds_the_extras_there_too(
 
 def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(random_engine: InfoKVEngine) -> None:
     config = CompressionConfig(keep=0.2, recall=0.05, summaries=0)
-    assert config.settings.layer_budgets == "per_head", "the default keeps its per-head budgets with a cold tier"
+    settings = config.settings
+    assert isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "per_head", (
+        "the default keeps its per-head budgets with a cold tier"
+    )
     doc = random_engine.ingest_text(TEXT, config)
-    assert doc.cache.extras is not None and doc.cold_tier is not None
+    cache = document_cache(doc)
+    assert cache.extras is not None and doc.cold_tier is not None
     n, recall = doc.stats.document_tokens, recall_tokens(0.05, doc.stats.document_tokens)
     ids = random_engine.prompt.conversation_ids(question_turns(QUESTION))
     session, plan = working_session(doc, len(ids), recall)
     random_engine.runner.forward(torch.tensor(ids), torch.arange(n, n + len(ids)), session, recall=plan)
     assert session.summaries is not None
-    for index, (extras, cold) in enumerate(zip(doc.cache.extras, doc.cold_tier.layers, strict=True)):
+    for index, (extras, cold) in enumerate(zip(cache.extras, doc.cold_tier.layers, strict=True)):
         layer = session.layers[index]
-        assert layer.base is doc.cache.layers[index], "the document's own entries are read in place"
+        assert layer.base is cache.layers[index], "the document's own entries are read in place"
         positions = torch.cat([layer.base.positions, layer.live("positions")], dim=1)
         side = session.summaries[index].log_counts
         for head in range(positions.shape[0]):
@@ -168,7 +182,7 @@ def test_an_answer_that_recalls_reads_every_extra_and_recalls_other_entries(rand
             assert len(set(attended)) == len(attended), "no entry read twice"
             assert read_beside == own_extras, "every extra is read, beside the layer"
             if cold.length - len(own_extras) >= recall:
-                assert len(in_layer) == doc.cache.layers[index].length + recall, (
+                assert len(in_layer) == cache.layers[index].length + recall, (
                     "the recall brings in as many other entries"
                 )
 
@@ -188,7 +202,7 @@ def test_numbers_everywhere_keeps_every_number_in_every_head(
     words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
     numbers = torch.isin(words, words[digits]).nonzero().flatten()
     assert 0 < len(numbers) < config.budget_for(len(ids), random_engine.prompt.head_tokens)
-    for layer in range(len(doc.cache.layers)):
+    for layer in range(len(document_cache(doc).layers)):
         for head, positions in enumerate(doc.cache.kept_positions(layer)):
             assert torch.isin(numbers, positions).all(), (layer, head)
     # Scored like any token, some head of some layer drops a number.
@@ -196,6 +210,6 @@ def test_numbers_everywhere_keeps_every_number_in_every_head(
     scored = random_engine.ingest_text(text, scored_config)
     assert not all(
         torch.isin(numbers, positions).all()
-        for layer in range(len(scored.cache.layers))
+        for layer in range(len(document_cache(scored).layers))
         for positions in scored.cache.kept_positions(layer)
     )

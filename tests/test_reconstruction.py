@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM
 
 from infokv_rag import InfoKVEngine
+from infokv_rag.cache import KVCache
 from infokv_rag.reconstruction import reconstruction_attention, repeat_prompt_ids
 from infokv_rag.selection import global_budgets, per_head_budgets, protected_mask, select_per_head, select_tokens
 
 TEXT = "The supplier shall deliver the goods within thirty days of the order date. " * 6
 
 
-def _prefill(engine: InfoKVEngine, ids: torch.Tensor):
+def _prefill(engine: InfoKVEngine, ids: torch.Tensor) -> KVCache:
     cache = engine.runner.new_cache()
     engine.runner.forward(ids, torch.arange(len(ids)), cache)
     return cache
 
 
-def test_reconstruction_scores_equal_eager_attention_of_the_repeated_document(random_engine, random_model_dir):
+def test_reconstruction_scores_equal_eager_attention_of_the_repeated_document(
+    random_engine: InfoKVEngine, random_model_dir: Path
+) -> None:
     ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
     n, head = len(ids), random_engine.prompt.head_tokens
     scores = reconstruction_attention(
@@ -38,7 +43,7 @@ def test_reconstruction_scores_equal_eager_attention_of_the_repeated_document(ra
         assert bool((scores[layer][:, :head] == 1).all())
 
 
-def test_reconstruction_leaves_the_cache_as_it_found_it(random_engine):
+def test_reconstruction_leaves_the_cache_as_it_found_it(random_engine: InfoKVEngine) -> None:
     ids = torch.tensor(random_engine.prompt.document_ids(TEXT))
     cache = _prefill(random_engine, ids)
     before = [(layer.live("keys").clone(), layer.live("positions").clone()) for layer in cache.layers]
@@ -48,7 +53,7 @@ def test_reconstruction_leaves_the_cache_as_it_found_it(random_engine):
         assert torch.equal(layer.live("keys"), keys) and torch.equal(layer.live("positions"), positions)
 
 
-def test_global_budgets_follow_the_scores_and_keep_the_total():
+def test_global_budgets_follow_the_scores_and_keep_the_total() -> None:
     high, low = torch.full((2, 100), 0.9), torch.full((2, 100), 0.1)
     budgets = global_budgets([high, low, high], total=3 * 40, minimum=10)
     assert sum(budgets) == 120
@@ -58,7 +63,7 @@ def test_global_budgets_follow_the_scores_and_keep_the_total():
     assert global_budgets(mixed, total=10_000, minimum=8) == [50] * 4
 
 
-def test_a_layer_floor_is_taken_from_the_layers_above_it_in_proportion():
+def test_a_layer_floor_is_taken_from_the_layers_above_it_in_proportion() -> None:
     # Layers 0 and 1 hold every token that passes; 2 and 3 none.
     scores = [torch.full((2, 120), 0.9), torch.full((2, 60), 0.8), torch.zeros(2, 100), torch.zeros(2, 100)]
     assert global_budgets(scores, total=4 * 45, minimum=10) == [110, 50, 10, 10]
@@ -68,7 +73,7 @@ def test_a_layer_floor_is_taken_from_the_layers_above_it_in_proportion():
     assert global_budgets(scores, total=4 * 45, minimum=10, floor=5) == [110, 50, 10, 10]  # below the minimum
 
 
-def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants():
+def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants() -> None:
     # Layer 0: one head wants every token, the other none; layer 1: both want a quarter.
     wanting = torch.stack([torch.full((100,), 0.9), torch.full((100,), 0.1)])
     quarter = torch.cat([torch.full((2, 25), 0.8), torch.full((2, 75), 0.2)], dim=1)
@@ -79,7 +84,7 @@ def test_neediest_head_budgets_give_a_layer_what_its_neediest_head_wants():
     assert global_budgets(mixed, total=10_000, minimum=8, per_layer="max") == [50] * 4
 
 
-def test_per_head_budgets_give_each_head_what_passes_and_keep_the_total():
+def test_per_head_budgets_give_each_head_what_passes_and_keep_the_total() -> None:
     # Layer 0: one head wants every token, the other none; layer 1: both want a quarter, then fewer and fewer.
     wanting = torch.stack([torch.full((100,), 0.9), torch.full((100,), 0.1)])
     quarter = torch.cat([torch.full((25,), 0.8), torch.linspace(0.5, 0.2, 75)]).expand(2, -1)
@@ -96,7 +101,7 @@ def test_per_head_budgets_give_each_head_what_passes_and_keep_the_total():
     assert per_head_budgets(mixed, total=10_000, minimum=8) == [[50, 50]] * 4
 
 
-def test_select_per_head_splits_each_heads_best_into_a_common_part_and_the_rest():
+def test_select_per_head_splits_each_heads_best_into_a_common_part_and_the_rest() -> None:
     scores = torch.rand(2, 40, generator=torch.Generator().manual_seed(3))
     protected = protected_mask(torch.arange(40).expand(2, -1), 40, sink_tokens=2, window=4)
     common, rest = select_per_head(scores, protected, [9, 21])

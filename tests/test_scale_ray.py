@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,7 @@ def test_a_caller_that_stops_reading_disconnects_the_replica_app() -> None:
 
     async def scenario() -> None:
         parts = run_asgi(app, forwarded("POST", "/v1/documents/x/ask", b"question"))
+        assert isinstance(parts, AsyncGenerator)  # Ray closes the replica's generator (below)
         assert await parts.__anext__() == ResponseStart(200, [(b"x-a", b"1")])
         assert await parts.__anext__() == b"first"
         await parts.aclose()  # what Ray does to the replica's generator when the client disconnects

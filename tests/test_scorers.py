@@ -31,6 +31,7 @@ from infokv_rag.signals import (
     RECONSTRUCTION_ATTENTION,
     SIGNALS,
     WINDOW_ATTENTION,
+    LayerBudgetSettings,
     LayerSignals,
 )
 
@@ -245,7 +246,9 @@ def test_infokv_attention_predicted_by_the_surrogate() -> None:
 @pytest.mark.parametrize("name", ["kvzip", "infokv_quality"])
 def test_reconstruction_methods_keep_per_head_budgets_over_scores_comparable_across_layers(name: str) -> None:
     signals = synthetic_signals(scorer_of(name).signals)
-    assert CompressionConfig(method=name).settings.layer_budgets == "per_head"
+    settings = CompressionConfig(method=name).settings
+    assert isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "per_head"
+    assert signals.reconstruction_attention is not None
     assert torch.equal(scorer_of(name).comparable_scores(signals), signals.reconstruction_attention)
 
 

@@ -14,6 +14,8 @@ from infokv_rag.documents import document_from_text
 from infokv_rag.scorers.base import NoSettings, Scorer
 from infokv_rag.signals import LayerSignals
 
+from .helpers import document_cache
+
 
 def test_the_capture_keeps_the_most_attention_any_query_pays_each_document_token() -> None:
     generator = torch.Generator().manual_seed(0)
@@ -38,9 +40,10 @@ def test_the_capture_keeps_the_most_attention_any_query_pays_each_document_token
 def test_several_questions_give_the_most_attention_of_each(random_engine: InfoKVEngine) -> None:
     text = "The fee is 40 dollars. Notice is due in 30 days. " * 8
     doc = random_engine.ingest_text(text, CompressionConfig(method="full"))
-    first = question_attention(random_engine, doc.cache, [("What is the fee?", ())])
-    second = question_attention(random_engine, doc.cache, [("When is notice due?", [11, 12])])
-    both = question_attention(random_engine, doc.cache, [("What is the fee?", ()), ("When is notice due?", [11, 12])])
+    full = document_cache(doc)
+    first = question_attention(random_engine, full, [("What is the fee?", ())])
+    second = question_attention(random_engine, full, [("When is notice due?", [11, 12])])
+    both = question_attention(random_engine, full, [("What is the fee?", ()), ("When is notice due?", [11, 12])])
     assert sorted(both) == list(range(random_engine.runner.num_layers))
     for layer, attention in both.items():
         assert attention.shape == (random_engine.runner.kv_heads, doc.cache.document_tokens)
@@ -77,7 +80,7 @@ def test_a_mixed_scorer_takes_budgets_from_one_scorer_and_the_choice_in_each_lay
     assert mixed.cache.lengths == alone.cache.lengths
     assert len(set(alone.cache.lengths)) > 1  # the budgets differ per layer, so they were not uniform
     n, sinks, window = alone.cache.document_tokens, alone.cache.sink_tokens, config.window
-    for alone_layer, mixed_layer in zip(alone.cache.layers, mixed.cache.layers, strict=True):
+    for alone_layer, mixed_layer in zip(document_cache(alone).layers, document_cache(mixed).layers, strict=True):
         length = mixed_layer.length
         # Beside the protected sinks and window, the late ranking keeps each layer's last tokens, the early one
         # its first.

@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -20,6 +20,9 @@ from infokv_rag.service.launcher import ServerProcess, read_sse
 
 from . import pdf_factory as pdfs
 from .service_helpers import assert_answer_cancelled, assert_error, hang_up_after_first_token, wait_answer_ended
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.tiny
 
@@ -282,7 +285,10 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
     doc_id = contract["info"]["id"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     assert [m.id for m in client.models.list()] == ["tiny"]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is the contract manager?"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Who is the contract manager?"},
+    ]
     completion = client.chat.completions.create(
         model="tiny",
         messages=messages,
@@ -292,8 +298,10 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
     )
     text = completion.choices[0].message.content
     assert text and text.strip() and completion.choices[0].finish_reason in ("stop", "length")
-    assert completion.usage.prompt_tokens_details.cached_tokens == contract["info"]["tokens"]
-    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    usage = completion.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == contract["info"]["tokens"]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     stream = client.chat.completions.create(
         model="tiny",
         messages=messages,
@@ -306,7 +314,7 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) >= 2 and "".join(pieces) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == completion.choices[0].finish_reason
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == usage.completion_tokens
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong-key-000000", max_retries=0).models.list()
@@ -401,7 +409,7 @@ def test_page_uploads_and_streams_an_answer(server: ServerProcess, client: httpx
         status = driver.find_element(By.ID, "doc-status")
         WebDriverWait(driver, 120, 0.2).until(lambda d: status.get_attribute("data-status") == "ready")
         doc_id = driver.find_element(By.ID, "document").get_attribute("value")
-        assert doc_id.startswith("doc_")
+        assert doc_id is not None and doc_id.startswith("doc_")
         driver.find_element(By.ID, "question").send_keys("What is the monthly rent?")
         tokens = driver.find_element(By.ID, "max-tokens")
         tokens.clear()

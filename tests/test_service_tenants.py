@@ -192,7 +192,9 @@ def test_keys_file(tmp_path: Path) -> None:
         ("tenantB", False),
         ("ops", True),
     }
-    assert ring.find(KEY_ADMIN).admin and not ring.find(KEY_B).admin and ring.find(KEY_BARE)
+    admin, tenant_b = ring.find(KEY_ADMIN), ring.find(KEY_B)
+    assert admin is not None and tenant_b is not None
+    assert admin.admin and not tenant_b.admin and ring.find(KEY_BARE)
     keys.write_text(f"tenantA:{KEY_A1} superuser\n")
     with pytest.raises(ConfigError, match="line 1"):
         Settings(keys_file=keys)

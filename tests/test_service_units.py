@@ -106,8 +106,14 @@ def test_fair_lock_is_reentrant_and_first_come_first_served() -> None:
     order: list[int] = []
     lock.acquire()
     threads = []
+
+    def take_turn(i: int) -> None:
+        lock.acquire()
+        order.append(i)
+        lock.release()
+
     for index in range(4):
-        thread = threading.Thread(target=lambda i=index: (lock.acquire(), order.append(i), lock.release()))
+        thread = threading.Thread(target=take_turn, args=(index,))
         thread.start()
         threads.append(thread)
         while lock.waiting < index + 1:

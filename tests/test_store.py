@@ -15,7 +15,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -23,9 +25,11 @@ from safetensors.torch import load_file, save_file
 
 from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text, load_document
+from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum
 
 from .conftest import CORPUS
+from .helpers import document_cache
 
 TEXT_A = " ".join(CORPUS * 2)
 TEXT_B = " ".join(reversed(CORPUS * 3))
@@ -39,12 +43,13 @@ def assert_same_document(loaded: CompressedDocument, original: CompressedDocumen
     assert loaded.stats == original.stats
     assert loaded.cache.document_tokens == original.cache.document_tokens
     assert loaded.cache.lengths == original.cache.lengths
-    for got, want in zip(loaded.cache.layers, original.cache.layers, strict=True):
+    for got, want in zip(document_cache(loaded).layers, document_cache(original).layers, strict=True):
         for name in ("keys", "values", "positions", "scores"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
     if original.information_reference is None:
         assert loaded.information_reference is None
     else:
+        assert loaded.information_reference is not None
         assert torch.equal(loaded.information_reference, original.information_reference)
 
 
@@ -123,7 +128,8 @@ def test_a_cache_with_global_layer_budgets_round_trips(
     doc = random_engine.ingest_text(TEXT_A, config)
     loaded = random_engine.load(doc.save(tmp_path / method))
     assert_same_document(loaded, doc)
-    assert loaded.config.settings.layer_budgets == "global"
+    settings = loaded.config.settings
+    assert isinstance(settings, LayerBudgetSettings) and settings.layer_budgets == "global"
     assert loaded.ask(QUESTION, max_new_tokens=NEW_TOKENS) == doc.ask(QUESTION, max_new_tokens=NEW_TOKENS)
 
 
@@ -146,7 +152,7 @@ def _flip_byte(path: Path, where: float = 0.5) -> None:
     path.write_bytes(bytes(data))
 
 
-def _edit_manifest(directory: Path, edit, recompute_checksum: bool) -> None:
+def _edit_manifest(directory: Path, edit: Callable[[dict[str, Any]], object], recompute_checksum: bool) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
     edit(manifest)
     if recompute_checksum:
@@ -348,8 +354,8 @@ def test_killing_a_save_never_leaves_a_half_written_cache(
             text=True,
             env=child_env(),
         )
+        assert child.stdout is not None and child.stderr is not None
         try:
-            assert child.stdout is not None
             ready = child.stdout.readline()
             assert ready.strip() == "ready", (ready, child.stderr.read() if child.stderr else "")
             if round_ == 5:
@@ -388,9 +394,9 @@ def test_killing_a_save_never_leaves_a_half_written_cache(
     assert set(outcomes) & {"a", "b"}, f"no save ever completed before a kill: {outcomes}"
 
     # The next save sweeps the staging directories that the killed saves left once they are stale.
-    leftovers = [p for p in target.parent.iterdir() if p.name != target.name]
+    remaining = [p for p in target.parent.iterdir() if p.name != target.name]
     old = time.time() - STALE_SECONDS - 60
-    for leftover in leftovers:
+    for leftover in remaining:
         os.utime(leftover, (old, old))
     doc_a.save(target)
     assert [p.name for p in target.parent.iterdir()] == [target.name]
@@ -430,7 +436,7 @@ def test_store_reuses_the_cache_of_the_same_file(
     assert reused is False
     answer = first.ask(QUESTION, max_new_tokens=NEW_TOKENS)
 
-    def no_prefill(*args, **kwargs):
+    def no_prefill(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("the document was prefilled again")
 
     monkeypatch.setattr(random_engine, "ingest_document", no_prefill)
@@ -461,7 +467,10 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
     rebuilt, reused = store.ingest(random_engine, document, config)
     assert reused is False
     assert_same_document(random_engine.load(entry), rebuilt)
-    assert all(torch.equal(a.keys, b.keys) for a, b in zip(rebuilt.cache.layers, made.cache.layers, strict=True))
+    assert all(
+        torch.equal(a.keys, b.keys)
+        for a, b in zip(document_cache(rebuilt).layers, document_cache(made).layers, strict=True)
+    )
 
     # Another model's cache planted under this model's key is never used to answer.
     foreign_entry = store.path_for(other_random_engine, document, config)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag import surrogate as surrogate_module
+from infokv_rag.cache import KVCache
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.reconstruction import reconstruction_attention
 from infokv_rag.selection import protected_mask, select_tokens
 from infokv_rag.surrogate import ReconstructionSurrogate, cached_path, fit_surrogate, surrogate_for
+
+from .helpers import document_cache
 
 TEXTS = [
     "The supplier shall deliver the goods within thirty days of the order date. Payment of 12,500 EUR is due. " * 8,
@@ -29,7 +34,7 @@ class _LayerInputs:
         self.inputs[layer] = before.clone()
 
 
-def _prefill(engine: InfoKVEngine, text: str) -> tuple[torch.Tensor, object, _LayerInputs]:
+def _prefill(engine: InfoKVEngine, text: str) -> tuple[torch.Tensor, KVCache, _LayerInputs]:
     ids = torch.tensor(engine.prompt.document_ids(text))
     cache, capture = engine.runner.new_cache(), _LayerInputs()
     engine.runner.forward(ids, torch.arange(len(ids)), cache, capture)
@@ -42,7 +47,7 @@ def fitted(random_engine: InfoKVEngine) -> ReconstructionSurrogate:
 
 
 @pytest.mark.tiny
-def test_a_fit_predicts_the_ranking_of_a_document_it_never_saw(tiny_engine) -> None:
+def test_a_fit_predicts_the_ranking_of_a_document_it_never_saw(tiny_engine: InfoKVEngine) -> None:
     runner, head = tiny_engine.runner, tiny_engine.prompt.head_tokens
     calibration = [make_fact_document(seed=seed, target_words=300).text for seed in (5000, 5001)]
     fitted = fit_surrogate(tiny_engine, calibration)
@@ -59,12 +64,14 @@ def test_a_fit_predicts_the_ranking_of_a_document_it_never_saw(tiny_engine) -> N
 
 
 def test_a_fit_is_made_once_then_read_back_and_a_foreign_one_is_refitted(
-    random_engine, fitted, tmp_path, monkeypatch
+    random_engine: InfoKVEngine, fitted: ReconstructionSurrogate, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path))
     fits: list[int] = []
 
-    def counted_fit(engine: InfoKVEngine, texts: list[str] | None = None, progress: object = None):
+    def counted_fit(
+        engine: InfoKVEngine, texts: list[str] | None = None, progress: object = None
+    ) -> ReconstructionSurrogate:
         fits.append(1)
         return fitted
 
@@ -81,7 +88,9 @@ def test_a_fit_is_made_once_then_read_back_and_a_foreign_one_is_refitted(
     assert torch.equal(surrogate_for(random_engine).weights, fitted.weights) and len(fits) == 3
 
 
-def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(random_engine, fitted, monkeypatch) -> None:
+def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(
+    random_engine: InfoKVEngine, fitted: ReconstructionSurrogate, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(random_engine, "reconstruction_surrogate", fitted)
     settings = {"lam": 1.0, "normalization": "minmax", "units": "token", "layer_budgets": "uniform"}
     config = CompressionConfig(method="infokv", keep=0.3, settings=settings)
@@ -89,7 +98,7 @@ def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(random
     ids, _, capture = _prefill(random_engine, TEXTS[1])
     n, sinks = len(ids), document.cache.sink_tokens
     budget = config.budget_for(n, sinks)
-    for layer, kept in enumerate(document.cache.layers):
+    for layer, kept in enumerate(document_cache(document).layers):
         positions = torch.arange(n).expand(random_engine.runner.kv_heads, n)
         predicted = fitted.predict(layer, capture.inputs[layer])
         keep = select_tokens(predicted, protected_mask(positions, n, sinks, config.window), budget)

@@ -10,6 +10,8 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 
+from .helpers import document_cache
+
 pytestmark = pytest.mark.tiny
 
 QUESTIONS = [
@@ -44,11 +46,11 @@ def test_full_cache_answers_equal_model_generate(tiny_engine: InfoKVEngine, fact
 
 def test_ask_q1_q2_q1_is_stable_and_cache_untouched(tiny_engine: InfoKVEngine, fact_text: str) -> None:
     doc = tiny_engine.ingest_text(fact_text, CompressionConfig(method="infokv", keep=0.25))
-    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in doc.cache.layers]
+    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in document_cache(doc).layers]
     first = doc.ask(QUESTIONS[0], max_new_tokens=20)
     doc.ask(QUESTIONS[1], max_new_tokens=20)
     assert doc.ask(QUESTIONS[0], max_new_tokens=20) == first
-    for (keys, values), layer in zip(snapshot, doc.cache.layers, strict=True):
+    for (keys, values), layer in zip(snapshot, document_cache(doc).layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
 
 

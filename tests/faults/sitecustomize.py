@@ -18,11 +18,12 @@ if _MARKER:
     from infokv_rag import store
 
     _write_synced = store.write_synced  # the store's own name for `infokv_rag.files.write_synced`
+    _marker = Path(_MARKER)
 
     def _paused_write(path: Path, data: bytes) -> None:
         _write_synced(path, data)
         if Path(path).name == store.TEXT and TRIGGER in data:
-            Path(_MARKER).touch()
+            _marker.touch()
             time.sleep(3600)
 
     store.write_synced = _paused_write
