@@ -22,8 +22,8 @@ over the full cache (target <= keep + recall + the question's share).
 
 With `--stored-bits B` the document is also ingested with its kept entries held in codes of B bits
 (`CompressionConfig.stored_bits`), and each question is asked of both caches in turn (without recall): the codes'
-bytes, TTFT from codes over TTFT at the model's dtype, and what one answer holds: every answer decodes the codes
-into its working cache, where one at the model's dtype reads the document's entries in place.
+bytes, TTFT from codes over TTFT at the model's dtype, and what one answer holds: it decodes each layer's codes
+whenever that layer attends (one layer at a time, dropped after) and the heads' extras once.
 """
 
 from __future__ import annotations
@@ -258,7 +258,13 @@ def main() -> int:
                 "",
                 "",
             ),
-            ("held by one answer beside the codes / full (their decode)", own_share(coded_usages, stats), "", ""),
+            (
+                "held by one answer beside the codes / full",
+                f"{own_share(coded_usages, stats)}; beside it, one layer's decode while that layer attends: "
+                f"{layer_decode_share(coded, engine.runner.dtype):.4f} (transient)",
+                "",
+                "",
+            ),
         ]
     if with_recall:
         rows += recall_rows(
@@ -285,6 +291,14 @@ def own_share(usages: list[Usage], stats: DocumentStats) -> str:
     """The most bytes one answer held of its own (`Usage.peak_cache_bytes`, up to its first token) over the full
     cache's."""
     return f"{max(usage.peak_cache_bytes for usage in usages) / stats.full_cache_bytes:.4f} (peak, from tensors)"
+
+
+def layer_decode_share(coded: CompressedDocument, dtype: torch.dtype) -> float:
+    """The largest layer's keys and values at `dtype` over the full cache: what an answer from codes decodes for
+    one layer's attention and drops after it."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    entries = max(int(positions.numel()) for positions in coded.cache.layer_positions())
+    return 2 * entries * coded.engine.runner.head_dim * element / coded.stats.full_cache_bytes
 
 
 RECALL_TTFT_TARGET = 1.5

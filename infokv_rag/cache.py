@@ -11,10 +11,29 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+
+class AnswerLayer(Protocol):
+    """One layer of a document's cache as an answer reads it in place (`LayerBuffer.base`).
+
+    positions, scores: (kv_heads, length) as `LayerKV` has them; `entries()`: its keys and values at the model's
+    dtype, (kv_heads, length, head_dim) each: the held tensors themselves, or a decode made for that one read.
+    """
+
+    @property
+    def positions(self) -> Tensor: ...
+
+    @property
+    def scores(self) -> Tensor: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def entries(self) -> tuple[Tensor, Tensor]: ...
 
 
 @dataclass
@@ -33,6 +52,10 @@ class LayerKV:
     @property
     def length(self) -> int:
         return int(self.keys.shape[1])
+
+    def entries(self) -> tuple[Tensor, Tensor]:
+        """The keys and values themselves (`AnswerLayer`): an answer reads them in place."""
+        return self.keys, self.values
 
     @property
     def nbytes(self) -> int:
@@ -67,15 +90,62 @@ class EvictedSummary:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.log_counts))
 
 
-@dataclass
-class HeadExtras:
+class ExtrasLayout(ABC):
     """The tokens some KV heads of one layer keep beyond the layer's common length (`layer_budgets="per_head"`:
     a layer's heads may keep different numbers of tokens, and the layer holds as many per head as its least
-    needy head keeps). Stored flat, so they cost their own bytes and no padding.
+    needy head keeps), as an answer reads them: held at the model's dtype (`HeadExtras`) or in codes
+    (`infokv_rag.coded_cache.ExtrasOnRead`).
 
-    keys, values: (entries, head_dim), head 0's entries first, then head 1's, ...; positions: (entries,) int64,
-    each entry's document position; counts: (kv_heads,) int64, how many each head holds (summing to entries).
+    positions: (entries,) int64, each entry's document position, head 0's entries first, then head 1's, ...;
+    counts: (kv_heads,) int64, how many each head holds (summing to entries).
     """
+
+    positions: Tensor
+    counts: Tensor
+
+    @abstractmethod
+    def entries(self) -> tuple[Tensor, Tensor]:
+        """Keys and values (entries, head_dim) each, at the model's dtype, in `positions`' order."""
+
+    def of_head(self, head: int) -> slice:
+        """The rows of head `head`'s entries."""
+        start = int(self.counts[:head].sum())
+        return slice(start, start + int(self.counts[head]))
+
+    @property
+    def most(self) -> int:
+        """The most entries any head holds."""
+        return int(self.counts.max()) if self.counts.numel() else 0
+
+    def held(self, positions: Tensor) -> Tensor:
+        """positions (kv_heads, m) -> (kv_heads, m) bool: whether that head holds the position among its extras."""
+        return torch.stack(
+            [torch.isin(positions[head], self.positions[self.of_head(head)]) for head in range(positions.shape[0])]
+        )
+
+    def slot_log_counts(self) -> Tensor:
+        """(kv_heads, most) float32, the log counts of the padded slots (`padded`): 0 for an entry, -inf for
+        the slots of a head that holds fewer."""
+        slot = torch.arange(self.most).expand(self.counts.shape[0], -1)
+        empty = (slot >= self.counts.unsqueeze(1)).to(self.positions.device)
+        return torch.zeros(empty.shape, device=self.positions.device).masked_fill_(empty, -torch.inf)
+
+    def padded(self) -> EvictedSummary:
+        """The entries as a question attends to them: (kv_heads, most, head_dim), each exact (log count 0),
+        the slots of a head that holds fewer at log count -inf."""
+        flat_keys, flat_values = self.entries()
+        log_counts = self.slot_log_counts()
+        filled = log_counts == 0
+        keys = flat_keys.new_zeros(filled.shape[0], self.most, flat_keys.shape[1])
+        values = torch.zeros_like(keys)
+        keys[filled], values[filled] = flat_keys, flat_values
+        return EvictedSummary(keys, values, log_counts)
+
+
+@dataclass
+class HeadExtras(ExtrasLayout):
+    """A layer's extras at the model's dtype (`ExtrasLayout`), stored flat, so they cost their own bytes and no
+    padding. keys, values: (entries, head_dim), in `positions`' order."""
 
     keys: Tensor
     values: Tensor
@@ -93,43 +163,14 @@ class HeadExtras:
             torch.tensor([len(chosen) for chosen in indices], dtype=torch.long),
         )
 
-    def of_head(self, head: int) -> slice:
-        """The rows of head `head`'s entries."""
-        start = int(self.counts[:head].sum())
-        return slice(start, start + int(self.counts[head]))
-
-    @property
-    def most(self) -> int:
-        """The most entries any head holds."""
-        return int(self.counts.max()) if self.counts.numel() else 0
+    def entries(self) -> tuple[Tensor, Tensor]:
+        """The keys and values themselves: an answer reads them in place."""
+        return self.keys, self.values
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values and the per-head counts (positions, like a layer's, are not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.counts))
-
-    def held(self, positions: Tensor) -> Tensor:
-        """positions (kv_heads, m) -> (kv_heads, m) bool: whether that head holds the position among its extras."""
-        return torch.stack(
-            [torch.isin(positions[head], self.positions[self.of_head(head)]) for head in range(positions.shape[0])]
-        )
-
-    def slot_log_counts(self) -> Tensor:
-        """(kv_heads, most) float32, the log counts of the padded slots (`padded`): 0 for an entry, -inf for
-        the slots of a head that holds fewer."""
-        slot = torch.arange(self.most).expand(self.counts.shape[0], -1)
-        empty = (slot >= self.counts.unsqueeze(1)).to(self.keys.device)
-        return torch.zeros(empty.shape, device=self.keys.device).masked_fill_(empty, -torch.inf)
-
-    def padded(self) -> EvictedSummary:
-        """The entries as a question attends to them: (kv_heads, most, head_dim), each exact (log count 0),
-        the slots of a head that holds fewer at log count -inf."""
-        log_counts = self.slot_log_counts()
-        filled = log_counts == 0
-        keys = self.keys.new_zeros(filled.shape[0], self.most, self.keys.shape[1])
-        values = torch.zeros_like(keys)
-        keys[filled], values[filled] = self.keys, self.values
-        return EvictedSummary(keys, values, log_counts)
 
 
 @dataclass
@@ -143,17 +184,14 @@ class SideEntries:
     slot and for an extra that recall has brought into the layer) then the summaries' log counts.
     """
 
-    extras: HeadExtras | None
+    extras: ExtrasLayout | None
     summary: EvictedSummary | None
     log_counts: Tensor
-    owns_extras: bool = False
-    """Whether `extras` were made for this answer alone (a decode of codes), so that their bytes count as held."""
 
     @classmethod
-    def of(cls, extras: HeadExtras | None, summary: EvictedSummary | None, owns_extras: bool) -> SideEntries:
+    def of(cls, extras: ExtrasLayout | None, summary: EvictedSummary | None) -> SideEntries:
         own = [] if extras is None else [extras.slot_log_counts()]
-        log_counts = torch.cat(own + ([] if summary is None else [summary.log_counts.float()]), dim=1)
-        return cls(extras, summary, log_counts, owns_extras)
+        return cls(extras, summary, torch.cat(own + ([] if summary is None else [summary.log_counts.float()]), dim=1))
 
     @property
     def length(self) -> int:
@@ -161,10 +199,9 @@ class SideEntries:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the answer holds beside the layer: its log counts, and the extras when it owns them (unpadded).
-        The summaries, and extras read in place, are the document's."""
-        own = self.log_counts.numel() * self.log_counts.element_size()
-        return own + (self.extras.nbytes if self.extras is not None and self.owns_extras else 0)
+        """Bytes the answer holds beside the layer: its log counts. The extras and the summaries are the
+        document's, read in place (extras in codes are decoded only while the layer attends)."""
+        return self.log_counts.numel() * self.log_counts.element_size()
 
     def materialised(self) -> EvictedSummary:
         """The entries as one layer attends to them, (kv_heads, length, head_dim), with this answer's log counts.
@@ -203,12 +240,12 @@ class ResidentCache(ABC):
         head holds (kv_heads,) (`HeadExtras`)."""
 
     @abstractmethod
-    def answer_layers(self) -> Iterator[LayerKV]:
-        """Each layer as an answer reads it, at the model's dtype, one at a time."""
+    def answer_layers(self) -> Iterator[AnswerLayer]:
+        """Each layer as an answer reads it in place, its entries at the model's dtype."""
 
     @abstractmethod
-    def answer_extras(self) -> list[HeadExtras] | None:
-        """Per layer, the extras as an answer reads them, at the model's dtype."""
+    def answer_extras(self) -> list[ExtrasLayout] | None:
+        """Per layer, the extras as an answer reads them in place, their entries at the model's dtype."""
 
     @abstractmethod
     def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
@@ -247,27 +284,20 @@ class ResidentCache(ABC):
         positions, counts = extras[layer]
         return [torch.cat(pair) for pair in zip(own, positions.split(counts.tolist()), strict=True)]
 
-    @property
-    @abstractmethod
-    def answers_read_in_place(self) -> bool:
-        """Whether `answer_layers` and `answer_extras` are what is held itself (an answer then reads them in place
-        and holds none of their bytes), rather than a copy each answer makes (a decode of codes)."""
-
     def working_cache(self, extra_tokens: int, summaries: bool = True) -> KVCache:
         """A working cache for answering a question: each layer reads the document's entries (`answer_layers`)
-        in place and holds room for `extra_tokens` of its own; beside each layer, what it attends (`SideEntries`:
-        the extras, then the summaries if `summaries`; an answer that recalls from the cold tier reads what
-        they stand for itself). What is held stays untouched: `LayerBuffer.materialise` copies a layer's
-        document entries in before anything would change them."""
+        in place, holding none of them, and has room for `extra_tokens` of its own; beside each layer, what it
+        attends (`SideEntries`: the extras, then the summaries if `summaries`; an answer that recalls from the
+        cold tier reads what they stand for itself). What is held stays untouched: `LayerBuffer.materialise`
+        copies a layer's document entries in before anything would change them."""
         cache = KVCache(len(self.lengths), *self.working_layout())
-        shared = self.answers_read_in_place
         for buffer, layer in zip(cache.layers, self.answer_layers(), strict=True):
-            buffer.read_in_place(layer, owned=not shared, capacity=extra_tokens)
+            buffer.read_in_place(layer, capacity=extra_tokens)
         extras, stand_ins = self.answer_extras(), self.summaries if summaries else None
         if extras is not None or stand_ins is not None:
             nothing: list[None] = [None] * len(cache.layers)
             cache.summaries = [
-                SideEntries.of(extra, summary, owns_extras=not shared)
+                SideEntries.of(extra, summary)
                 for extra, summary in zip(extras or nothing, stand_ins or nothing, strict=True)
             ]
         return cache
@@ -296,16 +326,12 @@ class DocumentCache(ResidentCache):
     def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
         return None if self.extras is None else [(extra.positions, extra.counts) for extra in self.extras]
 
-    @property
-    def answers_read_in_place(self) -> bool:
-        return True
-
-    def answer_layers(self) -> Iterator[LayerKV]:
+    def answer_layers(self) -> Iterator[AnswerLayer]:
         return iter(self.layers)
 
-    def answer_extras(self) -> list[HeadExtras] | None:
+    def answer_extras(self) -> list[ExtrasLayout] | None:
         """The document's own extras: an answer reads them in place (`SideEntries`)."""
-        return self.extras
+        return list(self.extras) if self.extras is not None else None
 
     def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
         keys = self.layers[0].keys
@@ -337,10 +363,8 @@ class LayerBuffer:
         self.positions = torch.empty(kv_heads, 0, dtype=torch.long, device=device)
         self.scores = torch.empty(kv_heads, 0, dtype=torch.float32, device=device)
         self.length = 0
-        self.base: LayerKV | None = None
+        self.base: AnswerLayer | None = None
         """Entries read in place ahead of the live ones, never modified; None once materialised (or never set)."""
-        self.owns_base = False
-        """Whether `base` was made for this buffer alone (a decode of codes), so that its bytes count as held."""
 
     @property
     def base_length(self) -> int:
@@ -361,10 +385,10 @@ class LayerBuffer:
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
 
-    def read_in_place(self, layer: LayerKV, owned: bool, capacity: int) -> None:
+    def read_in_place(self, layer: AnswerLayer, capacity: int) -> None:
         """Reads `layer` in place as the base, with nothing live yet and room for `capacity` entries."""
         self._reserve(capacity)
-        self.base, self.owns_base, self.length = layer, owned, 0
+        self.base, self.length = layer, 0
 
     def materialise(self) -> None:
         """Copies the base in ahead of the live entries, so that the live entries are the whole layer."""
@@ -372,12 +396,13 @@ class LayerBuffer:
             return
         base, added = self.base, self.base.length
         self._reserve(self.length + added)
-        for name in ("keys", "values", "positions", "scores"):
+        keys, values = base.entries()
+        for name, held in (("keys", keys), ("values", values), ("positions", base.positions), ("scores", base.scores)):
             buffer = getattr(self, name)
             buffer[:, added : added + self.length] = buffer[:, : self.length].clone()
-            buffer[:, :added] = getattr(base, name)
+            buffer[:, :added] = held
         self.length += added
-        self.base, self.owns_base = None, False
+        self.base = None
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
         """keys, values: (kv_heads, q, head_dim); positions: (q,); scores: (q,)."""
@@ -461,10 +486,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values this cache holds over all layers: the live ones, the bases it owns (not those
-        it reads in place) and what it holds beside each layer (`SideEntries.nbytes`)."""
+        """Bytes of keys and values this cache holds over all layers: the live ones (not the bases it reads in
+        place) and what it holds beside each layer (`SideEntries.nbytes`)."""
         entries = sum(2 * layer.live("keys").numel() * layer.keys.element_size() for layer in self.layers)
-        entries += sum(layer.base.nbytes for layer in self.layers if layer.base is not None and layer.owns_base)
         return entries + sum(summary.nbytes for summary in self.summaries or [])
 
     def materialise(self) -> None:

@@ -3,12 +3,13 @@
 The entries a document keeps (each layer's own, and each KV head's extras with per-head budgets) are held
 in 8- or 4-bit codes, the cold tier's (`infokv_rag.quantisation`: keys per channel in pages of 32 entries,
 values per token in groups of 32 channels, float16 ranges), in memory and on disk; positions, eviction
-scores and the summaries of evicted entries stay as they are. Each answer decodes the codes into its own
-working cache at the model's dtype, one layer at a time, and its extras once: where an answer over a cache at the
-model's dtype reads the document's entries in place, one over codes holds their decode while it runs.
+scores and the summaries of evicted entries stay as they are. An answer reads each layer's codes, and its heads'
+extras, in place and decodes them to the model's dtype whenever it attends over that layer (`DecodedOnRead`,
+`ExtrasOnRead`), so it holds one layer's decode at a time, only while that layer attends.
 
 So a cache in codes costs about 9/32 (8-bit) or 5/32 (4-bit) of its entries' bytes at float32, 9/16 or 5/16
-at 16 bits, and every answer pays one decode of the kept entries.
+at 16 bits, and every forward pass of an answer (the question's, then one per generated token) pays one decode
+of the kept entries, layer by layer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV, ResidentCache
+from .cache import AnswerLayer, DocumentCache, EvictedSummary, ExtrasLayout, ResidentCache
 from .quantisation import QuantisedEntries
 
 
@@ -32,8 +33,30 @@ class CodedLayer:
     positions: Tensor
     scores: Tensor
 
-    def decoded(self, bits: int, dtype: torch.dtype) -> LayerKV:
-        return LayerKV(*self.entries.decoded(bits, dtype), self.positions, self.scores)
+
+@dataclass(frozen=True)
+class DecodedOnRead:
+    """A layer in codes as an answer reads it (`infokv_rag.cache.AnswerLayer`): each read decodes it to `dtype`,
+    so an answer holds one layer's decode, for the time of one layer's attention, and none between reads."""
+
+    layer: CodedLayer
+    bits: int
+    dtype: torch.dtype
+
+    @property
+    def positions(self) -> Tensor:
+        return self.layer.positions
+
+    @property
+    def scores(self) -> Tensor:
+        return self.layer.scores
+
+    @property
+    def length(self) -> int:
+        return int(self.layer.positions.shape[1])
+
+    def entries(self) -> tuple[Tensor, Tensor]:
+        return self.layer.entries.decoded(self.bits, self.dtype)
 
 
 @dataclass
@@ -53,9 +76,22 @@ class CodedExtras:
         """Bytes of the codes, their ranges and the per-head counts (positions are not counted, as in `HeadExtras`)."""
         return sum(head.nbytes for head in self.heads) + self.counts.numel() * self.counts.element_size()
 
-    def decoded(self, bits: int, dtype: torch.dtype) -> HeadExtras:
+    def decoded(self, bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Keys and values (entries, head_dim) each, in `HeadExtras`' order."""
         keys, values = zip(*(head.decoded(bits, dtype) for head in self.heads), strict=True)
-        return HeadExtras(torch.cat(keys, dim=1)[0], torch.cat(values, dim=1)[0], self.positions, self.counts)
+        return torch.cat(keys, dim=1)[0], torch.cat(values, dim=1)[0]
+
+
+class ExtrasOnRead(ExtrasLayout):
+    """A layer's extras in codes as an answer reads them: each read (`entries`) decodes them to `dtype`, for the
+    time of one layer's attention."""
+
+    def __init__(self, extras: CodedExtras, bits: int, dtype: torch.dtype) -> None:
+        self.extras, self.bits, self.dtype = extras, bits, dtype
+        self.positions, self.counts = extras.positions, extras.counts
+
+    def entries(self) -> tuple[Tensor, Tensor]:
+        return self.extras.decoded(self.bits, self.dtype)
 
 
 @dataclass
@@ -108,16 +144,13 @@ class CodedCache(ResidentCache):
     def extra_positions(self) -> list[tuple[Tensor, Tensor]] | None:
         return None if self.extras is None else [(extra.positions, extra.counts) for extra in self.extras]
 
-    @property
-    def answers_read_in_place(self) -> bool:
-        return False
+    def answer_layers(self) -> Iterator[AnswerLayer]:
+        """Each layer decoded whenever an answer reads it (`DecodedOnRead`): one layer's decode at a time."""
+        return (DecodedOnRead(layer, self.bits, self.dtype) for layer in self.layers)
 
-    def answer_layers(self) -> Iterator[LayerKV]:
-        return (layer.decoded(self.bits, self.dtype) for layer in self.layers)
-
-    def answer_extras(self) -> list[HeadExtras] | None:
-        """Decoded for each answer, which holds them while it runs."""
-        return None if self.extras is None else [extra.decoded(self.bits, self.dtype) for extra in self.extras]
+    def answer_extras(self) -> list[ExtrasLayout] | None:
+        """Each layer's extras decoded whenever an answer reads them (`ExtrasOnRead`)."""
+        return None if self.extras is None else [ExtrasOnRead(extra, self.bits, self.dtype) for extra in self.extras]
 
     def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
         codes = self.layers[0].entries.key_low

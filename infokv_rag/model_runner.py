@@ -64,7 +64,7 @@ def _attention(
             value[0],
             scaling or query.shape[-1] ** -0.5,
             beside.log_counts,
-            document=base,
+            document=base.entries() if base is not None else None,
         )
         return output.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]

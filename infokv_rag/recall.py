@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cache import HeadExtras, KVCache, LayerKV, gather_tokens
+from .cache import ExtrasLayout, KVCache, gather_tokens
 from .cold_tier import ColdTier
 
 NEGLIGIBLE = -80.0
@@ -37,13 +37,14 @@ def attend_over_cold(
     hot_values: Tensor,
     scaling: float,
     cold_log_counts: Tensor | None = None,
-    document: LayerKV | None = None,
+    document: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The question's attention over every entry of a layer, hot and cold, and each cold entry's share of it.
 
     query: (heads, q, head_dim) of the question's q tokens; cold_keys, cold_values: (kv_heads, m, head_dim);
     hot_keys, hot_values: (kv_heads, length, head_dim) whose last q are the question's own; `document`, when
-    given, the layer's entries read in place ahead of the hot ones (`LayerBuffer.base`), seen by every query.
+    given, the keys and values (kv_heads, d, head_dim) of the layer's entries read in place ahead of the hot
+    ones (`LayerBuffer.base`), seen by every query.
     Returns the attention output (heads, q, head_dim) float32, what attention over the full cache gives up to
     the cold codes' precision, and the attention mass of each cold entry summed over its KV group's query heads
     and the question's tokens (kv_heads, m). `cold_log_counts` (kv_heads, m), when given, is added to the cold
@@ -62,7 +63,8 @@ def attend_over_cold(
     hot[:, :, hot.shape[2] - q :].masked_fill_(future, -torch.inf)
     seen = [(hot, hot_values)]
     if document is not None:
-        seen.append((torch.bmm(grouped, document.keys.float().transpose(1, 2)), document.values))
+        document_keys, document_values = document
+        seen.append((torch.bmm(grouped, document_keys.float().transpose(1, 2)), document_values))
     # One softmax over every key per query, in place on the (kv_heads, queries, keys) logits: this is most of
     # what recall adds to a question's time to first token. Logits more than -NEGLIGIBLE below the query's
     # largest are floored there: their share (< 1e-34 each) changes no ranking, and exp of them would be a
@@ -120,7 +122,7 @@ class Recall:
             layer.live("keys"),
             layer.live("values"),
             scaling,
-            document=layer.base,
+            document=layer.base.entries() if layer.base is not None else None,
         )
         side = self.session.summaries[layer_index] if self.session.summaries is not None else None
         extras = side.extras if side is not None else None
@@ -140,7 +142,7 @@ class Recall:
             self._set_aside(layer_index, extras, positions)
         return output.unsqueeze(0).to(query.dtype)
 
-    def _set_aside(self, layer_index: int, extras: HeadExtras, recalled: Tensor) -> None:
+    def _set_aside(self, layer_index: int, extras: ExtrasLayout, recalled: Tensor) -> None:
         """Turns the side entries of the extras just recalled into the layer (positions `recalled` (kv_heads,
         count)) into padding slots, so that no entry is read twice."""
         assert self.session.summaries is not None

@@ -13,7 +13,7 @@ from safetensors.torch import load, save
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
-from infokv_rag.coded_cache import CodedCache
+from infokv_rag.coded_cache import CodedCache, DecodedOnRead, ExtrasOnRead
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.quantisation import QuantisedEntries
@@ -73,24 +73,25 @@ def test_a_cache_in_codes_answers_as_its_entries_decoded_from_them(random_engine
     got, want = coded.cache.working_cache(8), expected.cache.working_cache(8)
     for layer, reference in zip(got.layers, want.layers, strict=True):
         assert layer.base is not None and reference.base is not None and layer.length == reference.length == 0
-        assert layer.owns_base and not reference.owns_base, "a decode is the answer's own; entries are read in place"
-        for name in ("keys", "values", "positions", "scores"):
-            assert torch.equal(getattr(layer.base, name), getattr(reference.base, name)), name
+        assert isinstance(layer.base, DecodedOnRead), "the codes are read in place, decoded at each read"
+        for got_tensor, want_tensor in zip(layer.base.entries(), reference.base.entries(), strict=True):
+            assert torch.equal(got_tensor, want_tensor)
+        assert torch.equal(layer.base.positions, reference.base.positions)
+        assert torch.equal(layer.base.scores, reference.base.scores)
     assert got.summaries is not None and want.summaries is not None
     for side, reference_side in zip(got.summaries, want.summaries, strict=True):
         materialised, reference_materialised = side.materialised(), reference_side.materialised()
         assert torch.equal(materialised.keys, reference_materialised.keys)
         assert torch.equal(materialised.values, reference_materialised.values)
         assert torch.equal(side.log_counts, reference_side.log_counts)
-    # The answer over codes holds their decode, layers and extras; the one at the model's dtype holds neither.
+    # Between reads neither answer holds any of the document's entries, decoded or not: only its log counts.
     log_counts = sum(side.log_counts.nbytes for side in want.summaries)
-    assert want.nbytes == log_counts
-    decoded_extras = sum(extra.nbytes for extra in coded.cache.answer_extras() or [])
-    assert got.nbytes == sum(layer.base.nbytes for layer in got.layers if layer.base) + decoded_extras + log_counts
+    assert want.nbytes == got.nbytes == log_counts
+    assert all(isinstance(side.extras, ExtrasOnRead) for side in got.summaries), "the extras' codes read in place"
     assert answer_ids(coded) == answer_ids(expected)
     # Decoded, not copied: near the entries at the model's dtype, nearer at 8 bits.
     error = max(
-        float((a.base.keys - b.keys).abs().max() / b.keys.abs().max())
+        float((a.base.entries()[0] - b.keys).abs().max() / b.keys.abs().max())
         for a, b in zip(got.layers, document_cache(plain).layers, strict=True)
         if a.base is not None
     )

@@ -118,14 +118,10 @@ def test_a_cache_held_in_codes_decodes_on_the_gpu_as_on_the_cpu(
     # result by an ulp, and so a bf16 one across a rounding edge); the CPU copy is float32.
     tolerance = 1e-6 if engine.runner.dtype == torch.float32 else 2**-7
     for got, want in zip(decoded.layers, decoded_on_cpu.layers, strict=True):
-        assert got.base is not None and want.base is not None and got.base.keys.dtype == engine.runner.dtype
-        for name in ("keys", "values"):
-            torch.testing.assert_close(
-                getattr(got.base, name).cpu(),
-                getattr(want.base, name).to(engine.runner.dtype),
-                rtol=tolerance,
-                atol=1e-6,
-            )
+        assert got.base is not None and want.base is not None
+        for got_tensor, want_tensor in zip(got.base.entries(), want.base.entries(), strict=True):
+            assert got_tensor.dtype == engine.runner.dtype and got_tensor.device.type == torch.device(GPU).type
+            torch.testing.assert_close(got_tensor.cpu(), want_tensor.to(engine.runner.dtype), rtol=tolerance, atol=1e-6)
     answer = doc.ask(QUESTION, max_new_tokens=6)
     assert answer and engine.load(saved).ask(QUESTION, max_new_tokens=6) == answer
 
