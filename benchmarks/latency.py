@@ -18,12 +18,13 @@ question is asked with recall and without (recall=0) in turn, on the same cache 
 with recall over TTFT without (target <= 1.5x, issue 13); hot + cold bytes on disk over the full cache
 at the model's dtype (target <= 0.5); the document's hot cache (which every answer reads in place) plus the
 most keys and values one answer held of its own (from its tensors: recalled entries, question and answer)
-over the full cache (target <= keep + recall + the question's share).
+over the full cache (target <= the document's cache + recall + the question's share).
 
 With `--stored-bits B` the document is also ingested with its kept entries held in codes of B bits
 (`CompressionConfig.stored_bits`), and each question is asked of both caches in turn (without recall): the codes'
-bytes, TTFT from codes over TTFT at the model's dtype, and what one answer holds: it decodes each layer's codes
-whenever that layer attends (one layer at a time, dropped after) and the heads' extras once.
+bytes, TTFT and the time per generated token from codes over those at the model's dtype, and what one answer
+holds: it decodes each layer's codes, and its heads' extras, whenever that layer attends (one layer at a time,
+dropped after).
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ def follow_up(doc: CompressedDocument, question: str, recall: float | None = Non
     generation = doc.generate(question_turns(question), GenerationOptions(max_new_tokens=1, recall=recall))
     generation.text()
     return time.perf_counter() - started, generation.usage
+
+
+LONG_ANSWER = "Repeat the first paragraph of the document word for word."
+"""A question whose answer runs to `DECODE_TOKENS` tokens, to time decoding."""
+DECODE_TOKENS = 40
+
+
+def seconds_per_token(doc: CompressedDocument) -> float:
+    """Wall seconds per generated token after the first, over a `DECODE_TOKENS`-token answer."""
+    started = time.perf_counter()
+    generation = doc.generate(question_turns(LONG_ANSWER), GenerationOptions(max_new_tokens=DECODE_TOKENS))
+    generation.text()
+    usage = generation.usage
+    assert usage.time_to_first_token is not None
+    return (time.perf_counter() - started - usage.time_to_first_token) / max(usage.completion_tokens - 1, 1)
 
 
 @torch.inference_mode()
@@ -243,6 +259,11 @@ def main() -> int:
         ("held by one answer beside the document's cache / full", own_share(plain_usages, stats), "", ""),
     ]
     if coded is not None:
+        per_token: dict[str, list[float]] = {"dtype": [], "codes": []}
+        for _ in range(args.repeats):
+            per_token["dtype"].append(seconds_per_token(doc))
+            per_token["codes"].append(seconds_per_token(coded))
+        at_dtype, from_codes_token = (statistics.median(per_token[label]) for label in ("dtype", "codes"))
         rows += [
             (
                 f"cache in {args.stored_bits}-bit codes (`--stored-bits`)",
@@ -255,6 +276,13 @@ def main() -> int:
                 "follow-up TTFT from the codes, median",
                 f"{fmt(statistics.median(from_codes))} ({statistics.median(from_codes) / ttft_memory:.2f}x the "
                 f"model's dtype's, asked in turn; n={len(from_codes)})",
+                "",
+                "",
+            ),
+            (
+                "time per generated token from the codes, median",
+                f"{fmt(from_codes_token)} ({from_codes_token / at_dtype:.2f}x the model's dtype's {fmt(at_dtype)}; "
+                f"a {DECODE_TOKENS}-token answer, asked in turn; n={len(per_token['codes'])})",
                 "",
                 "",
             ),
