@@ -289,7 +289,7 @@ def main() -> int:
             (
                 "held by one answer beside the codes / full",
                 f"{own_share(coded_usages, stats)}; beside it, one layer's decode while that layer attends: "
-                f"{layer_decode_share(coded, engine.runner.dtype):.4f} (transient)",
+                f"{layer_decode_share(coded):.4f} (transient)",
                 "",
                 "",
             ),
@@ -321,12 +321,16 @@ def own_share(usages: list[Usage], stats: DocumentStats) -> str:
     return f"{max(usage.peak_cache_bytes for usage in usages) / stats.full_cache_bytes:.4f} (peak, from tensors)"
 
 
-def layer_decode_share(coded: CompressedDocument, dtype: torch.dtype) -> float:
-    """The largest layer's keys and values at `dtype` over the full cache: what an answer from codes decodes for
-    one layer's attention and drops after it."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    entries = max(int(positions.numel()) for positions in coded.cache.layer_positions())
-    return 2 * entries * coded.engine.runner.head_dim * element / coded.stats.full_cache_bytes
+def layer_decode_share(coded: CompressedDocument) -> float:
+    """The largest layer's kept entries (its own and its heads' extras) at the model's dtype over the full cache:
+    what an answer from codes decodes for one layer's attention and drops after it."""
+    runner = coded.engine.runner
+    element = torch.empty(0, dtype=runner.dtype).element_size()
+    entries = max(
+        sum(len(positions) for positions in coded.cache.kept_positions(layer))
+        for layer in range(len(coded.cache.lengths))
+    )
+    return 2 * entries * runner.head_dim * element / coded.stats.full_cache_bytes
 
 
 RECALL_TTFT_TARGET = 1.5

@@ -244,7 +244,7 @@ class ResidentCache(ABC):
         """Each layer as an answer reads it in place, its entries at the model's dtype."""
 
     @abstractmethod
-    def answer_extras(self) -> list[ExtrasLayout] | None:
+    def answer_extras(self) -> Sequence[ExtrasLayout] | None:
         """Per layer, the extras as an answer reads them in place, their entries at the model's dtype."""
 
     @abstractmethod
@@ -329,9 +329,9 @@ class DocumentCache(ResidentCache):
     def answer_layers(self) -> Iterator[AnswerLayer]:
         return iter(self.layers)
 
-    def answer_extras(self) -> list[ExtrasLayout] | None:
+    def answer_extras(self) -> Sequence[ExtrasLayout] | None:
         """The document's own extras: an answer reads them in place (`SideEntries`)."""
-        return list(self.extras) if self.extras is not None else None
+        return self.extras
 
     def working_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
         keys = self.layers[0].keys

@@ -14,7 +14,7 @@ of the kept entries, layer by layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +148,7 @@ class CodedCache(ResidentCache):
         """Each layer decoded whenever an answer reads it (`DecodedOnRead`): one layer's decode at a time."""
         return (DecodedOnRead(layer, self.bits, self.dtype) for layer in self.layers)
 
-    def answer_extras(self) -> list[ExtrasLayout] | None:
+    def answer_extras(self) -> Sequence[ExtrasLayout] | None:
         """Each layer's extras decoded whenever an answer reads them (`ExtrasOnRead`)."""
         return None if self.extras is None else [ExtrasOnRead(extra, self.bits, self.dtype) for extra in self.extras]
 
