@@ -362,9 +362,10 @@ def recall_rows(
     question = max(usage.prompt_tokens for usage in usages)
     bound = stats.compression_ratio + (recall_tokens(args.recall, n) + question) / n
     recalled = statistics.median(usage.recalled_tokens for usage in usages) / len(doc.cache.lengths)
-    # While the question is read, one layer at a time holds its cold keys and values dequantised (float32).
-    head_dim = engine.runner.head_dim
-    decoded = max(2 * layer.positions.numel() * head_dim * 4 for layer in doc.cold_tier.layers)
+    # While the question is read, one layer at a time holds its cold keys and values dequantised, with each
+    # head's extras beside them (float32): every entry outside the layer.
+    per_entry = 2 * engine.runner.kv_heads * engine.runner.head_dim * 4
+    decoded = max((n - length) * per_entry for length in doc.cache.lengths)
 
     def met(ok: bool) -> str:
         return "yes" if ok else "**no**"
@@ -401,7 +402,7 @@ def recall_rows(
             met(peak <= bound),
         ),
         (
-            "beside it while the question is read: one layer's cold entries dequantised / full",
+            "beside it while the question is read: one layer's cold entries and extras in float32 / full",
             f"{decoded / stats.full_cache_bytes:.3f} ({decoded / 2**20:,.1f} MiB, transient)",
             "",
             "",

@@ -117,12 +117,6 @@ class ExtrasLayout(ABC):
         """The most entries any head holds."""
         return int(self.counts.max()) if self.counts.numel() else 0
 
-    def held(self, positions: Tensor) -> Tensor:
-        """positions (kv_heads, m) -> (kv_heads, m) bool: whether that head holds the position among its extras."""
-        return torch.stack(
-            [torch.isin(positions[head], self.positions[self.of_head(head)]) for head in range(positions.shape[0])]
-        )
-
     def slot_log_counts(self) -> Tensor:
         """(kv_heads, most) float32, the log counts of the padded slots (`padded`): 0 for an entry, -inf for
         the slots of a head that holds fewer."""

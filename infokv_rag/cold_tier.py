@@ -1,9 +1,13 @@
 """The cold tier: every cache entry that compression evicted, kept compactly to be recalled per question.
 
-Per layer, each KV head's evicted entries are kept in position order, quantised as `infokv_rag.quantisation`
-describes (pages of `PAGE_TOKENS` entries; its module docstring has the shapes), with
-  positions               (kv_heads, m) int64, ascending per head.
-Positions are not stored: per head they are the document positions the layer's hot cache does not hold.
+Per layer, each KV head's evicted entries are kept apart, in position order, quantised as `infokv_rag.quantisation`
+describes (one `QuantisedEntries` of shape (1, m_h, ...) per head: with per-head budgets the heads of a layer evict
+different numbers), with
+  positions               (m_h,) int64 per head, ascending.
+Positions are not stored: per head they are the document positions that the hot cache holds neither in the layer
+nor among that head's extras (`infokv_rag.cache.ExtrasLayout`). Caches saved in formats 4 to 7 kept each head's
+extras in the cold tier too, so that every head of a layer held the same count; loading one drops them from it
+and codes the rest again, head by head (one more rounding, within half a step of the new pages' ranges).
 """
 
 from __future__ import annotations
@@ -14,29 +18,42 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cache import ResidentCache, gather_tokens
+from .cache import ResidentCache
 from .config import COLD_BITS
 from .errors import CacheStoreError
 from .quantisation import TENSOR_NAMES, QuantisedEntries
 
+HeadEvictions = tuple[Tensor, Tensor, Tensor]
+"""One KV head's evicted keys, values (m, head_dim) and positions (m,)."""
+
 
 @dataclass
-class ColdLayer(QuantisedEntries):
-    """One layer's evicted entries, quantised in position order; shapes in the module docstring."""
+class ColdLayer:
+    """One layer's evicted entries, each KV head's quantised apart in position order; shapes in the module
+    docstring."""
 
-    positions: Tensor
-
-    @classmethod
-    def build(cls, keys: Tensor, values: Tensor, positions: Tensor, bits: int) -> ColdLayer:
-        """Quantises evicted entries: keys, values (kv_heads, m, head_dim), positions (kv_heads, m) in any order."""
-        order = positions.argsort(dim=1)
-        keys, values, positions = (gather_tokens(t, order) for t in (keys, values, positions))
-        return cls.placed(QuantisedEntries.encode(keys, values, bits), positions)
+    heads: list[QuantisedEntries]
+    positions: list[Tensor]
 
     @classmethod
-    def placed(cls, entries: QuantisedEntries, positions: Tensor) -> ColdLayer:
-        """`entries`, in position order, at `positions` (kv_heads, m)."""
-        return cls(**{name: getattr(entries, name) for name in TENSOR_NAMES}, positions=positions)
+    def build(cls, heads: Sequence[HeadEvictions], bits: int) -> ColdLayer:
+        """Quantises each head's evicted entries, given in any order."""
+        entries, positions = [], []
+        for keys, values, head_positions in heads:
+            order = head_positions.argsort()
+            entries.append(QuantisedEntries.encode(keys[order][None], values[order][None], bits))
+            positions.append(head_positions[order])
+        return cls(entries, positions)
+
+    @property
+    def lengths(self) -> list[int]:
+        """m_h: the entries each KV head holds."""
+        return [head.length for head in self.heads]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and ranges, as stored."""
+        return sum(head.nbytes for head in self.heads)
 
 
 @dataclass
@@ -51,49 +68,83 @@ class ColdTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes, ranges and page summaries, as stored."""
+        """Bytes of codes and ranges, as stored."""
         return sum(layer.nbytes for layer in self.layers)
 
     @classmethod
-    def build(cls, evicted: Sequence[Sequence[tuple[Tensor, Tensor, Tensor]]], bits: int) -> ColdTier:
-        """evicted: per layer, the (keys, values, positions) dropped at each compression, shapes as in
-        `ColdLayer.build`, heads first."""
+    def build(cls, evicted: Sequence[Sequence[Sequence[HeadEvictions]]], bits: int) -> ColdTier:
+        """evicted: per layer, per KV head, what each compression dropped from that head (at least one piece,
+        empty when the head dropped nothing)."""
         layers = []
-        for pieces in evicted:
-            keys, values, positions = (torch.cat([piece[i] for piece in pieces], dim=1) for i in range(3))
-            layers.append(ColdLayer.build(keys.cpu(), values.cpu(), positions.cpu(), bits))
+        for heads in evicted:
+            joined: list[HeadEvictions] = []
+            for pieces in heads:
+                keys, values, positions = zip(*pieces, strict=True)
+                joined.append((torch.cat(keys).cpu(), torch.cat(values).cpu(), torch.cat(positions).cpu()))
+            layers.append(ColdLayer.build(joined, bits))
         return cls(layers, bits)
 
     def tensors(self) -> dict[str, Tensor]:
-        """The tensors to save, by name (`cold.<tensor>.<layer>`), on the CPU."""
+        """The tensors to save, by name (`cold.<tensor>.<layer>.<head>`), on the CPU."""
         return {
-            f"cold.{name}.{index}": getattr(layer, name).detach().cpu().contiguous()
+            f"cold.{name}.{index}.{head}": getattr(entries, name).detach().cpu().contiguous()
             for index, layer in enumerate(self.layers)
+            for head, entries in enumerate(layer.heads)
             for name in TENSOR_NAMES
         }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], hot: ResidentCache, bits: int, where: str) -> ColdTier:
-        """The cold tier of the hot cache `hot` from saved `tensors`; refuses any that do not fit it exactly."""
+    def from_tensors(
+        cls, tensors: dict[str, Tensor], hot: ResidentCache, bits: int, where: str, extras_apart: bool = True
+    ) -> ColdTier:
+        """The cold tier of the hot cache `hot` from saved `tensors`; refuses any that do not fit it exactly.
+
+        `extras_apart`: saved as this version saves it; False for formats 4 to 7, whose cold tier also held each
+        head's extras, every head of a layer as many entries (`cold.<tensor>.<layer>`, heads first): those are
+        decoded, and each head's cold entries coded again without its extras (in memory, not mapped)."""
         if bits not in COLD_BITS:
             raise CacheStoreError(f"{where} holds a cold tier of {bits} bits; expected one of {COLD_BITS}")
         n = hot.document_tokens
-        layers = []
         dim = hot.working_layout()[1]
+        extras = hot.extra_positions()
+        layers = []
         for index, kept_positions in enumerate(hot.layer_positions()):
-            heads, kept = kept_positions.shape
-            evicted = n - kept
-            found = QuantisedEntries.from_saved(
-                tensors,
-                f"cold.{{name}}.{index}",
-                (heads, evicted, dim),
-                bits,
-                f"{where}: the cold tier of layer {index}, beside the hot cache",
-            )
+            heads = kept_positions.shape[0]
             held = torch.zeros(heads, n, dtype=torch.bool)
             held.scatter_(1, kept_positions.cpu(), True)
-            if int(held.sum()) != heads * kept:
+            if int(held.sum()) != kept_positions.numel():
                 raise CacheStoreError(f"{where}: layer {index} holds a position twice; ingest the document again")
-            positions = (~held).nonzero()[:, 1].reshape(heads, evicted)
-            layers.append(ColdLayer.placed(found, positions))
+            cold_of_head = [~held[head] for head in range(heads)]
+            if extras is not None:
+                positions, counts = (t.cpu() for t in extras[index])
+                starts = [0, *counts.cumsum(0).tolist()]
+                for head in range(heads):
+                    own = positions[starts[head] : starts[head + 1]]
+                    if bool(held[head, own].any()) or len(own.unique()) != len(own):
+                        raise CacheStoreError(
+                            f"{where}: layer {index} holds an extra of head {head} twice; ingest the document again"
+                        )
+                    cold_of_head[head][own] = False
+            what = f"{where}: the cold tier of layer {index}, beside the hot cache"
+            if extras_apart:
+                entries = [
+                    QuantisedEntries.from_saved(
+                        tensors,
+                        f"cold.{{name}}.{index}.{head}",
+                        (1, int(cold.sum()), dim),
+                        bits,
+                        f"{what}, head {head}",
+                    )
+                    for head, cold in enumerate(cold_of_head)
+                ]
+            else:
+                together = QuantisedEntries.from_saved(
+                    tensors, f"cold.{{name}}.{index}", (heads, n - kept_positions.shape[1], dim), bits, what
+                )
+                keys, values = together.all_keys(bits), together.all_values(bits)
+                entries = []
+                for head, cold in enumerate(cold_of_head):
+                    rows = cold[~held[head]]  # of the entries outside the layer, those outside the extras too
+                    entries.append(QuantisedEntries.encode(keys[head, rows][None], values[head, rows][None], bits))
+            layers.append(ColdLayer(entries, [cold.nonzero()[:, 0] for cold in cold_of_head]))
         return cls(layers, bits)

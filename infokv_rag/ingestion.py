@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .cache import EvictedSummary, HeadExtras, KVCache, LayerBuffer, ResidentCache, gather_tokens
 from .coded_cache import CodedCache
-from .cold_tier import ColdTier
+from .cold_tier import ColdTier, HeadEvictions
 from .config import CompressionConfig
 from .kernels import predictive_entropy, predictive_surprisal
 from .reconstruction import reconstruction_attention
@@ -155,10 +155,12 @@ class Ingestion:
         self.global_budgets = self.layer_budgets != "uniform"
         self.timings = {"prefill": 0.0, "scoring": 0.0, "compression": 0.0}
         self.peak_resident = 0
-        self.evicted: list[list[tuple[Tensor, Tensor, Tensor]]] | None = (
-            [[] for _ in range(self.runner.num_layers)] if config.keeps_cold_tier else None
+        self.evicted: list[list[list[HeadEvictions]]] | None = (
+            [[[] for _ in range(self.runner.kv_heads)] for _ in range(self.runner.num_layers)]
+            if config.keeps_cold_tier
+            else None
         )
-        """Per layer, the (keys, values, positions) each compression dropped, when a cold tier is kept."""
+        """Per layer and KV head, what each compression dropped from that head, when a cold tier is kept."""
         self.summaries: list[EvictedSummary | None] | None = (
             [None] * self.runner.num_layers if config.summaries else None  # 0 for a method that evicts nothing
         )
@@ -193,9 +195,10 @@ class Ingestion:
         clock = time.perf_counter()
         cold = None
         if self.evicted is not None:
-            for pieces, layer in zip(self.evicted, frozen.layers, strict=True):
-                if not pieces:  # the layer never exceeded its budget: its cold layer is empty, not missing
-                    pieces.append((layer.keys[:, :0], layer.values[:, :0], layer.positions[:, :0]))
+            for heads, layer in zip(self.evicted, frozen.layers, strict=True):
+                for head, pieces in enumerate(heads):
+                    if not pieces:  # the head never dropped anything: its cold entries are empty, not missing
+                        pieces.append((layer.keys[head, :0], layer.values[head, :0], layer.positions[head, :0]))
             cold = ColdTier.build(self.evicted, self.config.cold_tier_bits(self.runner.dtype.itemsize))
         held: ResidentCache = frozen
         if self.config.stored_bits is not None:
@@ -376,7 +379,10 @@ class Ingestion:
             else:
                 dropped = layer.evict(keep)
                 if self.evicted is not None:
-                    self.evicted[index].append(dropped)
+                    # A head's extras stay hot: the cold tier holds what no part of the cache does.
+                    for head, pieces in enumerate(self.evicted[index]):
+                        cold = slice(None) if held_extra is None else ~held_extra[head]
+                        pieces.append((dropped[0][head, cold], dropped[1][head, cold], dropped[2][head, cold]))
                 if self.summaries is not None:
                     # What a head holds as extras is not evicted from it: it joins no summary.
                     weights = None if held_extra is None else (~held_extra).float()

@@ -129,17 +129,26 @@ class QuantisedEntries:
         return int(self.key_codes.shape[1])
 
     @property
+    def padded_length(self) -> int:
+        """m rounded up to whole pages: what `all_keys` writes per channel."""
+        return int(self.key_low.shape[1]) * PAGE_TOKENS
+
+    @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in TENSOR_NAMES)
 
-    def all_keys(self, bits: int) -> Tensor:
+    def all_keys(self, bits: int, out: Tensor | None = None) -> Tensor:
         """Every dequantised key (kv_heads, m, head_dim) float32, in the stored order.
 
         Laid out channel-major (a transposed view), so that recall's q.k over them is one contiguous
         product; decoded page by page against the page's range, broadcast: recall decodes every key per question.
+        `out`, when given, is where they are decoded: (kv_heads, head_dim, at least `padded_length`) float32, of
+        which the first `padded_length` entries of each channel are written.
         """
         heads, pages, dim = self.key_low.shape
-        keys = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
+        if out is None:
+            out = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
+        keys = out[:, :, : pages * PAGE_TOKENS]
         unpack_into(keys.transpose(1, 2)[:, : self.length], self.key_codes, bits)
         low, high = (ranges.float().transpose(1, 2).unsqueeze(3) for ranges in (self.key_low, self.key_high))
         keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
@@ -149,11 +158,12 @@ class QuantisedEntries:
         """Every key and value (kv_heads, m, head_dim) at `dtype`, in the stored order (keys channel-major)."""
         return self.all_keys(bits).to(dtype), self.all_values(bits).to(dtype)
 
-    def all_values(self, bits: int) -> Tensor:
-        """Every dequantised value (kv_heads, m, head_dim) float32, in the stored order."""
+    def all_values(self, bits: int, out: Tensor | None = None) -> Tensor:
+        """Every dequantised value (kv_heads, m, head_dim) float32, in the stored order; decoded into `out` of that
+        shape when given."""
         heads, m, groups = self.value_low.shape
         dim = self.value_codes.shape[2] * 8 // bits
-        values = torch.empty(heads, m, dim, device=self.value_codes.device)
+        values = torch.empty(heads, m, dim, device=self.value_codes.device) if out is None else out
         unpack_into(values, self.value_codes, bits)
         low, high = self.value_low.unsqueeze(3), self.value_high.unsqueeze(3)
         grouped = values.view(heads, m, groups, dim // groups)

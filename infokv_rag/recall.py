@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .cache import ExtrasLayout, KVCache, gather_tokens
-from .cold_tier import ColdTier
+from .cold_tier import ColdLayer, ColdTier
 
 NEGLIGIBLE = -80.0
 """A logit this far below a query's largest gets a share of its attention below 1e-34."""
@@ -52,7 +52,7 @@ def attend_over_cold(
     """
     kv_heads, heads, q = cold_keys.shape[0], query.shape[0], query.shape[1]
     grouped = (query.float() * scaling).reshape(kv_heads, heads // kv_heads * q, -1)
-    # Products against channel-major keys (what `ColdLayer.all_keys` lays out) are several times faster
+    # Products against channel-major keys (what `recall_candidates` lays out) are several times faster
     # than against transposed token-major ones.
     cold = torch.bmm(grouped, cold_keys.float().transpose(1, 2))
     if cold_log_counts is not None:
@@ -83,13 +83,55 @@ def attend_over_cold(
     return output.mul_(inverse_total).reshape(heads, q, -1), mass
 
 
+def recall_candidates(
+    cold: ColdLayer, bits: int, extras: ExtrasLayout | None, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Every entry of one layer that the hot layer does not hold, per KV head: the head's cold entries
+    (dequantised), then its extras (the entries it keeps beyond the layer, when heads' budgets differ).
+
+    Returns keys (kv_heads, c, head_dim) float32, laid out channel-major (see `attend_over_cold`), values
+    (kv_heads, c, head_dim) float32, positions (kv_heads, c) and `beside` (kv_heads, c) bool, True for an extra;
+    c is the same for every head: the document's tokens less the layer's length.
+    """
+    counts = [m + int(extras.counts[head]) if extras is not None else m for head, m in enumerate(cold.lengths)]
+    if len(set(counts)) > 1:
+        raise ValueError(f"the heads' cold entries and extras do not add up to one count: {counts}")
+    heads, count, dim = len(counts), counts[0], cold.heads[0].key_low.shape[2]
+    # Decoded in place: a head's last page writes up to a page past its entries, before its extras go there.
+    width = max([count, *(entries.padded_length for entries in cold.heads)])
+    on_host = device.type == "cpu"
+    keys = torch.empty(heads, dim, width, device=device)
+    values = torch.empty(heads, count, dim, device=device)
+    positions = torch.empty(heads, count, dtype=torch.long, device=device)
+    beside = torch.zeros(heads, count, dtype=torch.bool, device=device)
+    for head, entries in enumerate(cold.heads):
+        m = entries.length
+        if on_host:
+            entries.all_keys(bits, out=keys[head : head + 1])
+            entries.all_values(bits, out=values[head : head + 1, :m])
+        else:  # the codes stay in host memory: decoded there, then copied over
+            keys[head, :, :m] = entries.all_keys(bits)[0].T
+            values[head, :m] = entries.all_values(bits)[0]
+        positions[head, :m] = cold.positions[head]
+    if extras is not None:
+        flat_keys, flat_values = extras.entries()
+        for head, m in enumerate(cold.lengths):
+            rows = extras.of_head(head)
+            keys[head, :, m:count] = flat_keys[rows].T
+            values[head, m:] = flat_values[rows]
+            positions[head, m:] = extras.positions[rows]
+            beside[head, m:] = True
+    return keys[:, :, :count].transpose(1, 2), values, positions, beside
+
+
 @dataclass
 class Recall:
     """One answer's recall: up to `tokens` cold entries per (layer, KV head) into `session`.
 
-    The extras of `session` (per-head budgets: the entries some heads keep beyond the layer's length, which
-    it attends beside each layer) are in the cold tier too (the question reads every entry once), so a head
-    recalls them last, once its other cold entries are all in; one recalled leaves the side entries.
+    The question reads every entry of each layer once: the hot ones, the cold ones and the extras of `session`
+    (per-head budgets: the entries some heads keep beyond the layer's length, which the answer attends beside
+    each layer). A head recalls its extras last, once its cold entries are all in; one recalled leaves the side
+    entries.
     """
 
     cold: ColdTier
@@ -107,39 +149,38 @@ class Recall:
         the answer to decode over. Returns the attention output (1, heads, q, head_dim), or None when the
         layer evicted nothing (plain attention over `session` is then the same).
         """
-        cold = self.cold.layers[layer_index]
         layer = self.session.layers[layer_index]
-        count = min(self.tokens, cold.length)
+        side = self.session.summaries[layer_index] if self.session.summaries is not None else None
+        extras = side.extras if side is not None else None
+        # The cold tier stays in host memory; the extras and the session are on the model's device.
+        keys, values, positions, beside = recall_candidates(
+            self.cold.layers[layer_index], self.cold.bits, extras, query.device
+        )
+        count = min(self.tokens, positions.shape[1])
         self.recalled.append(count)
-        if not cold.length:
+        if not positions.shape[1]:
             return None
-        device = query.device
-        cold_keys, cold_values = cold.all_keys(self.cold.bits), cold.all_values(self.cold.bits)
         output, mass = attend_over_cold(
             query[0],
-            cold_keys.to(device),
-            cold_values.to(device),
+            keys,
+            values,
             layer.live("keys"),
             layer.live("values"),
             scaling,
             document=layer.base.entries() if layer.base is not None else None,
         )
-        side = self.session.summaries[layer_index] if self.session.summaries is not None else None
-        extras = side.extras if side is not None else None
-        # The cold tier stays in host memory; the extras and the session are on the model's device.
-        if extras is not None:
-            mass.masked_fill_(extras.held(cold.positions.to(device)), -1.0)  # below any share of attention
-        indices = mass.topk(count, dim=1).indices.sort(dim=1).values.cpu()
-        positions = cold.positions.gather(1, indices).to(device)
+        mass.masked_fill_(beside, -1.0)  # below any share of attention
+        indices = mass.topk(count, dim=1).indices.sort(dim=1).values
+        recalled = positions.gather(1, indices)
         layer.insert(
             query.shape[2],
-            gather_tokens(cold_keys, indices).to(device=device, dtype=layer.keys.dtype),
-            gather_tokens(cold_values, indices).to(device=device, dtype=layer.values.dtype),
-            positions,
-            torch.full((count,), RECALLED_SCORE, device=device),
+            gather_tokens(keys, indices).to(layer.keys.dtype),
+            gather_tokens(values, indices).to(layer.values.dtype),
+            recalled,
+            torch.full((count,), RECALLED_SCORE, device=query.device),
         )
         if extras is not None:
-            self._set_aside(layer_index, extras, positions)
+            self._set_aside(layer_index, extras, recalled)
         return output.unsqueeze(0).to(query.dtype)
 
     def _set_aside(self, layer_index: int, extras: ExtrasLayout, recalled: Tensor) -> None:

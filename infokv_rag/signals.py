@@ -98,9 +98,10 @@ class LayerBudgetSettings(MethodSettings):
     head) keeps what passes the one threshold (KVzip's head budgets): the layer holds as many per head as its
     least needy head keeps, and the other heads' further tokens are held exactly as its extras
     (`infokv_rag.cache.HeadExtras`). Chunked ingestion's earlier compressions cut layers as "neediest_head"
-    does (so each head's tokens are still there), the last one per head. With a cold tier the extras are in
-    it too, so that the question reads every entry once; an answer that recalls still reads them beside the
-    layer, and recall brings in the other cold entries (`infokv_rag.recall.Recall`)."""
+    does (so each head's tokens are still there), the last one per head. A cold tier holds what no part of
+    the hot cache does: a question that recalls reads each head's cold entries and its extras together, every
+    entry once, and its answer reads the extras beside the layer and the recalled entries in it
+    (`infokv_rag.recall.Recall`)."""
     layer_floor: float = 0.0
     """With layers that differ: every layer (with "per_head", every layer's KV head) keeps at least this share
     of the mean layer budget (the budget of `keep`), the difference taken from the layers above that floor in

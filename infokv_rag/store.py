@@ -18,10 +18,11 @@ A saved cache is a directory:
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 7 may hold its entries in codes; format 6 may hold per-head extras; format 5 may hold summaries of the
-evicted entries; format 4 may hold a cold tier; format 3 stores the config as its shared fields plus `settings`,
-the method's own; format 2 (one flat dict of every field) is read too, each field that the method does not take
-dropped; a config without `summaries` had none.
+Format 8 keeps each head's extras out of the cold tier (`infokv_rag.cold_tier`); format 7 may hold its entries in
+codes; format 6 may hold per-head extras; format 5 may hold summaries of the evicted entries; format 4 may hold a
+cold tier; format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one flat
+dict of every field) is read too, each field that the method does not take dropped; a config without `summaries`
+had none.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
 
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
+EXTRAS_APART_FROM = 8
+"""The first format whose cold tier leaves out each head's extras (earlier ones held them there too)."""
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -374,7 +377,8 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     cold = None
     if COLD in manifest["files"]:
         cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
-        cold = ColdTier.from_tensors(cold_tensors, cache, int(manifest["cold_tier"]["bits"]), path)
+        bits, apart = int(manifest["cold_tier"]["bits"]), manifest["format_version"] >= EXTRAS_APART_FROM
+        cold = ColdTier.from_tensors(cold_tensors, cache, bits, path, extras_apart=apart)
     return SavedDocument(
         cache,
         config,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.cold_tier import ColdTier
+from infokv_rag.cold_tier import ColdLayer
 from infokv_rag.config import recall_tokens
 from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
@@ -54,38 +54,51 @@ def test_codes_round_trip_within_half_a_step(bits: int) -> None:
     torch.manual_seed(0)
     heads, m, dim = 2, 2 * PAGE_TOKENS + 5, 64
     keys, values = torch.randn(heads, m, dim) * 3, torch.randn(heads, m, dim)
-    cold = ColdTier.build([[(keys, values, torch.arange(m).expand(heads, -1))]], bits).layers[0]
-    assert cold.key_codes.dtype == torch.uint8 and cold.key_codes.shape == (heads, m, dim * bits // 8)
-    # Keys: per channel within a page of PAGE_TOKENS entries.
-    page = torch.arange(m) // PAGE_TOKENS
-    step = (cold.key_high.float() - cold.key_low.float())[:, page] / (2**bits - 1)
-    assert bool(((cold.all_keys(bits) - keys).abs() <= step / 2 + 1e-3).all())
-    # Values: per token in groups of channels.
-    step = (cold.value_high.float() - cold.value_low.float()) / (2**bits - 1)
-    step = step.repeat_interleave(dim // step.shape[-1], dim=-1)
-    assert bool(((cold.all_values(bits) - values).abs() <= step / 2 + 1e-3).all())
+    order = torch.randperm(m)  # given in any order, kept in position order
+    cold = ColdLayer.build([(keys[h, order], values[h, order], order) for h in range(heads)], bits)
+    assert cold.lengths == [m, m] and all(torch.equal(p, torch.arange(m)) for p in cold.positions)
+    for head, entries in enumerate(cold.heads):
+        assert entries.key_codes.dtype == torch.uint8 and entries.key_codes.shape == (1, m, dim * bits // 8)
+        # Keys: per channel within a page of PAGE_TOKENS entries.
+        page = torch.arange(m) // PAGE_TOKENS
+        step = (entries.key_high.float() - entries.key_low.float())[0, page] / (2**bits - 1)
+        assert bool(((entries.all_keys(bits)[0] - keys[head]).abs() <= step / 2 + 1e-3).all())
+        # Values: per token in groups of channels.
+        step = (entries.value_high.float() - entries.value_low.float())[0] / (2**bits - 1)
+        step = step.repeat_interleave(dim // step.shape[-1], dim=-1)
+        assert bool(((entries.all_values(bits)[0] - values[head]).abs() <= step / 2 + 1e-3).all())
 
 
+@pytest.mark.parametrize("layer_budgets", ["per_head", "global"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_cold_tier_holds_exactly_what_compression_evicted(random_engine: InfoKVEngine, bits: int) -> None:
+def test_the_cold_tier_holds_exactly_what_no_part_of_the_hot_cache_does(
+    random_engine: InfoKVEngine, bits: int, layer_budgets: str
+) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
-    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1, cold_bits=bits))
+    config = CompressionConfig(keep=0.25, recall=0.1, cold_bits=bits, settings={"layer_budgets": layer_budgets})
+    doc = random_engine.ingest_text(TEXT, config)
     assert doc.cold_tier is not None
+    cache = document_cache(doc)
+    assert (cache.extras is not None) == (layer_budgets == "per_head")
     n = doc.cache.document_tokens
-    for hot, cold, whole in zip(
-        document_cache(doc).layers, doc.cold_tier.layers, document_cache(full).layers, strict=True
+    for index, (hot, cold, whole) in enumerate(
+        zip(cache.layers, doc.cold_tier.layers, document_cache(full).layers, strict=True)
     ):
-        together = torch.cat([hot.positions, cold.positions], dim=1).sort(dim=1).values
-        assert torch.equal(together, torch.arange(n).expand_as(together)), "every position is hot or cold, once"
-        assert bool((cold.positions[:, 1:] > cold.positions[:, :-1]).all())
-        keys, values = cold.all_keys(bits), cold.all_values(bits)
-        original_keys = torch.gather(whole.keys, 1, cold.positions.unsqueeze(-1).expand_as(keys))
-        original_values = torch.gather(whole.values, 1, cold.positions.unsqueeze(-1).expand_as(values))
-        # Within half a step of each page's (keys) or group's (values) range, which spans at most twice
-        # the largest magnitude.
-        tolerance = 1 / (2**bits - 1) + 1e-3
-        assert float((keys - original_keys).abs().max()) <= tolerance * float(original_keys.abs().max())
-        assert float((values - original_values).abs().max()) <= tolerance * float(original_values.abs().max())
+        for head, entries in enumerate(cold.heads):
+            positions = cold.positions[head]
+            extras = cache.extras[index].positions[cache.extras[index].of_head(head)] if cache.extras else positions[:0]
+            together = torch.cat([hot.positions[head], extras, positions]).sort().values
+            assert torch.equal(together, torch.arange(n)), "every position is in the layer, an extra or cold, once"
+            assert bool((positions[1:] > positions[:-1]).all())
+            keys, values = entries.all_keys(bits)[0], entries.all_values(bits)[0]
+            original_keys, original_values = whole.keys[head, positions], whole.values[head, positions]
+            # Within half a step of each page's (keys) or group's (values) range, which spans at most twice
+            # the largest magnitude.
+            tolerance = 1 / (2**bits - 1) + 1e-3
+            assert float((keys - original_keys).abs().max()) <= tolerance * float(original_keys.abs().max())
+            assert float((values - original_values).abs().max()) <= tolerance * float(original_values.abs().max())
+    if layer_budgets == "per_head":
+        assert any(len(set(cold.lengths)) > 1 for cold in doc.cold_tier.layers), "heads that keep more evict fewer"
     assert doc.stats.cold_bytes == doc.cold_tier.nbytes > 0
     assert random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25)).cold_tier is None
 
@@ -102,11 +115,10 @@ def test_the_cold_tiers_width_follows_the_cache_dtype_unless_set(random_engine: 
 
 def test_page_ranges_bound_the_keys_and_their_dot_products() -> None:
     torch.manual_seed(1)
-    keys = torch.randn(2, 3 * PAGE_TOKENS + 5, 16)
-    tier = ColdTier.build([[(keys, keys.clone(), torch.arange(keys.shape[1]).expand(2, -1))]], bits=8)
-    cold = tier.layers[0]
+    keys = torch.randn(3 * PAGE_TOKENS + 5, 16)
+    cold = ColdLayer.build([(keys, keys.clone(), torch.arange(len(keys)))], bits=8).heads[0]
     restored = cold.all_keys(bits=8)
-    grouped = torch.randn(2, 6, 16)
+    grouped = torch.randn(1, 6, 16)
     exact = grouped @ restored.transpose(1, 2)  # (kv_heads, queries, entries)
     pages = torch.arange(cold.length) // PAGE_TOKENS
     for page in range(4):
@@ -173,7 +185,8 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
     first_text = first.text()
     expected = recall_tokens(0.1, doc.cache.document_tokens)
     assert doc.cold_tier is not None
-    assert first.usage.recalled_tokens == sum(min(expected, cold.length) for cold in doc.cold_tier.layers)
+    n = doc.cache.document_tokens
+    assert first.usage.recalled_tokens == sum(min(expected, n - length) for length in doc.cache.lengths)
     # The working cache held the recalled entries, the question and the answer fed back; it read the hot entries
     # in place, holding none of their bytes.
     entry_bytes = random_engine.bytes_per_token // len(cache.layers)
@@ -241,7 +254,9 @@ def test_a_saved_cold_tier_is_mapped_verified_and_answers_the_same(random_engine
     assert loaded.cold_tier is not None and loaded.stats == doc.stats
     assert loaded.ask(QUESTION, max_new_tokens=8) == answer
     for got, want in zip(loaded.cold_tier.layers, doc.cold_tier.layers, strict=True):  # type: ignore[union-attr]
-        assert torch.equal(got.key_codes, want.key_codes) and torch.equal(got.positions, want.positions)
+        for head in range(len(want.heads)):
+            assert torch.equal(got.heads[head].key_codes, want.heads[head].key_codes)
+            assert torch.equal(got.positions[head], want.positions[head])
 
     tampered = shutil.copytree(path, tmp_path / "tampered")
     data = bytearray((tampered / COLD).read_bytes())
@@ -274,7 +289,9 @@ def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
     manifest["files"][COLD] = json.loads((other_path / MANIFEST).read_text())["files"][COLD]
     manifest["checksum"] = _manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CacheStoreError, match="cold tier of layer 0, beside the hot cache: key_codes does not match"):
+    with pytest.raises(
+        CacheStoreError, match="cold tier of layer 0, beside the hot cache, head 0: key_codes does not match"
+    ):
         random_engine.load(path)
 
 
@@ -287,7 +304,7 @@ def test_recall_needs_a_method_that_evicts() -> None:
 
 def test_layers_that_evict_nothing_keep_an_empty_cold_tier(random_engine: InfoKVEngine, tmp_path: Path) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=100_000, recall=0.1))
-    assert doc.cold_tier is not None and [layer.length for layer in doc.cold_tier.layers] == [0, 0, 0]
+    assert doc.cold_tier is not None and [layer.lengths for layer in doc.cold_tier.layers] == [[0, 0]] * 3
     generation = doc.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=4))
     answer = generation.text()
     assert generation.usage.recalled_tokens == 0

@@ -187,7 +187,7 @@ DAMAGE = {
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
         rf"uses cache format {FORMAT_VERSION + 1}, "
-        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6 and {FORMAT_VERSION}",
+        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7 and {FORMAT_VERSION}",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
