@@ -1,10 +1,11 @@
-"""Time each scoring kernel: Triton against its PyTorch reference, as a markdown table.
+"""Time each kernel: Triton against its PyTorch reference, as a markdown table.
 
 With CUDA: 32K tokens by default, bf16 inputs, for the default model's shapes (Qwen2.5-0.5B:
 H=14, Hkv=2, dh=64, d=896, V=151936) and Llama-3.1-8B's (H=32, Hkv=8, dh=128, d=4096,
-V=128256), with the Triton/reference speedup. Without CUDA: the references only, at a smaller
-size (Triton's interpreter is a correctness tool, not something to time), and the Triton
-columns say they need CUDA.
+V=128256), with the Triton/reference speedup. "dequantise" decodes one layer of a cache held in
+4-bit codes (`stored_bits=4`: keys and values, `tokens` entries per KV head), which every forward
+pass pays per layer. Without CUDA: the references only, at a smaller size (Triton's interpreter is
+a correctness tool, not something to time), and the Triton columns say they need CUDA.
 
     python benchmarks/kernels.py                      # all kernels, both models
     python benchmarks/kernels.py --tokens 8192 --models default --kernels entropy window
@@ -29,6 +30,7 @@ from infokv_rag.kernels import (
     window_attention,
     window_attention_reference,
 )
+from infokv_rag.quantisation import QuantisedEntries
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ MODELS = {
     "default": ModelShape(heads=14, kv_heads=2, head_dim=64, hidden=896, vocab=151936),
     "llama-3.1-8b": ModelShape(heads=32, kv_heads=8, head_dim=128, hidden=4096, vocab=128256),
 }
-KERNELS = ("entropy", "entropy-full", "window", "accumulated")
+KERNELS = ("entropy", "entropy-full", "window", "accumulated", "dequantise")
+CODE_BITS = 4
 
 
 def time_ms(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> float:
@@ -84,6 +87,18 @@ def kernel_calls(
         )
     scaling = shape.head_dim**-0.5
     keys = randn(shape.kv_heads, tokens, shape.head_dim)
+    if kernel == "dequantise":
+        entries = QuantisedEntries.encode(keys, randn(shape.kv_heads, tokens, shape.head_dim), CODE_BITS)
+
+        def decode() -> torch.Tensor:
+            entries.all_keys(CODE_BITS)
+            return entries.all_values(CODE_BITS)
+
+        def decode_reference() -> torch.Tensor:
+            with kernel_backend("torch"):
+                return decode()
+
+        return decode_reference, decode
     if kernel == "window":
         queries = randn(shape.heads, min(args.window, tokens), shape.head_dim)
         return (
@@ -118,7 +133,7 @@ def main() -> None:
     tokens = args.tokens or (32768 if on_cuda else 256)
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_cuda else "float32"))
     where = torch.cuda.get_device_name(device) if on_cuda else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"# Scoring kernels: {tokens} tokens, {str(dtype)[6:]}, {where}\n")
+    print(f"# Kernels: {tokens} tokens, {str(dtype)[6:]}, {where}\n")
     if not on_cuda:
         print("No CUDA: timing the PyTorch references only; the Triton columns need a GPU.\n")
     print("| model | kernel | torch ms | triton ms | speedup |")

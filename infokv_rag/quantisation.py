@@ -21,15 +21,11 @@ import torch
 from torch import Tensor
 
 from .errors import CacheStoreError
+from .kernels import code_step, dequantise_keys, dequantise_values
 
 PAGE_TOKENS = 32
 VALUE_GROUP = 32
 TENSOR_NAMES = ("key_codes", "key_low", "key_high", "value_codes", "value_low", "value_high")
-
-
-def code_step(low: Tensor, high: Tensor, bits: int) -> Tensor:
-    """What one code step is worth within [low, high] (float32, the shape of `low`)."""
-    return (high.float() - low.float()).clamp_min(1e-8) / (2**bits - 1)
 
 
 def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
@@ -37,16 +33,6 @@ def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     codes = ((values.float() - low.float()) / code_step(low, high, bits)).round_().clamp_(0, 2**bits - 1)
     codes = codes.to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
-
-
-def unpack_into(out: Tensor, codes: Tensor, bits: int) -> None:
-    """Writes the code of each channel, codes (..., d * bits // 8) uint8, into `out` (..., d) float32 (a view
-    of any layout: the decoders lay keys out channel-major)."""
-    if bits == 4:
-        out[..., 0::2] = codes & 15
-        out[..., 1::2] = codes >> 4
-    else:
-        out.copy_(codes)
 
 
 def value_group(head_dim: int) -> int:
@@ -141,18 +127,10 @@ class QuantisedEntries:
         """Every dequantised key (kv_heads, m, head_dim) float32, in the stored order.
 
         Laid out channel-major (a transposed view), so that recall's q.k over them is one contiguous
-        product; decoded page by page against the page's range, broadcast: recall decodes every key per question.
-        `out`, when given, is where they are decoded: (kv_heads, head_dim, at least `padded_length`) float32, of
-        which the first `padded_length` entries of each channel are written.
+        product. `out`, when given, is where they are decoded: (kv_heads, head_dim, at least `padded_length`)
+        float32 (`infokv_rag.kernels.dequantise_keys`).
         """
-        heads, pages, dim = self.key_low.shape
-        if out is None:
-            out = torch.empty(heads, dim, pages * PAGE_TOKENS, device=self.key_codes.device)
-        keys = out[:, :, : pages * PAGE_TOKENS]
-        unpack_into(keys.transpose(1, 2)[:, : self.length], self.key_codes, bits)
-        low, high = (ranges.float().transpose(1, 2).unsqueeze(3) for ranges in (self.key_low, self.key_high))
-        keys.view(heads, dim, pages, PAGE_TOKENS).mul_(code_step(low, high, bits)).add_(low)
-        return keys[:, :, : self.length].transpose(1, 2)
+        return dequantise_keys(self.key_codes, self.key_low, self.key_high, bits, PAGE_TOKENS, out)
 
     def decoded(self, bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Every key and value (kv_heads, m, head_dim) at `dtype`, in the stored order (keys channel-major)."""
@@ -161,11 +139,4 @@ class QuantisedEntries:
     def all_values(self, bits: int, out: Tensor | None = None) -> Tensor:
         """Every dequantised value (kv_heads, m, head_dim) float32, in the stored order; decoded into `out` of that
         shape when given."""
-        heads, m, groups = self.value_low.shape
-        dim = self.value_codes.shape[2] * 8 // bits
-        values = torch.empty(heads, m, dim, device=self.value_codes.device) if out is None else out
-        unpack_into(values, self.value_codes, bits)
-        low, high = self.value_low.unsqueeze(3), self.value_high.unsqueeze(3)
-        grouped = values.view(heads, m, groups, dim // groups)
-        grouped.mul_(code_step(low, high, bits)).add_(low.float())
-        return values
+        return dequantise_values(self.value_codes, self.value_low, self.value_high, bits, out)

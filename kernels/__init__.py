@@ -1,4 +1,4 @@
-"""Scoring kernels for InfoKV: Triton on CUDA, PyTorch references everywhere.
+"""Scoring and decoding kernels for InfoKV: Triton on CUDA, PyTorch references everywhere.
 
 A leaf package: it imports nothing from the rest of infokv_rag, and Triton only when a Triton
 kernel is about to run. Choose the backend with ``INFOKV_KERNELS`` (auto | triton | torch),
@@ -8,6 +8,7 @@ Every kernel returns float32 and computes in float32 from float32, bfloat16 or f
 """
 
 from .accumulated_attention import accumulated_attention, accumulated_attention_reference
+from .dequantise import code_step, dequantise_keys, dequantise_values
 from .dispatch import get_kernel_backend, kernel_backend, set_kernel_backend
 from .entropy import TRITON_MAX_TOP_K, predictive_entropy, predictive_entropy_reference, predictive_surprisal
 from .window_attention import group_reduce, window_attention, window_attention_reference
@@ -16,6 +17,9 @@ __all__ = [
     "TRITON_MAX_TOP_K",
     "accumulated_attention",
     "accumulated_attention_reference",
+    "code_step",
+    "dequantise_keys",
+    "dequantise_values",
     "get_kernel_backend",
     "group_reduce",
     "kernel_backend",

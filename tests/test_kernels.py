@@ -39,6 +39,8 @@ from infokv_rag.kernels import (  # noqa: E402
     TRITON_MAX_TOP_K,
     accumulated_attention,
     accumulated_attention_reference,
+    dequantise_keys,
+    dequantise_values,
     get_kernel_backend,
     group_reduce,
     kernel_backend,
@@ -136,9 +138,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 def test_triton_kernels_are_interpreted_on_cpu() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from infokv_rag.kernels import _triton_attention, _triton_entropy
+    from infokv_rag.kernels import _triton_attention, _triton_dequantise, _triton_entropy
 
-    kernels = (_triton_entropy._entropy_kernel, _triton_attention._lse_kernel, _triton_attention._column_sum_kernel)
+    kernels = (
+        _triton_entropy._entropy_kernel,
+        _triton_attention._lse_kernel,
+        _triton_attention._column_sum_kernel,
+        _triton_dequantise._dequantise_kernel,
+    )
     assert all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
 
 
@@ -498,3 +505,94 @@ def test_entropy_reference_peak_memory_under_64_mib(n: int, vocab: int, dtype: t
     peak = peak_extra_rss(lambda: predictive_entropy_reference(hidden, weight, top_k))
     print(f"peak extra memory: {peak / MiB:.1f} MiB")
     assert peak < 64 * MiB
+
+
+# --------------------------------------------------------------------------- decoding codes
+
+PAGE = 32
+# (heads, entries, head dim, value ranges per entry): a partial last page, a head dim the value groups of 32
+# do not divide (one range per entry then), a head dim over the kernel's power of two.
+CODE_SHAPES = [(2, 70, 64, 2), (1, 5, 48, 1), (3, 33, 80, 1)]
+CODE_CASES = [
+    pytest.param(heads, m, dim, width, bits, id=f"H{heads}-m{m}-dh{dim}-w{width}-{bits}bit")
+    for heads, m, dim, width in CODE_SHAPES
+    for bits in (4, 8)
+]
+
+
+def make_codes(
+    heads: int, m: int, dim: int, width: int, bits: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes (H, m, dh * bits // 8) uint8 and float16 ranges (H, rows, width), high >= low."""
+    gen = torch.Generator().manual_seed(heads * 1000 + m + dim + bits)
+    codes = torch.randint(0, 256, (heads, m, dim * bits // 8), generator=gen, dtype=torch.uint8)
+    low = torch.randn(heads, rows, width, generator=gen).half()
+    high = (low.float() + torch.rand(heads, rows, width, generator=gen) * 3).half()
+    high[..., 0] = low[..., 0]  # an empty range: its step is the floor, 1e-8
+    return codes.to(DEVICE), low.to(DEVICE), high.to(DEVICE)
+
+
+def dense_dequantise(
+    codes: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int, rows_per_range: int
+) -> torch.Tensor:
+    """(H, m, dh) float32: every element's range gathered, low + code * step."""
+    unpacked = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2) if bits == 4 else codes
+    heads, m, dim = unpacked.shape
+    rows = torch.arange(m, device=codes.device) // rows_per_range
+    channels = torch.arange(dim, device=codes.device) // (dim // low.shape[2])
+    low_of, high_of = (r.float()[:, rows][:, :, channels] for r in (low, high))
+    return low_of + unpacked.float() * ((high_of - low_of).clamp_min(1e-8) / (2**bits - 1))
+
+
+def decode_both(heads: int, m: int, dim: int, width: int, bits: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values decoded by the backend in force, beside the dense formula's."""
+    codes, low, high = make_codes(heads, m, dim, dim, bits, -(-m // PAGE))
+    keys = dequantise_keys(codes, low, high, bits, PAGE)
+    value_codes, value_low, value_high = make_codes(heads, m, dim, width, bits, m)
+    values = dequantise_values(value_codes, value_low, value_high, bits)
+    return {
+        "keys": (keys, dense_dequantise(codes, low, high, bits, PAGE)),
+        "values": (values, dense_dequantise(value_codes, value_low, value_high, bits, 1)),
+    }
+
+
+@pytest.mark.parametrize("heads,m,dim,width,bits", CODE_CASES)
+def test_dequantise_reference_matches_dense(heads: int, m: int, dim: int, width: int, bits: int) -> None:
+    with kernel_backend("torch"):
+        decoded = decode_both(heads, m, dim, width, bits)
+    keys = decoded["keys"][0]
+    assert keys.shape == (heads, m, dim) and keys.stride(1) == 1, "keys come channel-major"
+    for what, (actual, expected) in decoded.items():
+        assert_close(actual, expected, what)
+
+
+@runs_triton
+@pytest.mark.parametrize("heads,m,dim,width,bits", CODE_CASES)
+def test_dequantise_triton_matches_reference_and_dense(heads: int, m: int, dim: int, width: int, bits: int) -> None:
+    with kernel_backend("torch"):
+        reference = decode_both(heads, m, dim, width, bits)
+    with kernel_backend("triton"):
+        decoded = decode_both(heads, m, dim, width, bits)
+    assert decoded["keys"][0].stride(1) == 1, "keys come channel-major"
+    for what, (actual, expected) in decoded.items():
+        assert_close(actual, reference[what][0], f"{what}: triton vs reference")
+        assert_close(actual, expected, f"{what}: triton vs dense")
+
+
+@runs_triton
+def test_dequantise_triton_writes_into_a_wider_buffer() -> None:
+    codes, low, high = make_codes(2, 40, 64, 64, 4, 2)
+    out = torch.full((2, 64, 100), -7.0, device=DEVICE)
+    with kernel_backend("triton"):
+        keys = dequantise_keys(codes, low, high, 4, PAGE, out)
+    assert keys.data_ptr() == out.data_ptr()
+    assert_close(keys, dense_dequantise(codes, low, high, 4, PAGE), "keys in the buffer")
+    assert bool((out[:, :, 40:] == -7.0).all()), "nothing past the entries is written"
+
+
+def test_dequantise_rejects_bad_inputs() -> None:
+    codes, low, high = make_codes(1, 4, 8, 8, 8, 1)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        dequantise_values(codes, low, high, 6)
+    with pytest.raises(ValueError, match="uint8 codes"):
+        dequantise_values(codes.float(), low, high, 8)
