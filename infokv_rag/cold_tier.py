@@ -100,8 +100,8 @@ class ColdTier:
         """The cold tier of the hot cache `hot` from saved `tensors`; refuses any that do not fit it exactly.
 
         `extras_apart`: saved as this version saves it; False for formats 4 to 7, whose cold tier also held each
-        head's extras, every head of a layer as many entries (`cold.<tensor>.<layer>`, heads first): those are
-        decoded, and each head's cold entries coded again without its extras (in memory, not mapped)."""
+        head's extras, every head of a layer as many entries (`cold.<tensor>.<layer>`, heads first): with extras,
+        those are decoded and each head's cold entries coded again without them (in memory, not mapped)."""
         if bits not in COLD_BITS:
             raise CacheStoreError(f"{where} holds a cold tier of {bits} bits; expected one of {COLD_BITS}")
         n = hot.document_tokens
@@ -141,10 +141,14 @@ class ColdTier:
                 together = QuantisedEntries.from_saved(
                     tensors, f"cold.{{name}}.{index}", (heads, n - kept_positions.shape[1], dim), bits, what
                 )
-                keys, values = together.all_keys(bits), together.all_values(bits)
-                entries = []
-                for head, cold in enumerate(cold_of_head):
-                    rows = cold[~held[head]]  # of the entries outside the layer, those outside the extras too
-                    entries.append(QuantisedEntries.encode(keys[head, rows][None], values[head, rows][None], bits))
+                entries = [
+                    QuantisedEntries(*(getattr(together, name)[head : head + 1] for name in TENSOR_NAMES))
+                    for head in range(heads)
+                ]
+                if extras is not None:  # each head's pages lose its extras: coded again
+                    keys, values = together.all_keys(bits), together.all_values(bits)
+                    for head, cold in enumerate(cold_of_head):
+                        rows = cold[~held[head]]  # of the entries outside the layer, those outside the extras too
+                        entries[head] = QuantisedEntries.encode(keys[head, rows][None], values[head, rows][None], bits)
             layers.append(ColdLayer(entries, [cold.nonzero()[:, 0] for cold in cold_of_head]))
         return cls(layers, bits)

@@ -215,6 +215,34 @@ def test_a_cold_tier_saved_with_the_extras_in_it_is_converted_and_answers_as_one
     torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0)
 
 
+def test_a_cold_tier_saved_without_extras_in_an_earlier_format_loads_as_it_was_coded(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    config = CompressionConfig(keep=0.2, recall=0.1, settings={"layer_budgets": "global"})
+    doc = random_engine.ingest_text(TEXT, config)
+    assert document_cache(doc).extras is None and doc.cold_tier is not None
+    heads = len(doc.cold_tier.layers[0].heads)
+
+    def format_7(tensors: dict[str, torch.Tensor]) -> None:
+        # The same codes with every head of a layer in one tensor: a head's pages and ranges are its own either way.
+        for index in range(len(doc.cold_tier.layers)):  # type: ignore[union-attr]
+            for name in TENSOR_NAMES:
+                per_head = [tensors.pop(f"cold.{name}.{index}.{head}") for head in range(heads)]
+                tensors[f"cold.{name}.{index}"] = torch.cat(per_head)
+
+    path = doc.save(tmp_path / "doc")
+    _rewrite_tensors(path, format_7, COLD, format_version=7)
+    old = random_engine.load(path)
+    assert old.cold_tier is not None
+    for loaded, made in zip(old.cold_tier.layers, doc.cold_tier.layers, strict=True):
+        for head in range(heads):
+            for name in TENSOR_NAMES:
+                assert torch.equal(getattr(loaded.heads[head], name), getattr(made.heads[head], name)), (
+                    "not coded again"
+                )
+    assert old.ask(QUESTION, max_new_tokens=6, recall=0.1) == doc.ask(QUESTION, max_new_tokens=6, recall=0.1)
+
+
 def test_a_cold_tier_beside_extras_that_overlap_the_layer_is_refused(
     random_engine: InfoKVEngine, tmp_path: Path
 ) -> None:
