@@ -106,49 +106,44 @@ class ColdTier:
             raise CacheStoreError(f"{where} holds a cold tier of {bits} bits; expected one of {COLD_BITS}")
         n = hot.document_tokens
         dim = hot.working_layout()[1]
-        extras = hot.extra_positions()
+        has_extras = hot.extra_positions() is not None
         layers = []
-        for index, kept_positions in enumerate(hot.layer_positions()):
-            heads = kept_positions.shape[0]
+        for index, layer_positions in enumerate(hot.layer_positions()):
+            heads = layer_positions.shape[0]
+            # Per head, what the hot cache holds: the layer's own entries and the head's extras, each once.
             held = torch.zeros(heads, n, dtype=torch.bool)
-            held.scatter_(1, kept_positions.cpu(), True)
-            if int(held.sum()) != kept_positions.numel():
-                raise CacheStoreError(f"{where}: layer {index} holds a position twice; ingest the document again")
-            cold_of_head = [~held[head] for head in range(heads)]
-            if extras is not None:
-                positions, counts = (t.cpu() for t in extras[index])
-                starts = [0, *counts.cumsum(0).tolist()]
-                for head in range(heads):
-                    own = positions[starts[head] : starts[head + 1]]
-                    if bool(held[head, own].any()) or len(own.unique()) != len(own):
-                        raise CacheStoreError(
-                            f"{where}: layer {index} holds an extra of head {head} twice; ingest the document again"
-                        )
-                    cold_of_head[head][own] = False
+            for head, kept in enumerate(hot.kept_positions(index)):
+                held[head, kept.cpu()] = True
+                if int(held[head].sum()) != len(kept):
+                    raise CacheStoreError(
+                        f"{where}: layer {index} holds a position of head {head} twice; ingest the document again"
+                    )
+            cold = ~held
             what = f"{where}: the cold tier of layer {index}, beside the hot cache"
             if extras_apart:
                 entries = [
                     QuantisedEntries.from_saved(
                         tensors,
                         f"cold.{{name}}.{index}.{head}",
-                        (1, int(cold.sum()), dim),
+                        (1, int(cold[head].sum()), dim),
                         bits,
                         f"{what}, head {head}",
                     )
-                    for head, cold in enumerate(cold_of_head)
+                    for head in range(heads)
                 ]
             else:
                 together = QuantisedEntries.from_saved(
-                    tensors, f"cold.{{name}}.{index}", (heads, n - kept_positions.shape[1], dim), bits, what
+                    tensors, f"cold.{{name}}.{index}", (heads, n - layer_positions.shape[1], dim), bits, what
                 )
                 entries = [
                     QuantisedEntries(*(getattr(together, name)[head : head + 1] for name in TENSOR_NAMES))
                     for head in range(heads)
                 ]
-                if extras is not None:  # each head's pages lose its extras: coded again
+                if has_extras:  # each head's pages lose its extras: coded again
+                    in_layer = torch.zeros(heads, n, dtype=torch.bool).scatter_(1, layer_positions.cpu(), True)
                     keys, values = together.all_keys(bits), together.all_values(bits)
-                    for head, cold in enumerate(cold_of_head):
-                        rows = cold[~held[head]]  # of the entries outside the layer, those outside the extras too
+                    for head in range(heads):
+                        rows = cold[head][~in_layer[head]]  # of the entries outside the layer, those not extras
                         entries[head] = QuantisedEntries.encode(keys[head, rows][None], values[head, rows][None], bits)
-            layers.append(ColdLayer(entries, [cold.nonzero()[:, 0] for cold in cold_of_head]))
+            layers.append(ColdLayer(entries, [cold[head].nonzero()[:, 0] for head in range(heads)]))
         return cls(layers, bits)

@@ -256,7 +256,7 @@ def test_a_cold_tier_beside_extras_that_overlap_the_layer_is_refused(
         tensors[f"extra_positions.{layer}"][0] = cache.layers[layer].positions[0, -1]
 
     _rewrite_tensors(path, overlap)
-    with pytest.raises(CacheStoreError, match=f"layer {layer} holds an extra of head 0 twice"):
+    with pytest.raises(CacheStoreError, match=f"layer {layer} holds a position of head 0 twice"):
         random_engine.load(path)
 
 
