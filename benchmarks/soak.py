@@ -349,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="infokv-soak-"))
     tenants = [Tenant(f"tenant{i}", f"soak-{i}-{secrets.token_urlsafe(16)}") for i in range(args.tenants)]
+    admin_key = f"soak-admin-{secrets.token_urlsafe(16)}"
     server = ServerProcess(
-        args.model, workdir / "data", api_keys=[f"{t.name}:{t.key}" for t in tenants], log_path=workdir / "server.log"
+        args.model,
+        workdir / "data",
+        api_keys=[f"{t.name}:{t.key}" for t in tenants],
+        admin_keys=[f"ops:{admin_key}"],
+        log_path=workdir / "server.log",
     )
     print(f"starting the server ({args.model}); log: {server.log_path}", file=sys.stderr)
     server.start()
@@ -368,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         end = time.monotonic()
         sampler.stopped.set()
         sampler.join()
-        counters = httpx.get(server.url + "/healthz").json()["counters"]
+        admin = {"Authorization": f"Bearer {admin_key}"}  # counters cover every tenant: admin keys only
+        counters = httpx.get(server.url + "/healthz", headers=admin).json()["counters"]
         ok = report(soak, sampler, start, end, args.warmup * (end - start), args, counters)
     finally:
         server.stop()

@@ -134,6 +134,9 @@ class CompressionConfig:
         for name in ("cold_bits", "stored_bits"):
             if getattr(self, name) is not None and getattr(self, name) not in COLD_BITS:
                 raise ConfigError(f"{name} must be one of {COLD_BITS}, got {getattr(self, name)!r}")
+        if self.cold_bits is not None and not self.recall:
+            # Without a cold tier the width would be dropped unseen: the caller asked for something not done.
+            raise ConfigError("cold_bits sets the width of the cold tier's codes; it needs recall > 0")
         if self.chunk_size < max(1, self.window):
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
         if not method.compresses:

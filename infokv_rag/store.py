@@ -586,10 +586,17 @@ class CacheStore:
         if (path / MANIFEST).is_file():
             try:
                 stored = engine.load(path)
-                stored.config = config  # the stored cache answers with this config's recall by default
-                return stored, True
             except InfoKVError:
                 pass  # damaged or stale entry: fall through and rebuild it
+            else:
+                # A whole, verified cache may still be another entry's, moved here by hand: it must be this
+                # document's, made with this config, or it is rebuilt too.
+                if (
+                    stored.document.sha256 == document.sha256
+                    and stored.config.cache_identity() == config.cache_identity()
+                ):
+                    stored.config = config  # the stored cache answers with this config's recall by default
+                    return stored, True
         compressed = engine.ingest_document(document, config, progress=progress)
         save_document(compressed, path)
         return compressed, False

@@ -19,11 +19,16 @@ import pytest
 from infokv_rag.service.launcher import read_sse
 from infokv_rag.service.settings import Settings
 
+ADMIN_KEY = "key-admin-ops-0001"
+ADMIN_ENTRY = f"ops:{ADMIN_KEY}"
+"""The admin key of every test service: /healthz shows its counters to admin keys only."""
+
 
 def random_model_settings(data_dir: Path, api_keys: tuple[str, ...], **overrides: Any) -> Settings:
     """An in-process service on the random model (its engine passed to `create_app`) with short answers."""
     base: dict[str, Any] = {
         "api_keys": api_keys,
+        "admin_keys": (ADMIN_ENTRY,),
         "data_dir": data_dir,
         "model": "random",
         "warmup": False,
@@ -69,6 +74,18 @@ LEAKS = ("Traceback", 'File "', "/tmp/", "/uploads/", "site-packages")
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def admin_health(client: HTTPClient) -> dict[str, Any]:
+    """/healthz as an admin key reads it: liveness, documents by status, queue lengths and counters."""
+    health: dict[str, Any] = client.get("/healthz", headers=bearer(ADMIN_KEY)).json()
+    return health
+
+
+def server_counters(client: HTTPClient) -> dict[str, int]:
+    """The server's counters since start (`admin_health`)."""
+    counters: dict[str, int] = admin_health(client)["counters"]
+    return counters
 
 
 def assert_error(response: HTTPResponse, status: int, code: str) -> dict[str, Any]:

@@ -236,6 +236,8 @@ def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:
     for bad in ({"recall": 1.5}, {"recall": -3}, {"recall": True}, {"cold_bits": 2}):
         with pytest.raises(ConfigError):
             CompressionConfig(**bad)
+    with pytest.raises(ConfigError, match="needs recall > 0"):
+        CompressionConfig(cold_bits=8)  # a width for a cold tier that would not exist
     with pytest.raises(ConfigError, match="recall"):
         GenerationOptions(recall=2.0)
     plain = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))

@@ -47,6 +47,8 @@ from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
 from .service_helpers import (  # noqa: E402
+    ADMIN_ENTRY,
+    ADMIN_KEY,
     assert_answer_cancelled,
     assert_error,
     bearer,
@@ -57,7 +59,7 @@ from .service_helpers import (  # noqa: E402
 pytestmark = [pytest.mark.scale, pytest.mark.tiny]
 
 KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0001"
-A, B = bearer(KEY_A), bearer(KEY_B)
+A, B, ADMIN = bearer(KEY_A), bearer(KEY_B), bearer(ADMIN_KEY)
 MEMO = b"Memo for tenant A. The vault code is 9988776. The office closes at five."
 QUESTION = {"question": "What is the vault code?", "max_tokens": 8}
 STORY = {"question": "Write a very long story about this memo.", "max_tokens": 64, "stream": True}
@@ -83,6 +85,7 @@ def _settings(tmp: Path, store: str) -> Settings:
         store=store,
         data_dir=tmp / "local",
         api_keys=(f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"),
+        admin_keys=(ADMIN_ENTRY,),  # /healthz shows counters to admin keys only
         warmup=False,
         default_method="snapkv",
         max_new_tokens=512,
@@ -320,7 +323,7 @@ def replica_health(client: httpx.Client, replica: str) -> dict[str, Any]:
     """/healthz of one replica: Ray sends a request about no document to any replica, so ask until it answers."""
     deadline = time.monotonic() + 30
     while True:
-        response = client.get("/healthz")
+        response = client.get("/healthz", headers=ADMIN)
         assert response.status_code == 200, response.text
         if response.headers["x-infokv-replica"] == replica:
             return dict(response.json())
@@ -372,7 +375,7 @@ def every_replica_health(client: httpx.Client, replicas: int = 2) -> dict[str, d
     seen: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + 30
     while len(seen) < replicas:
-        response = client.get("/healthz")
+        response = client.get("/healthz", headers=ADMIN)
         assert response.status_code == 200, response.text
         seen[response.headers["x-infokv-replica"]] = dict(response.json())
         assert time.monotonic() < deadline, f"only replicas {sorted(seen)} answered /healthz"

@@ -19,7 +19,17 @@ from infokv_rag.evaluation import make_fact_document
 from infokv_rag.service.launcher import ServerProcess, read_sse
 
 from . import pdf_factory as pdfs
-from .service_helpers import assert_answer_cancelled, assert_error, hang_up_after_first_token, wait_answer_ended
+from .service_helpers import (
+    ADMIN_ENTRY,
+    ADMIN_KEY,
+    admin_health,
+    assert_answer_cancelled,
+    assert_error,
+    bearer,
+    hang_up_after_first_token,
+    server_counters,
+    wait_answer_ended,
+)
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
@@ -61,7 +71,9 @@ CHROMIUM_FLAGS = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("service")
-    process = ServerProcess("tiny", root / "data", api_keys=KEYS, settings=LIMITS, log_path=root / "server.log")
+    process = ServerProcess(
+        "tiny", root / "data", api_keys=KEYS, admin_keys=[ADMIN_ENTRY], settings=LIMITS, log_path=root / "server.log"
+    )
     process.start()
     yield process
     process.stop()
@@ -98,10 +110,6 @@ def ask(client: httpx.Client, doc_id: str, question: str = QUESTION, **options: 
     return client.post(f"/v1/documents/{doc_id}/ask", json={"question": question, **options}, headers=AUTH)
 
 
-def health(client: httpx.Client) -> dict[str, Any]:
-    return client.get("/healthz").json()
-
-
 @pytest.fixture(scope="module")
 def contract(client: httpx.Client, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The contract PDF, uploaded and read: its ready status and the statuses seen on the way."""
@@ -120,8 +128,14 @@ def contract(client: httpx.Client, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:
-    body = health(client)
-    assert body["status"] == "ok" and body["model"] == "tiny"
+    # Liveness for anyone; what the server does (it counts every tenant's work) for an admin key only.
+    for headers in ({}, AUTH):
+        body = client.get("/healthz", headers=headers).json()
+        assert body["status"] == "ok" and body["model"] == "tiny" and body["uptime_seconds"] > 0
+        assert not {"documents", "queue", "counters"} & set(body), body
+    assert_error(client.get("/healthz", headers=bearer("not-a-key-0000000")), 401, "invalid_api_key")
+    admin = client.get("/healthz", headers=bearer(ADMIN_KEY)).json()
+    assert {"documents", "queue", "counters"} <= set(admin) and "prefills" in admin["counters"]
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "script-src 'sha256-" in page.headers["content-security-policy"]
@@ -335,17 +349,17 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
 
 
 def test_client_disconnect_cancels_generation(client: httpx.Client, contract: dict[str, Any]) -> None:
-    before = health(client)["counters"]
+    before = server_counters(client)
     request = {"question": "Write a very long story about this contract.", "max_tokens": 64, "stream": True}
     with client.stream("POST", f"/v1/documents/{contract['info']['id']}/ask", json=request, headers=AUTH) as stream:
         hang_up_after_first_token(stream)
-    assert_answer_cancelled(wait_answer_ended(lambda: health(client), before), before)
+    assert_answer_cancelled(wait_answer_ended(lambda: admin_health(client), before), before)
 
 
 def test_prefill_does_not_block_answers_and_delete_cancels_it(
     server: ServerProcess, client: httpx.Client, contract: dict[str, Any]
 ) -> None:
-    before = health(client)["counters"]
+    before = server_counters(client)
     long_text = make_fact_document(seed=5, target_words=1100).text.encode()
     created = upload(client, "long.txt", long_text, method="snapkv", keep="256")
     assert created.status_code == 202, created.text
@@ -370,10 +384,10 @@ def test_prefill_does_not_block_answers_and_delete_cancels_it(
     assert_error(client.get(f"/v1/documents/{long_id}", headers=AUTH), 404, "document_not_found")
     assert not (server.data_dir / "documents" / long_id).exists()
     deadline = time.monotonic() + 60
-    while health(client)["counters"]["prefills_cancelled"] == before["prefills_cancelled"]:
+    while server_counters(client)["prefills_cancelled"] == before["prefills_cancelled"]:
         assert time.monotonic() < deadline, "the prefill of the deleted document did not stop"
         time.sleep(0.2)
-    assert health(client)["counters"]["prefills"] == before["prefills"]
+    assert server_counters(client)["prefills"] == before["prefills"]
     assert not (server.data_dir / "documents" / long_id).exists()
 
 
@@ -442,7 +456,7 @@ def test_restart_answers_from_disk_without_prefill(
     server.stop()
     server.start()
     client.base_url = httpx.URL(server.url)  # a new process on a new port, the same data directory
-    counters = health(client)["counters"]
+    counters = server_counters(client)
     assert counters["prefills"] == 0 and counters["cache_loads"] == 0
     listing = client.get("/v1/documents", headers=AUTH).json()["data"]
     assert {d["id"] for d in listing} == ids and all(d["status"] == "ready" for d in listing)
@@ -451,7 +465,7 @@ def test_restart_answers_from_disk_without_prefill(
     assert info["cache_bytes"] == contract["info"]["cache_bytes"]
     after = ask(client, doc_id, max_tokens=12)
     assert after.status_code == 200 and after.json()["answer"] == before
-    counters = health(client)["counters"]
+    counters = server_counters(client)
     assert counters["prefills"] == 0 and counters["prefill_tokens"] == 0  # no document was read again
     assert counters["cache_loads"] == 1
     assert client.get(f"/v1/documents/{doc_id}", headers=AUTH).json()["cache_origin"] == "disk"
@@ -464,7 +478,7 @@ def test_restart_answers_from_disk_without_prefill(
     info, _ = wait_ready(client, memo)
     assert info["status"] == "ready" and info["cache_origin"] == "prefill"
     assert ask(client, memo, max_tokens=4).status_code == 200
-    assert health(client)["counters"]["prefills"] == 1
+    assert server_counters(client)["prefills"] == 1
 
 
 def test_refuses_to_start_without_keys(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from infokv_rag.service.launcher import ServerProcess, read_sse  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .fuzz_corpus import corpus  # noqa: E402
-from .service_helpers import bearer, upload, upload_ready, wait_settled  # noqa: E402
+from .service_helpers import ADMIN_ENTRY, bearer, server_counters, upload, upload_ready, wait_settled  # noqa: E402
 
 KEY_A, KEY_B = "reliability-key-tenant-a", "reliability-key-tenant-b"
 A, B = bearer(KEY_A), bearer(KEY_B)
@@ -309,6 +309,7 @@ def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
         "tiny",
         data,
         api_keys=[f"tenantA:{KEY_A}"],
+        admin_keys=[ADMIN_ENTRY],
         settings=KILL_LIMITS,
         log_path=tmp_path / "server.log",
         env={"PYTHONPATH": str(FAULTS), "INFOKV_TEST_PAUSE_SAVE": str(marker)},
@@ -345,7 +346,7 @@ def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
                 documents = restart()
         assert set(documents) == {base, reading}  # nothing of the half-received upload
         assert wait_settled(client, reading, A)["status"] == "ready"
-        assert client.get("/healthz").json()["counters"]["prefills"] == 1  # read again, once
+        assert server_counters(client)["prefills"] == 1  # read again, once
         assert _leftovers(data) == [], _leftovers(data)
         _answer(client, reading)
 

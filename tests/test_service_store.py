@@ -23,14 +23,23 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from infokv_rag import InfoKVEngine  # noqa: E402
 from infokv_rag.cache_backends import open_backend  # noqa: E402
+from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
-from infokv_rag.service.registry import new_document_id  # noqa: E402
+from infokv_rag.service.registry import DocumentRecord, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
+from infokv_rag.service.shared_registry import StoreRegistry  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
-from .service_helpers import assert_error, bearer, random_model_settings, upload_ready, wait_settled  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    assert_error,
+    bearer,
+    random_model_settings,
+    server_counters,
+    upload_ready,
+    wait_settled,
+)
 
 KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0001"
 A, B = bearer(KEY_A), bearer(KEY_B)
@@ -60,10 +69,6 @@ def second_engine(random_model_dir: Path) -> InfoKVEngine:
     return InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
 
 
-def counters(client: TestClient) -> dict[str, int]:
-    return client.get("/healthz").json()["counters"]
-
-
 def test_another_process_answers_from_the_store_without_a_prefill(
     random_engine: InfoKVEngine, second_engine: InfoKVEngine, tmp_path: Path, store_url: str
 ) -> None:
@@ -79,8 +84,8 @@ def test_another_process_answers_from_the_store_without_a_prefill(
         answer = second.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
         assert answer.status_code == 200, answer.text
         assert answer.json()["answer"] == reference.json()["answer"]
-        assert counters(first)["prefills"] == 1
-        assert counters(second)["prefills"] == 0 and counters(second)["cache_loads"] == 1
+        assert server_counters(first)["prefills"] == 1
+        assert server_counters(second)["prefills"] == 0 and server_counters(second)["cache_loads"] == 1
         assert second.get(f"/v1/documents/{doc_id}", headers=A).json()["cache_origin"] == "store"
 
         # Tenants stay apart through the store: B sees nothing of A's, on either process.
@@ -127,9 +132,51 @@ def test_a_document_whose_reader_died_is_taken_over(
     with TestClient(create_app(settings_for(tmp_path, store_url, lease_seconds=1), engine=random_engine)) as client:
         info = wait_settled(client, doc_id, A, timeout=60)
         assert info["status"] == "ready", info
-        assert counters(client)["takeovers"] == 1 and counters(client)["prefills"] == 1
+        assert server_counters(client)["takeovers"] == 1 and server_counters(client)["prefills"] == 1
         assert client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).status_code == 200
     assert backend.children("pending") == [], "a ready document is no longer pending"
+
+
+def test_a_delete_stays_deleted_whatever_a_reader_writes_after_it(
+    random_engine: InfoKVEngine, tmp_path: Path, store_url: str
+) -> None:
+    """A process deletes a document that another process is still reading. The reader writes after the
+    delete: a lease renewal, then the finished cache and record. None of it may bring the document back."""
+    backend = open_backend(store_url)
+    reader = StoreRegistry(backend, tmp_path / "reader", loaded_documents=2, lease_seconds=30)
+    deleter = StoreRegistry(open_backend(store_url), tmp_path / "deleter", loaded_documents=2, lease_seconds=30)
+    document = document_from_text(SECRET.decode())
+    now = time.time()
+    records = [
+        DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+        for _ in range(2)
+    ]
+    for record in records:
+        reader.create(record, document)
+        found = deleter.get(record.id)
+        assert found is not None and found.status == "processing"
+        deleter.delete(found)
+    renewed, finished = records
+
+    def stored() -> set[str]:  # of these two (the store may hold other tests' documents)
+        return {record.id for record in records} & set(backend.children("documents"))
+
+    assert stored() == set()
+
+    reader.renew(renewed)  # would have written the record back
+    assert renewed.deleted and not reader.update(renewed, status="failed")
+
+    compressed = random_engine.ingest_document(document, CompressionConfig(method="snapkv", keep=0.5))
+    assert not finished.deleted, "this process has not seen the delete"
+    assert not reader.finish(finished, compressed), "its write found the delete"
+    assert finished.deleted and stored() == set(), "and it took away what it wrote"
+    for registry in (reader, deleter):
+        assert registry.get(finished.id) is None and finished.id not in {r.id for r in registry.list()}
+
+    # A writer killed between its write and its look for a tombstone: the record it left reads as gone
+    # (and goes).
+    backend.put(f"documents/{finished.id}", "meta.json", json.dumps(finished.to_meta()).encode())
+    assert deleter.get(finished.id) is None and stored() == set()
 
 
 def test_a_store_refuses_cache_sharing_and_an_unusable_store(tmp_path: Path) -> None:

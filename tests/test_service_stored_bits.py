@@ -18,7 +18,14 @@ from infokv_rag import InfoKVEngine  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 
 from .conftest import CORPUS  # noqa: E402
-from .service_helpers import assert_error, bearer, random_model_settings, upload, upload_ready  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    assert_error,
+    bearer,
+    random_model_settings,
+    server_counters,
+    upload,
+    upload_ready,
+)
 
 KEY = "key-tenant-a-0001"
 A = bearer(KEY)
@@ -51,7 +58,7 @@ def test_an_upload_held_in_codes_answers_from_them_after_a_restart(random_engine
             assert_error(upload(client, A, "a.txt", LONG, stored_bits=bad), 422, "invalid_option")
     with running(random_engine, data) as client:
         assert answer(client, coded) == first
-        counters = client.get("/healthz").json()["counters"]
+        counters = server_counters(client)
         assert counters["prefills"] == 0 and counters["cache_loads"] == 1
         assert client.get(f"/v1/documents/{coded}", headers=A).json()["cache_bytes"] == info["cache_bytes"]
 
@@ -70,4 +77,4 @@ def test_the_shared_store_carries_the_codes(
         assert answer(second, doc_id) == reference
         info = second.get(f"/v1/documents/{doc_id}", headers=A).json()
         assert info["cache_origin"] == "store" and info["stored_bits"] == 8 and info["cache_bytes"] == cache_bytes
-        assert second.get("/healthz").json()["counters"]["prefills"] == 0
+        assert server_counters(second)["prefills"] == 0

@@ -26,6 +26,7 @@ from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
 
 from .service_helpers import (  # noqa: E402
+    ADMIN_KEY,
     assert_error,
     bearer,
     random_model_settings,
@@ -37,8 +38,8 @@ from .service_helpers import (  # noqa: E402
 )
 
 KEY_A1, KEY_A2, KEY_B = "key-tenant-a-0001", "key-tenant-a-0002", "key-tenant-b-0001"
-KEY_BARE, KEY_ADMIN = "key-bare-tenant-01", "key-admin-ops-0001"
-A1, A2, B, BARE, ADMIN = (bearer(k) for k in (KEY_A1, KEY_A2, KEY_B, KEY_BARE, KEY_ADMIN))
+KEY_BARE = "key-bare-tenant-01"
+A1, A2, B, BARE, ADMIN = (bearer(k) for k in (KEY_A1, KEY_A2, KEY_B, KEY_BARE, ADMIN_KEY))
 SECRET = b"Memo for tenant A. The vault code is 9988776. The office closes at five."
 OTHER = b"Memo for tenant B. The parking lot opens at seven. Visitors sign in at the desk."
 UNKNOWN = "doc_" + "z" * 22
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def settings_for(data_dir: Path, **overrides: Any) -> Settings:
     keys = (f"tenantA:{KEY_A1}", f"tenantA:{KEY_A2}", f"tenantB:{KEY_B}", KEY_BARE)
-    return random_model_settings(data_dir, keys, admin_keys=(f"ops:{KEY_ADMIN}",), **overrides)
+    return random_model_settings(data_dir, keys, **overrides)  # with the helpers' admin key
 
 
 @contextlib.contextmanager
@@ -152,7 +153,7 @@ def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
     with running(random_engine, data, share_caches=share) as client:
         doc_a = upload_ready(client, A1, "same.txt", SECRET)
         doc_b = upload_ready(client, B, "same.txt", SECRET)
-        counters = client.get("/healthz").json()["counters"]
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
         assert doc_a != doc_b
         linked = os.path.samefile(_tensors(data, doc_a), _tensors(data, doc_b))
         if share:
@@ -184,7 +185,7 @@ def test_keys_and_tenants_are_validated() -> None:
 
 def test_keys_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.write_text(f"# tenants\ntenantA:{KEY_A1}\n\ntenantB:{KEY_B}   # B's key\nops:{KEY_ADMIN} admin\n")
+    keys.write_text(f"# tenants\ntenantA:{KEY_A1}\n\ntenantB:{KEY_B}   # B's key\nops:{ADMIN_KEY} admin\n")
     env = {"INFOKV_KEYS_FILE": str(keys), "INFOKV_API_KEYS": KEY_BARE}
     ring = Settings.from_env(env).keyring
     assert {(c.tenant, c.admin) for c in ring.credentials if not c.tenant.startswith("key-")} == {
@@ -192,7 +193,7 @@ def test_keys_file(tmp_path: Path) -> None:
         ("tenantB", False),
         ("ops", True),
     }
-    admin, tenant_b = ring.find(KEY_ADMIN), ring.find(KEY_B)
+    admin, tenant_b = ring.find(ADMIN_KEY), ring.find(KEY_B)
     assert admin is not None and tenant_b is not None
     assert admin.admin and not tenant_b.admin and ring.find(KEY_BARE)
     keys.write_text(f"tenantA:{KEY_A1} superuser\n")
@@ -228,7 +229,7 @@ def test_every_credential_presented_must_be_valid(client: TestClient) -> None:
         "empty Bearer": ({"Authorization": "Bearer "}, "invalid_api_key"),
         "empty X-API-Key": ({"X-API-Key": ""}, "invalid_api_key"),
         "two tenants' keys": ({**A1, "X-API-Key": KEY_B}, "conflicting_api_keys"),
-        "a tenant's and an admin's key": ({**A1, "X-API-Key": KEY_ADMIN}, "conflicting_api_keys"),
+        "a tenant's and an admin's key": ({**A1, "X-API-Key": ADMIN_KEY}, "conflicting_api_keys"),
         "no key": ({}, "missing_api_key"),
     }
     for name, (headers, code) in cases.items():

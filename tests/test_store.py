@@ -480,6 +480,16 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
     assert other_random_engine.load(foreign_entry).cache.document_tokens == doc.cache.document_tokens
     assert store.ingest(other_random_engine, document, config)[1] is True
 
+    # Whole, verified caches of another document or another config moved under this key are not used either.
+    other_document, half = document_from_text(TEXT_B), CompressionConfig(keep=0.5)
+    for source, source_config in ((other_document, config), (document, half)):
+        store.ingest(random_engine, source, source_config)
+        shutil.rmtree(entry)
+        shutil.copytree(store.path_for(random_engine, source, source_config), entry)
+        doc, reused = store.ingest(random_engine, document, config)
+        assert reused is False and doc.document.sha256 == document.sha256 and doc.config.keep == 0.25
+        assert random_engine.load(entry).document.sha256 == document.sha256, "and the entry is rebuilt"
+
 
 # --- real models ------------------------------------------------------------------------------------
 

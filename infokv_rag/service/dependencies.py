@@ -72,14 +72,28 @@ async def authenticate(
     _header_scheme: Annotated[str | None, Security(_header)],
 ) -> Principal:
     """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
+    caller = await optional_caller(request, service, _bearer_scheme, _header_scheme)
+    if caller is None:
+        raise _unauthorized(
+            "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+        )
+    return caller
+
+
+async def optional_caller(
+    request: Request,
+    service: ServiceDep,
+    _bearer_scheme: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    _header_scheme: Annotated[str | None, Security(_header)],
+) -> Principal | None:
+    """The caller, or None when the request presents no key (routes open to anyone); keys that it presents
+    are checked as `authenticate` checks them."""
     keyring = service.settings.keyring
     if not keyring:  # anonymous access was enabled explicitly (Settings.check_startable)
         return _ANONYMOUS
     keys = presented_keys(request)
     if not keys:
-        raise _unauthorized(
-            "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-        )
+        return None
     found = [keyring.find(key) for key in keys]
     if any(credential is None for credential in found):
         raise _unauthorized("invalid_api_key", "the API key is not valid")
@@ -92,6 +106,7 @@ async def authenticate(
 
 
 CallerDep = Annotated[Principal, Depends(authenticate)]
+OptionalCallerDep = Annotated[Principal | None, Depends(optional_caller)]
 
 
 async def find_document(service: Service, caller: Principal, document_id: str) -> DocumentRecord:

@@ -35,12 +35,14 @@ class ServerProcess:
         data_dir: str | os.PathLike[str],
         api_keys: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
+        admin_keys: Sequence[str] = (),
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model
         self.data_dir = Path(data_dir)
         self.api_keys = list(api_keys)
+        self.admin_keys = list(admin_keys)
         self.settings = dict(settings or {})
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.data_dir.name}-server.log"
         self.extra_env = dict(env or {})
@@ -65,10 +67,12 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         env = {**os.environ, **self.extra_env}
         for name in list(env):
-            if name in ("INFOKV_API_KEYS", "INFOKV_ALLOW_ANONYMOUS"):
+            if name in ("INFOKV_API_KEYS", "INFOKV_ADMIN_KEYS", "INFOKV_ALLOW_ANONYMOUS"):
                 del env[name]
         if self.api_keys:
             env["INFOKV_API_KEYS"] = ",".join(self.api_keys)
+        if self.admin_keys:
+            env["INFOKV_ADMIN_KEYS"] = ",".join(self.admin_keys)
         for name, value in self.settings.items():
             env[f"INFOKV_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
         self.port = free_port()

@@ -376,15 +376,16 @@ class Registry:
         return counts
 
     def update(self, record: DocumentRecord, **changes: Any) -> bool:
-        """Changes and persists a record; False when it was deleted meanwhile. StorageError when the meta
-        file cannot be written (the change then holds in memory only)."""
+        """Changes and persists a record; False when it was deleted meanwhile (also when a delete elsewhere is
+        only found out by writing it). StorageError when the meta file cannot be written (the change then holds
+        in memory only)."""
         with record.io_lock:
             if record.deleted:
                 return False
             for name, value in changes.items():
                 setattr(record, name, value)
             self._save_status(record)
-            return True
+            return not record.deleted
 
     def fail(self, record: DocumentRecord, code: str, reason: str) -> None:
         try:
@@ -416,6 +417,8 @@ class Registry:
             record.prefill_seconds = round(stats.prefill_seconds + stats.scoring_seconds + stats.compression_seconds, 3)
             record.progress_done = record.progress_total = stats.document_tokens
             self._save_status(record)
+            if record.deleted:  # found out by writing the record: the write took the cache away again
+                return False
         self.remember_loaded(record, document, "prefill")
         return True
 

@@ -337,12 +337,17 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
+    """Liveness for anyone; what the server is doing for an admin key only (it counts every tenant's work)."""
+
     status: Literal["ok"] = "ok"
     model: str
     uptime_seconds: float
-    documents: dict[str, int] = Field(description="Documents by status.")
-    queue: dict[str, int] = Field(description="Active and queued answers, queued uploads.")
-    counters: dict[str, int] = Field(
-        description="Since start: prefills (documents read), cache_loads (caches loaded from disk), "
-        "generations submitted/completed/cancelled/failed, generated tokens."
+    documents: dict[str, int] | None = Field(default=None, description="Documents by status (admin keys only).")
+    queue: dict[str, int] | None = Field(
+        default=None, description="Active and queued answers, queued uploads (admin keys only)."
+    )
+    counters: dict[str, int] | None = Field(
+        default=None,
+        description="Since start (admin keys only): prefills (documents read) and their tokens, cache_loads "
+        "(caches loaded from disk), generations submitted/completed/cancelled/failed, generated tokens.",
     )

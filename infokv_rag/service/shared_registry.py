@@ -6,6 +6,8 @@ Layout in the store (`infokv_rag.cache_backends`):
   documents/<id>/document.json  the extracted text and page map (to read the document again anywhere)
   documents/<id>/cache/         the published compressed cache (versions + CURRENT; verified on load)
   pending/<id>/lease            present while the document is queued or being read (what takeovers scan)
+  deleted/<id>/tombstone        written before a delete removes the document, and kept (an empty object per
+                                deleted document; ids are never reused)
 Only the staging of uploads being received stays on the local disk.
 
 Every request reads the document's record from the store, so a document that another process read, failed
@@ -14,6 +16,12 @@ or deleted is seen as such here. A process that writes a record holds its ingest
 queued or processing document whose lease has run out (its reader died): the document is read again from
 its saved text, never lost. Two processes that take over the same document at once both read it; their
 publishes are atomic, so the cache is whole either way.
+
+A delete can meet a process that is still reading the document (or renewing its lease): that process knows
+nothing of the delete and would write the record and the cache back after it. So a delete leaves a
+tombstone first, every write of a record looks for one afterwards (and removes what it wrote if it finds
+one), and a record with a tombstone reads as gone. Whichever order the two meet in, a deleted document
+stays deleted.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ PENDING = "pending"
 PENDING_MARK = "lease"
 PENDING_STATUSES = ("queued", "processing")
 PROBE = "probes"
+DELETED = "deleted"
+TOMBSTONE = "tombstone"
 CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
 
@@ -110,9 +120,29 @@ class StoreRegistry(Registry):
         self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
         if not pending:
             self._unmark_pending(record.id)
+        if self._deleted(record.id):  # a delete elsewhere came first: this write brought the document back
+            record.deleted = True
+            self._remove_leftovers(record.id)
 
     def _unmark_pending(self, doc_id: str) -> None:
         self.backend.remove(f"{PENDING}/{doc_id}", last=PENDING_MARK)
+
+    def _deleted(self, doc_id: str) -> bool:
+        try:
+            self.backend.get(f"{DELETED}/{doc_id}", TOMBSTONE)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _remove_leftovers(self, doc_id: str) -> None:
+        """Removes what a write that lost to a delete left of a deleted document (the delete may be removing
+        it at the same moment: a failure is logged, and the next read of the record tries again)."""
+        self.forget_loaded(doc_id)
+        try:
+            self.backend.remove(_key(doc_id), last=META)
+            self._unmark_pending(doc_id)
+        except OSError as exc:
+            log.warning("cannot remove what is left of the deleted document %s: %s", doc_id, exc)
 
     def _stored_meta(self, doc_id: str) -> dict[str, Any] | None:
         """The record as the store has it now; None when it is gone (deleted by any process)."""
@@ -122,6 +152,9 @@ class StoreRegistry(Registry):
             return None
         if not isinstance(data, dict) or data.get("id") != doc_id:
             raise ValueError("the record does not describe this document")
+        if self._deleted(doc_id):  # written back by a process that had not seen the delete
+            self._remove_leftovers(doc_id)
+            return None
         return data
 
     def _refresh(self, doc_id: str) -> DocumentRecord | None:
@@ -196,8 +229,13 @@ class StoreRegistry(Registry):
         raise ConfigError("share_caches is not available with a shared store")  # refused by Settings first
 
     def delete(self, record: DocumentRecord) -> None:
-        """Removes the document from the store (its record last); returns only once it is gone."""
+        """Leaves the document's tombstone, then removes it from the store (its record last); returns only once
+        it is gone."""
         with record.io_lock:
+            try:
+                self.backend.put(f"{DELETED}/{record.id}", TOMBSTONE, b"")
+            except OSError as exc:
+                raise StorageError("delete the document", exc, "the document is unchanged") from exc
             record.deleted = True
             self.forget_loaded(record.id)
             try:

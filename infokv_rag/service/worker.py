@@ -335,7 +335,8 @@ class ModelWorker:
 
             def progress(done: int, total: int) -> None:
                 record.progress_done, record.progress_total = done, total
-                if job.cancelled.is_set() or self._stopping:
+                # `record.deleted` also covers a delete by another process, found out by renewing the lease.
+                if job.cancelled.is_set() or self._stopping or record.deleted:
                     raise _Cancelled
 
             compressed = self.engine.ingest_document(document, job.config, progress=progress)

@@ -116,7 +116,7 @@ async def upload_document(request: Request, response: Response, service: Service
             method=config.method,
             keep=config.keep,
             recall=config.recall,
-            cold_bits=config.cold_bits if config.keeps_cold_tier else None,
+            cold_bits=config.cold_bits,
             stored_bits=config.stored_bits,
             created_at=now,
             updated_at=now,
