@@ -13,7 +13,7 @@ and codes the rest again, head by head (one more rounding, within half a step of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from torch import Tensor
 from .cache import ResidentCache
 from .config import COLD_BITS
 from .errors import CacheStoreError
+from .files import FileStamp
 from .quantisation import TENSOR_NAMES, QuantisedEntries
 
 HeadEvictions = tuple[Tensor, Tensor, Tensor]
@@ -65,6 +66,17 @@ class ColdTier:
 
     layers: list[ColdLayer]
     bits: int
+    source: FileStamp | None = field(default=None, compare=False, repr=False)
+    """The file its tensors map, when loaded from a directory (`check_source`)."""
+
+    def check_source(self) -> None:
+        """Refuses (`CacheStoreError`) to read a mapped cold tier whose file was changed in place since it was
+        verified: the map would read the new bytes (or die on a truncation)."""
+        if self.source is not None and self.source.changed_in_place():
+            raise CacheStoreError(
+                f"{self.source.path} was written over or truncated in place after the cache was verified; "
+                "load the cache again (a damaged one is refused then)"
+            )
 
     @property
     def nbytes(self) -> int:

@@ -57,7 +57,7 @@ def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
 
 def recall_tokens(recall: float | int, document_tokens: int) -> int:
     """Entries recalled per (layer, KV head) for a `recall` budget (see `check_recall`)."""
-    return round(recall * document_tokens) if isinstance(recall, float) else recall
+    return round(recall * document_tokens) if isinstance(recall, float) else min(recall, document_tokens)
 
 
 @dataclass(frozen=True)

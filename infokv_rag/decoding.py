@@ -42,6 +42,8 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"{engine.context_window}; shorten the question or lower max_new_tokens"
         )
     budget = recall_budget(document, options.recall)
+    if budget and document.cold_tier is not None:
+        document.cold_tier.check_source()
     protected = document.cache.sink_tokens + len(suffix) + document.config.window
     if options.max_cache_tokens is not None:
         # No more than fits beside what eviction must keep, and the heads' extras, which every answer reads.

@@ -19,6 +19,7 @@ from pypdf.errors import DependencyError, FileNotDecryptedError
 
 from .errors import (
     CorruptPDFError,
+    DocumentError,
     EmptyDocumentError,
     EncryptedPDFError,
     NoExtractableTextError,
@@ -140,11 +141,27 @@ class Document:
         return self.pages[index].number
 
 
+def unpaired_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone UTF-16 surrogate (no character of Unicode text, and no tokenizer takes it),
+    or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def document_from_text(text: str, source: str | None = None) -> Document:
     """Wrap in-memory text as a one-page Document; line endings are normalised to LF."""
     if not isinstance(text, str):
         raise TypeError(f"text must be str, not {type(text).__name__}")
-    sha = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+    surrogate = unpaired_surrogate(text)
+    if surrogate is not None:
+        raise DocumentError(
+            f"{source or 'The text'} holds a lone surrogate ({text[surrogate]!r} at character {surrogate}), which is "
+            "not Unicode text: decode the document's bytes with their real encoding"
+        )
+    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     body = _normalize_newlines(text.removeprefix("\ufeff"))
     if not body.strip():
         where = source or "The text"

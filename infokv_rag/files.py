@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -20,6 +23,49 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
 }
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading; OSError unless it is a regular file (a FIFO would block whoever reads it, a
+    device such as a link to /dev/zero would read without end)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer opens at once
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(descriptor, "rb")
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """Which file a memory map reads (device and inode), with its size and last modification when mapped.
+
+    A copy-on-write map still reads from the file every page it has not copied, so a change made to the file in
+    place (a copy or `rsync --inplace` over it, a truncation) would show through after the file was verified,
+    and reading past a truncation kills the process (SIGBUS). A file replaced by a rename, or removed, leaves
+    the map on the inode that was verified.
+    """
+
+    path: Path
+    device: int
+    inode: int
+    size: int
+    modified_ns: int
+
+    @classmethod
+    def of(cls, path: Path, handle: BinaryIO) -> FileStamp:
+        status = os.fstat(handle.fileno())
+        return cls(path, status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def changed_in_place(self) -> bool:
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell: taken as changed
+        if (now.st_dev, now.st_ino) != (self.device, self.inode):
+            return False
+        return (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns)
 
 
 def write_synced(path: Path, data: bytes) -> None:

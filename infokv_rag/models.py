@@ -120,6 +120,29 @@ def assemble_packaged_gguf(spec: PackagedModel, workdir: Path) -> Path:
     return target
 
 
+COMPUTING_CONFIG = re.compile(r"rope|eps|window|softcap|_act$|position|scal|layer_types|head_dim")
+"""Config fields that change what a model computes beyond what its weights say (positions and their rotary
+scaling, norms' epsilon, sliding windows, the activation), not names, versions or dtypes: the same weights
+under another `rope_scaling` (Qwen2.5's YaRN for long documents is an edit of config.json) are another model
+to saved caches."""
+
+
+def computing_config(config: dict[str, Any]) -> str:
+    """The fields of a model config (config.json, or a loaded config's `to_dict()`) that `COMPUTING_CONFIG`
+    names, as canonical JSON."""
+    fields = {key: value for key, value in config.items() if COMPUTING_CONFIG.search(key)}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _config_fingerprint(directory: Path) -> str:
+    """Hash of the directory's config.json as far as it changes the computation (`computing_config`)."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}  # loading the model reports what is wrong with it
+    return hashlib.sha256(computing_config(config if isinstance(config, dict) else {}).encode()).hexdigest()
+
+
 def _tokenizer_fingerprint(directory: Path) -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(directory)):
@@ -135,6 +158,7 @@ def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> Non
         "source": source,
         "weights_sha256": weights_sha256,
         "tokenizer_sha256": _tokenizer_fingerprint(directory),
+        "config_sha256": _config_fingerprint(directory),
     }
     record["fingerprint"] = hashlib.sha256(
         f"{record['weights_sha256']}:{record['tokenizer_sha256']}".encode()
@@ -237,14 +261,24 @@ def _resolve_local(name_or_path: str) -> Path | None:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """Hash of weights, tokenizer files and chat template; computed once and stored beside the model."""
+    """Hash of weights, tokenizer files, chat template and the config fields that change the computation.
+
+    A converted model's is computed once and stored beside it: there, a config edited since the conversion
+    (recorded from then on) makes another fingerprint.
+    """
     record_path = model_dir / FINGERPRINT_FILE
     if record_path.is_file():
-        return json.loads(record_path.read_text())["fingerprint"]
+        record = json.loads(record_path.read_text())
+        converted = str(record["fingerprint"])
+        config = _config_fingerprint(model_dir)
+        if record.get("config_sha256", config) == config:  # conversions before it was recorded: as converted
+            return converted
+        return hashlib.sha256(f"{converted}:config:{config}".encode()).hexdigest()
     digest = hashlib.sha256()
     for weights in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         _sha256_file(weights, digest)
     digest.update(_tokenizer_fingerprint(model_dir).encode())
+    digest.update(_config_fingerprint(model_dir).encode())
     return digest.hexdigest()
 
 
@@ -296,7 +330,12 @@ class ModelSource:
         if self.hub is None:
             return model_fingerprint(self.directory)
         weights = [f"{path.name}={_blob_sha256(path)}" for path in sorted(self.directory.glob("*.safetensors"))]
-        material = [f"hub:{self.hub.repo_id}@{self.hub.commit}", *weights, _tokenizer_fingerprint(self.directory)]
+        material = [
+            f"hub:{self.hub.repo_id}@{self.hub.commit}",
+            *weights,
+            _tokenizer_fingerprint(self.directory),
+            _config_fingerprint(self.directory),  # the snapshot's config may be edited after download
+        ]
         return hashlib.sha256("\n".join(material).encode()).hexdigest()
 
 
@@ -379,9 +418,10 @@ def hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], label:
 
 
 def loaded_model_fingerprint(model: Any, tokenizer: Any) -> str:
-    """Hash of a model in memory: its architecture, every weight as it is (so the same weights in another
-    dtype are another model to saved caches) and its tokenizer with the chat template."""
-    digest = hashlib.sha256(f"loaded:{model.config.model_type}".encode())
+    """Hash of a model in memory: its architecture and the config fields that change the computation, every
+    weight as it is (so the same weights in another dtype are another model to saved caches) and its tokenizer
+    with the chat template."""
+    digest = hashlib.sha256(f"loaded:{model.config.model_type}:{computing_config(model.config.to_dict())}".encode())
     for name, tensor in sorted(model.state_dict().items()):
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"\n{name}:{data.dtype}:{tuple(tensor.shape)}\n".encode())

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .documents import unpaired_surrogate
 from .errors import ConfigError
 
 _SENTINEL = "\u2063INFOKV-SPLIT\u2063"
@@ -23,6 +24,7 @@ Turn = tuple[str, str]
 
 def question_turns(question: str) -> list[Turn]:
     """The conversation that asks one question about the document."""
+    _check_content(question)
     return [("user", f"Question: {question}\n{ANSWER_INSTRUCTION}")]
 
 
@@ -65,6 +67,7 @@ class PromptFormat:
         messages: list[dict[str, str]] = []
         pending_system: list[str] = []
         for role, content in turns:
+            _check_content(content)
             if role == "system":
                 pending_system.append(content)
                 continue
@@ -77,8 +80,11 @@ class PromptFormat:
                 messages[-1]["content"] += "\n\n" + content
             else:
                 messages.append({"role": role, "content": content})
-        if pending_system:
-            messages.append({"role": "user", "content": "\n".join(pending_system)})
+        if pending_system:  # after the last user turn: it still speaks to the question, so it joins it
+            if messages and messages[-1]["role"] == "user":
+                messages[-1]["content"] += "\n\n" + "\n".join(pending_system)
+            else:
+                messages.append({"role": "user", "content": "\n".join(pending_system)})
         if not messages or messages[0]["role"] != "user":
             raise ConfigError("a conversation about the document must start with a user message")
         messages[0] = {"role": "user", "content": _SENTINEL + messages[0]["content"]}
@@ -89,3 +95,12 @@ class PromptFormat:
 
     def question_ids(self, question: str) -> list[int]:
         return self.conversation_ids(question_turns(question))
+
+
+def _check_content(content: object) -> None:
+    """Refuses (`ConfigError`) a message that is not Unicode text."""
+    if not isinstance(content, str):
+        raise ConfigError(f"a message (a question) must be text, not {type(content).__name__}")
+    where = unpaired_surrogate(content)
+    if where is not None:
+        raise ConfigError(f"a message holds a lone surrogate ({content[where]!r} at character {where}), not text")

@@ -53,7 +53,7 @@ from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
-from .files import fsync_dir, safetensors_views, write_synced
+from .files import FileStamp, fsync_dir, open_regular, safetensors_views, write_synced
 from .ingestion import DocumentStats, ProgressCallback
 from .quantisation import TENSOR_NAMES, QuantisedEntries
 
@@ -212,15 +212,17 @@ class DirectoryFiles:
         return str(self.path)
 
     def read(self, name: str) -> bytes:
-        return (self.path / name).read_bytes()
+        with open_regular(self.path / name) as handle:
+            return handle.read()
 
-    def map(self, name: str) -> mmap.mmap | bytearray:
+    def map(self, name: str) -> tuple[mmap.mmap | bytearray, FileStamp]:
         """The file's bytes, memory-mapped copy-on-write (writable, so tensors can view them; an empty file,
-        which cannot be mapped, is read)."""
-        with open(self.path / name, "rb") as handle:
-            if os.fstat(handle.fileno()).st_size == 0:
-                return bytearray()
-            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        which cannot be mapped, is read), and the stamp that tells when the file changes under the map."""
+        with open_regular(self.path / name) as handle:
+            stamp = FileStamp.of(self.path / name, handle)
+            if stamp.size == 0:
+                return bytearray(), stamp
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -376,9 +378,10 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         cache = _coded_cache(tensors, config.stored_bits, n, sinks, summaries, config.heads_differ, runner, path)
     cold = None
     if COLD in manifest["files"]:
-        cold_tensors = _read_cold_tensors(files, manifest["files"][COLD])
+        cold_tensors, stamp = _read_cold_tensors(files, manifest["files"][COLD])
         bits, apart = int(manifest["cold_tier"]["bits"]), manifest["format_version"] >= EXTRAS_APART_FROM
         cold = ColdTier.from_tensors(cold_tensors, cache, bits, path, extras_apart=apart)
+        cold.source = stamp
     return SavedDocument(
         cache,
         config,
@@ -489,13 +492,22 @@ def _summaries(
     return summaries
 
 
-def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> tuple[dict[str, torch.Tensor], FileStamp | None]:
     """The cold tier's tensors, verified: views of a memory map for a local directory (nothing is read
-    into memory but what the checksum reads through), else parsed from the bytes read."""
-    read = (lambda: files.map(COLD)) if isinstance(files, DirectoryFiles) else (lambda: bytearray(files.read(COLD)))
+    into memory but what the checksum reads through) with the mapped file's stamp, else parsed from the
+    bytes read (and no stamp)."""
+    stamps: list[FileStamp] = []
+
+    def read() -> mmap.mmap | bytearray:
+        if not isinstance(files, DirectoryFiles):
+            return bytearray(files.read(COLD))
+        buffer, stamp = files.map(COLD)
+        stamps.append(stamp)
+        return buffer
+
     buffer = _verified(files, COLD, record, read)
     try:
-        return safetensors_views(buffer)
+        return safetensors_views(buffer), (stamps[0] if stamps else None)
     except (ValueError, KeyError, struct.error) as exc:
         raise CacheStoreError(
             f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.quantisation import PAGE_TOKENS
 from infokv_rag.recall import attend_over_cold
-from infokv_rag.store import COLD, MANIFEST, CacheStore, _manifest_checksum
+from infokv_rag.store import COLD, MANIFEST, TENSORS, CacheStore, _manifest_checksum
 
 from .conftest import CORPUS
 from .helpers import document_cache
@@ -276,6 +278,57 @@ def test_a_saved_cold_tier_is_mapped_verified_and_answers_the_same(random_engine
     (missing / COLD).unlink()
     with pytest.raises(CacheStoreError, match="missing"):
         random_engine.load(missing)
+
+
+def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """The cold tier is mapped, so a change made to its file in place after the load would show through the map
+    (and reading past a truncation would kill the process): recall refuses it instead. A file replaced by a
+    rename leaves the map on the verified one."""
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    answer = doc.ask(QUESTION, max_new_tokens=8)
+    without_recall = doc.ask(QUESTION, max_new_tokens=8, recall=0)
+    path = doc.save(tmp_path / "doc")
+    good = (path / COLD).read_bytes()
+
+    loaded = random_engine.load(path)
+    replacement = path / "replacement"
+    replacement.write_bytes(bytes(len(good)))
+    os.replace(replacement, path / COLD)  # zeros, by rename: the map still reads the file it verified
+    assert loaded.ask(QUESTION, max_new_tokens=8) == answer
+    (path / COLD).write_bytes(good)
+
+    for change in ("written over", "truncated"):
+        loaded = random_engine.load(path)
+        time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
+        with open(path / COLD, "r+b") as handle:
+            if change == "written over":
+                handle.seek(len(good) // 2)
+                handle.write(bytes(4096))
+            else:
+                handle.truncate(len(good) // 2)
+        with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+            loaded.ask(QUESTION, max_new_tokens=8)
+        assert loaded.ask(QUESTION, max_new_tokens=8, recall=0) == without_recall, "the hot cache is in memory"
+        with pytest.raises(CacheStoreError, match="sha256"):
+            random_engine.load(path)
+        (path / COLD).write_bytes(good)
+
+
+def test_special_files_in_a_cache_are_refused_without_reading_them(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """A FIFO would block the load for good, and a link to a device such as /dev/zero would read without end."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
+    for name in (MANIFEST, TENSORS, COLD):
+        for special in ("fifo", "device"):
+            broken = shutil.copytree(path, tmp_path / f"{special}-{name}")
+            (broken / name).unlink()
+            if special == "fifo":
+                os.mkfifo(broken / name)
+            else:
+                (broken / name).symlink_to("/dev/zero")
+            with pytest.raises(CacheStoreError, match="not a regular file"):
+                random_engine.load(broken)
 
 
 def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(

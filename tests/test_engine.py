@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine
+from infokv_rag.errors import DocumentError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
@@ -178,6 +179,30 @@ def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) ->
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     with pytest.raises(ContextLengthError, match="context window of 4096"):
         doc.ask("why? " * 3000)
+
+
+def test_questions_and_options_that_are_not_what_they_claim_are_refused(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    for question in (None, 42, "the code \ud800 please"):  # not text; a lone surrogate is not Unicode text
+        with pytest.raises(ConfigError, match="must be text|lone surrogate"):
+            doc.ask(question)  # type: ignore[arg-type]
+    for options in ({"max_new_tokens": 1.5}, {"max_new_tokens": True}, {"temperature": float("nan")}):
+        with pytest.raises(ConfigError):
+            doc.ask("What is the notice period?", **options)
+    with pytest.raises(DocumentError, match="lone surrogate"):
+        random_engine.ingest_text("a contract \udc80 with a stray byte")
+    # A recall count beyond the document's tokens recalls what there is (every cold entry), no more.
+    everything = doc.generate(question_turns("What is the notice period?"), _options(max_new_tokens=2, recall=10**9))
+    everything.text()
+    ratio = doc.generate(question_turns("What is the notice period?"), _options(max_new_tokens=2, recall=1.0))
+    ratio.text()
+    assert everything.usage.recalled_tokens == ratio.usage.recalled_tokens > 0
+
+
+def test_a_system_message_after_the_question_joins_it(random_engine: InfoKVEngine) -> None:
+    prompt = random_engine.prompt
+    joined = prompt.conversation_ids([("user", "Q?\n\nBe brief.")])
+    assert prompt.conversation_ids([("user", "Q?"), ("system", "Be brief.")]) == joined
 
 
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:

@@ -6,6 +6,7 @@ mock transport inside the process.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ import torch
 
 from infokv_rag import CacheStoreError, CompressionConfig, ConfigError, InfoKVEngine, ModelError
 from infokv_rag.architectures import SUPPORTED_ARCHITECTURES
-from infokv_rag.models import resolve_model
+from infokv_rag.models import FINGERPRINT_FILE, _config_fingerprint, model_fingerprint, resolve_model
 from infokv_rag.placement import dtype_name, resolve_placement
 
 from .conftest import CORPUS, build_tokenizer
@@ -200,6 +201,42 @@ def test_tiny_model_loads_by_hub_id_from_a_hub_layout_cache(hf_home: Path, tiny_
     expected = tiny_engine.ingest_text(text, config).ask(question, max_new_tokens=12)
     assert engine.ingest_text(text, config).ask(question, max_new_tokens=12) == expected
     assert engine.fingerprint != tiny_engine.fingerprint, "a hub model's identity includes its repo id and commit"
+
+
+def test_a_config_edit_that_changes_the_computation_is_another_model(
+    random_engine: InfoKVEngine, random_model_dir: Path, tmp_path: Path
+) -> None:
+    """The same weights and tokenizer under another norm epsilon (or rotary scaling: Qwen2.5's YaRN is an edit
+    of config.json) compute something else: saved caches must not pass from one to the other."""
+    copy = shutil.copytree(random_model_dir, tmp_path / "copy")
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"  # names and versions change nothing
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(copy) == model_fingerprint(random_model_dir)
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (copy / "config.json").write_text(json.dumps(config))
+    edited = InfoKVEngine.from_pretrained(str(copy), device="cpu")
+    assert edited.fingerprint != random_engine.fingerprint
+    saved = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.5)).save(tmp_path / "cache")
+    with pytest.raises(CacheStoreError, match="made by model"):
+        edited.load(saved)
+
+    # A converted model's recorded fingerprint holds while its config is the one converted, and only then.
+    record = {"fingerprint": "f" * 64, "config_sha256": _config_fingerprint(copy)}
+    (copy / FINGERPRINT_FILE).write_text(json.dumps(record))
+    assert model_fingerprint(copy) == "f" * 64
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(copy) not in ("f" * 64, edited.fingerprint)
+    (copy / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": "f" * 64}))  # converted before it was recorded
+    assert model_fingerprint(copy) == "f" * 64
+
+    # In memory, the same.
+    model, tokenizer = _load(random_model_dir)
+    reference = InfoKVEngine.from_model(model, tokenizer).fingerprint
+    model, tokenizer = _load(random_model_dir)
+    model.config.rms_norm_eps *= 10
+    assert InfoKVEngine.from_model(model, tokenizer).fingerprint != reference
 
 
 # Models in memory -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,17 @@ def test_a_restart_and_a_lost_cache_keep_the_cold_tier(random_engine: InfoKVEngi
         assert wait_settled(client, doc_id, A)["cold_bytes"] > 0
         rebuilt = ask(client, doc_id)
         assert recalled(rebuilt) == 16 * LAYERS and rebuilt.json()["answer"] == answer.json()["answer"]
+    with running(random_engine, data) as client:
+        assert ask(client, doc_id).json()["answer"] == answer.json()["answer"]  # loaded: its cold tier mapped
+        # A cold tier written over in place while it is mapped is not read: the document is read again.
+        time.sleep(0.05)  # file times tick coarsely: the change must come after the load's stamp
+        with open(data / "documents" / doc_id / "cache" / "cold.safetensors", "r+b") as handle:
+            handle.seek(-4096, 2)
+            handle.write(bytes(4096))
+        assert_error(ask(client, doc_id), 409, "cache_rebuilding")
+        assert wait_settled(client, doc_id, A)["status"] == "ready"
+        assert ask(client, doc_id).json()["answer"] == answer.json()["answer"]
+        assert server_counters(client)["prefills"] == 1
 
 
 def test_the_shared_store_publishes_and_loads_the_cold_tier(

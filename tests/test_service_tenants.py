@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,26 @@ def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
         assert client.delete(f"/v1/documents/{doc_a}", headers=A1).status_code == 200
         assert ask(client, B, doc_b).status_code == 200
         assert ids(client, A1) == set() and ids(client, B) == {doc_b}
+
+
+def test_a_cache_moved_under_another_document_is_never_answered_from(random_engine: Any, tmp_path: Path) -> None:
+    """A whole, verified cache of tenant B's document (or of the same file read with other options) put in
+    place of A's by hand: A's document is read again from its own text, never answered from B's cache."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        doc_a = upload_ready(client, A1, "memo.txt", SECRET)
+        doc_b = upload_ready(client, B, "other.txt", OTHER)
+        half = upload_ready(client, A1, "memo.txt", SECRET, keep="0.5")
+        own = ask(client, A1, doc_a).json()["answer"]
+    for planted in (doc_b, half):
+        cache_a = data / "documents" / doc_a / "cache"
+        shutil.rmtree(cache_a)
+        shutil.copytree(data / "documents" / planted / "cache", cache_a)
+        with running(random_engine, data) as client:  # nothing in memory: the cache is loaded from disk
+            assert_error(ask(client, A1, doc_a), 409, "cache_rebuilding")
+            assert wait_settled(client, doc_a, A1)["status"] == "ready"
+            assert ask(client, A1, doc_a).json()["answer"] == own
+            assert client.get("/healthz", headers=ADMIN).json()["counters"]["prefills"] == 1
 
 
 def test_keys_and_tenants_are_validated() -> None:

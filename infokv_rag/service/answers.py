@@ -49,23 +49,23 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
     try:
         return await run_in_threadpool(service.registry.load, service.engine, record)
     except CacheStoreError as exc:
-        log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
-        _rebuild(service, record)
-        raise ServiceError(
-            409,
-            "cache_rebuilding",
-            "the document's saved cache could not be used (damaged, or made by another model); it is being "
-            f"read again: poll GET /v1/documents/{record.id}",
-        ) from exc
+        raise _rebuild(service, record, exc) from exc
 
 
-def _rebuild(service: Service, record: DocumentRecord) -> None:
+def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> ServiceError:
+    """Reads the document again, its saved cache being unusable; the error that tells the client so."""
     assert service.worker is not None
+    log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
     service.registry.forget_loaded(record.id)
-    if not service.registry.update(record, status="queued", reason=None, reason_code=None):
-        return
-    config = record_config(service.settings, record)
-    service.worker.submit_ingestion(IngestJob(record, config), force=True)
+    if service.registry.update(record, status="queued", reason=None, reason_code=None):
+        config = record_config(service.settings, record)
+        service.worker.submit_ingestion(IngestJob(record, config), force=True)
+    return ServiceError(
+        409,
+        "cache_rebuilding",
+        "the document's saved cache could not be used (damaged, changed on disk, another document's, or made by "
+        f"another model); it is being read again: poll GET /v1/documents/{record.id}",
+    )
 
 
 def check_question(service: Service, chars: int, *, what: str = "question", limit: int | None = None) -> None:
@@ -119,7 +119,11 @@ def generation_options(
 
 
 async def start_answer(
-    service: Service, document: CompressedDocument, turns: list[Turn], options: GenerationOptions
+    service: Service,
+    record: DocumentRecord,
+    document: CompressedDocument,
+    turns: list[Turn],
+    options: GenerationOptions,
 ) -> GenerationJob:
     """Tokenises and checks the conversation, then queues it with the model worker."""
     assert service.worker is not None
@@ -127,6 +131,8 @@ async def start_answer(
         generation = await run_in_threadpool(document.generate, turns, options)
     except ConfigError as exc:
         raise ServiceError(400, "invalid_conversation", str(exc)) from exc
+    except CacheStoreError as exc:  # a cold tier changed on disk since it was loaded
+        raise _rebuild(service, record, exc) from exc
     except InfoKVError as exc:
         raise from_core(exc) from exc
     try:

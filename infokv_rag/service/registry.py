@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..documents import Document
-from ..errors import ConfigError
+from ..errors import CacheStoreError, ConfigError
 from ..files import write_atomic
 from ..loaded import LoadOnceCache
 from .errors import StorageError
@@ -544,11 +544,13 @@ class Registry:
     def load(self, engine: InfoKVEngine, record: DocumentRecord) -> CompressedDocument:
         """The document's compressed cache: from memory, else loaded and verified from disk (no prefill).
 
-        Raises `CacheStoreError` when the saved cache is missing, damaged or made by another model.
+        Raises `CacheStoreError` when the saved cache is missing, damaged, made by another model, or not this
+        document's (`_check_belongs`).
         """
 
         def from_disk() -> CompressedDocument:
             document = self._load_cache(engine, record.id)
+            _check_belongs(record, document)
             with self._lock:
                 self.counters["cache_loads"] += 1
                 record.cache_origin = self.load_origin
@@ -558,3 +560,19 @@ class Registry:
         if record.deleted:  # deleted while it loaded: answers what was asked, but is not kept in memory
             self.forget_loaded(record.id)
         return document
+
+
+def _check_belongs(record: DocumentRecord, document: CompressedDocument) -> None:
+    """Refuses (`CacheStoreError`) a whole, verified cache that is not this record's: another upload's, or one
+    made with other options (moved into place by hand). The document is then read again."""
+    config = document.config
+    made_with = (
+        config.method,
+        config.keep,
+        config.stored_bits,
+        bool(config.recall),
+        config.cold_bits if config.recall else None,
+    )
+    asked = (record.method, record.keep, record.stored_bits, bool(record.recall), record.cold_bits)
+    if (record.sha256 is not None and document.document.sha256 != record.sha256) or made_with != asked:
+        raise CacheStoreError(f"the saved cache of {record.id} holds another document or was made with other options")

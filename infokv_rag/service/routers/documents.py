@@ -215,7 +215,7 @@ async def ask(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, document, question_turns(body.question), options)
+    job = await start_answer(service, record, document, question_turns(body.question), options)
     answer_id = "ans_" + secrets.token_urlsafe(12)
     if not body.stream:
         answer = await collect(job, request)
