@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
 
 
-@dataclass
+@dataclass(repr=False)
 class CompressedDocument:
     """A document read once into a compressed cache; answers any number of questions against it."""
 
@@ -38,6 +38,14 @@ class CompressedDocument:
     the method computed them; decode-time eviction ranks generated tokens among them."""
     cold_tier: ColdTier | None = None
     """What compression evicted, kept to be recalled per question, when `config.recall` asked for it."""
+
+    def __repr__(self) -> str:
+        # Not the tensors: frameworks put a model's repr, with the document it holds, into every trace.
+        source = self.document.source or f"sha256 {self.document.sha256[:12]}"
+        return (
+            f"CompressedDocument({source!r}, model={self.engine.name!r}, method={self.config.method!r}, "
+            f"keep={self.config.keep}, tokens={self.stats.document_tokens}, kept={self.stats.kept_tokens})"
+        )
 
     def generate(self, turns: Sequence[Turn], options: GenerationOptions | None = None) -> Generation:
         """Answers a conversation ((role, content) turns after the document); see `ask` for options."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from typing import Any, Protocol, Union
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
-from infokv_rag.errors import EmptyDocumentError
+from infokv_rag.errors import ConfigError, EmptyDocumentError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name
@@ -88,7 +89,10 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
     if text is not None:
         return ("text", hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest())
     if isinstance(source, Document):
-        return ("document", source.sha256, hashlib.sha256(source.text.encode("utf-8", "surrogatepass")).hexdigest())
+        # The pages too: the same text cut into other pages (other numbers) cites other pages.
+        layout = json.dumps(source.layout(), sort_keys=True)
+        content = hashlib.sha256(f"{layout}\n{source.text}".encode("utf-8", "surrogatepass")).hexdigest()
+        return ("document", source.sha256, content)
     path = Path(os.fspath(source)).expanduser().resolve()  # type: ignore[arg-type]
     if _is_saved_cache(path):
         stat = (path / MANIFEST).stat()
@@ -207,9 +211,16 @@ def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = N
 CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens", "recall")
 """Generation settings an adapter holds as fields, each of which a call's kwargs may override."""
 
+CALL_KWARGS = frozenset((*CALL_OPTIONS, *DOCUMENT_OPTIONS, "stop"))
+"""Every kwarg a call takes: a misspelt option (or the core's `max_new_tokens`) must not pass unseen."""
+
 
 def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: Sequence[str] | None) -> GenerationOptions:
-    """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`)."""
+    """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`); ConfigError
+    for a kwarg that no call takes (`CALL_KWARGS`)."""
+    unknown = sorted(set(kwargs) - CALL_KWARGS)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; a call takes {', '.join(sorted(CALL_KWARGS))}")
     options = {name: kwargs.get(name, getattr(adapter, name)) for name in CALL_OPTIONS}
     return GenerationOptions.build(
         max_new_tokens=options["max_tokens"],
@@ -308,7 +319,8 @@ def _terms(text: str) -> set[str]:
 
 
 def supporting_pages(document: Document, answer: str, question: str = "", limit: int = 3) -> list[tuple[int, float]]:
-    """(page number, score) of the pages that best support an answer, best first.
+    """(index in `document.pages`, score) of the pages that best support an answer, best first (an index, not
+    a page number: pages gathered from several files may share numbers).
 
     A page holding the whole answer verbatim scores highest; otherwise pages are ranked by the
     rarity-weighted share of the answer's words they contain (the question's words count half).
@@ -325,15 +337,15 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     answer_terms, question_terms = _terms(answer), _terms(question) - _terms(answer)
     total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
     needle = " ".join(answer.split()).lower().rstrip(".")
-    scored = []
+    scored: list[tuple[int, float]] = []
     for page, terms in zip(pages, page_terms, strict=True):
         hit = sum(weight[t] for t in answer_terms & terms) + 0.5 * sum(weight[t] for t in question_terms & terms)
         score = hit / total if total else 0.0
         if len(needle) >= 3 and needle in " ".join(page.text.split()).lower():
             score += 1.0
-        scored.append((page.number, score))
+        scored.append((len(scored), score))
     scored.sort(key=lambda item: -item[1])
     best = scored[0][1]
     if best <= 0:
-        return [(pages[0].number, 0.0)] if len(pages) == 1 else []
-    return [(number, round(score, 4)) for number, score in scored[:limit] if score >= 0.5 * best]
+        return [(0, 0.0)] if len(pages) == 1 else []
+    return [(index, round(score, 4)) for index, score in scored[:limit] if score >= 0.5 * best]

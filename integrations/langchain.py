@@ -198,6 +198,12 @@ class _InfoKVFields(BaseModel):
             "top_p": self.top_p,
             "max_cache_tokens": self.max_cache_tokens,
             "recall": self.recall,
+            # What else changes an answer: LangChain's answer cache keys on all of this ("stop" itself is the
+            # call's, which LangChain writes over it).
+            "default_stop": self.stop,
+            "seed": self.seed,
+            "device": self.device,
+            "dtype": self.dtype,
         }
 
 

@@ -118,6 +118,7 @@ class InfoKV(CustomLLM):
     )
 
     _opened: CompressedDocument | None = PrivateAttr(default=None)
+    """The document of the latest call that used the fields' own (for `to_payload`, which must not read one)."""
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -139,20 +140,23 @@ class InfoKV(CustomLLM):
         return adapter_model_name(self.model, self.document)
 
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
-        """The compressed document this LLM answers from (read on first use, then shared)."""
-        per_call = any(key in kwargs for key in DOCUMENT_OPTIONS)
-        if not per_call and self._opened is not None:
-            return self._opened
+        """The compressed document this LLM answers from: read on first use, then shared while the fields (or
+        the call's kwargs) that choose it stay the same; a field changed later chooses another."""
         document = open_call_document(self, kwargs)
-        if not per_call:
+        if not any(key in kwargs for key in DOCUMENT_OPTIONS):
             self._opened = document
         return document
 
     @property
     def metadata(self) -> LLMMetadata:
-        document = self.compressed_document()
+        return self._metadata(self.compressed_document())
+
+    def _metadata(self, document: CompressedDocument) -> LLMMetadata:
+        # The context left for a prompt: the model's, less the document and the chat template's own tokens
+        # around every question (a prompt packed to the window would overflow by those).
+        template = len(document.engine.prompt.conversation_ids([("user", "")]))
         return LLMMetadata(
-            context_window=document.engine.context_window - document.cache.document_tokens,
+            context_window=document.engine.context_window - document.cache.document_tokens - template,
             num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=False,
@@ -163,7 +167,7 @@ class InfoKV(CustomLLM):
         """For instrumentation events: never loads weights or reads the document just to describe them."""
         if self._opened is None:
             return {"class_name": self.class_name(), "model_name": self._model_name(), "num_output": self.max_tokens}
-        return {"class_name": self.class_name(), **self.metadata.model_dump()}
+        return {"class_name": self.class_name(), **self._metadata(self._opened).model_dump()}
 
     # Generation ------------------------------------------------------------------------------------
 
@@ -296,6 +300,9 @@ class DocumentQueryEngine(CustomQueryEngine):
 
     llm: InfoKV
     max_sources: int = Field(default=3, ge=0, description="most pages returned as source nodes")
+    page_files: list[str] | None = Field(
+        default=None, description="the file of each page, in order, when the pages came from several files"
+    )
 
     @classmethod
     def from_file(
@@ -330,27 +337,32 @@ class DocumentQueryEngine(CustomQueryEngine):
             raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
         pages = [(_page_number(doc.metadata, index + 1), doc.get_content()) for index, doc in enumerate(documents)]
         names = [str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "") for doc in documents]
-        source = names[0] if names[0] and all(name == names[0] for name in names) else None
+        names = [name for name, (_, text) in zip(names, pages, strict=True) if text.strip()]  # the pages kept
+        source = names[0] if names and names[0] and all(name == names[0] for name in names) else None
         document = document_from_pages(pages, source=source)
-        return cls(llm=InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs))
+        llm = InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs)
+        return cls(llm=llm, page_files=names if source is None and any(names) else None)
 
     @property
     def document(self) -> CompressedDocument:
         return self.llm.compressed_document()
 
     def _start(self, query_str: str) -> tuple[Generation, CompressedDocument]:
-        return self.llm._start(question_turns(query_str), {})
+        system = [("system", self.llm.system_prompt)] if self.llm.system_prompt else []
+        return self.llm._start([*system, *question_turns(query_str)], {})
 
     def _response(self, query_str: str, text: str, generation: Generation, document: CompressedDocument) -> Response:
         answer = text.strip()
         source = document.document.source
         nodes = []
-        for number, score in supporting_pages(document.document, answer, query_str, limit=self.max_sources):
-            page = next(p for p in document.document.pages if p.number == number)
-            metadata: dict[str, Any] = {"page_label": str(number), "page": number}
-            if source:
-                metadata["file_name"] = os.path.basename(source)
-            node = TextNode(id_=f"{document.document.sha256[:16]}-page-{number}", text=page.text, metadata=metadata)
+        for index, score in supporting_pages(document.document, answer, query_str, limit=self.max_sources):
+            page = document.document.pages[index]
+            metadata: dict[str, Any] = {"page_label": str(page.number), "page": page.number}
+            name = self.page_files[index] if self.page_files else source
+            if name:
+                metadata["file_name"] = os.path.basename(name)
+            # By position: pages of several files may share numbers.
+            node = TextNode(id_=f"{document.document.sha256[:16]}-page-{index + 1}", text=page.text, metadata=metadata)
             nodes.append(NodeWithScore(node=node, score=score))
         info = answer_info(document, generation.usage)
         return Response(response=answer, source_nodes=nodes, metadata=InfoKV._extra(info))

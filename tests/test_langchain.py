@@ -340,3 +340,35 @@ def test_recall_without_a_cold_tier_is_refused(random_model_dir: Path) -> None:
     chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, compression={"keep": 0.25}, max_tokens=2)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no cold tier"):
         chat.invoke("What is the notice period?", recall=0.1)
+
+
+def test_the_answer_cache_tells_apart_what_changes_an_answer(random_model_dir: Path) -> None:
+    """LangChain's answer cache keys on the model's identity: stop sequences, seed, device and dtype change an
+    answer, so two models that differ in one must not share cached answers."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    def chat(**fields: Any) -> ChatInfoKV:
+        return ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=6, **fields)
+
+    plain = chat()
+    for other in (chat(stop=["the"]), chat(seed=2, temperature=1.0), chat(dtype="bf16")):
+        assert other._get_llm_string() != plain._get_llm_string()
+    set_llm_cache(InMemoryCache())
+    try:
+        unstopped = plain.invoke("What is the notice period?").content
+        stop = str(unstopped).split()[1] if len(str(unstopped).split()) > 1 else str(unstopped)[1:]
+        stopped = chat(stop=[stop]).invoke("What is the notice period?").content
+        assert stopped != unstopped and stop not in stopped
+    finally:
+        set_llm_cache(None)
+
+
+def test_a_misspelt_option_is_refused_and_the_repr_stays_small(random_model_dir: Path) -> None:
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=2)
+    for option in ("max_new_tokens", "max_token", "stop_sequences"):
+        with pytest.raises(ConfigError, match=f"unknown option.*{option}"):
+            chat.invoke("What is the notice period?", **{option: 2})  # type: ignore[arg-type]
+    # A model holding a compressed document: its repr goes into every trace, so not the tensors.
+    held = ChatInfoKV(document=chat.compressed_document(), max_tokens=2)
+    assert len(repr(held)) < 2000 and "CompressedDocument(" in repr(held)

@@ -46,17 +46,60 @@ def test_messages_to_turns() -> None:
 
 def test_supporting_pages_prefer_the_page_holding_the_answer() -> None:
     document = document_from_pages(list(enumerate(FACT_PAGES, start=1)))
-    assert supporting_pages(document, "Maria Lindqvist", "Who is the account manager?")[0][0] == 2
-    assert supporting_pages(document, "It is governed by Swedish law (the laws of Sweden).")[0][0] == 3
+    # Indices into the pages (the second and third page here).
+    assert supporting_pages(document, "Maria Lindqvist", "Who is the account manager?")[0][0] == 1
+    assert supporting_pages(document, "It is governed by Swedish law (the laws of Sweden).")[0][0] == 2
     assert supporting_pages(document, "zzz qqq") == []
     single = document_from_text("Only one page here.")
-    assert supporting_pages(single, "nothing related") == [(1, 0.0)]
+    assert supporting_pages(single, "nothing related") == [(0, 0.0)]
 
 
 def test_llm_loads_nothing_until_used() -> None:
     llm = InfoKV(model="no-such-model", document_text="some text")
     payload = llm.to_payload()  # what instrumentation sees before first use: no loading
     assert payload["model_name"] == "no-such-model"
+
+
+def test_a_prompt_as_long_as_the_metadata_allows_fits(random_model_dir: Path) -> None:
+    """LlamaIndex packs a prompt up to `context_window - num_output` tokens: that must fit beside the document."""
+    llm = InfoKV(model=str(random_model_dir), document_text=" ".join(CORPUS), max_tokens=2)
+    metadata = llm.metadata
+    tokenizer = llm.compressed_document().engine.tokenizer
+    budget = metadata.context_window - metadata.num_output
+    prompt = " ".join(["notice"] * budget)
+    while len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > budget:
+        prompt = prompt.rsplit(" ", 1)[0]
+    assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) == budget
+    assert llm.complete(prompt, formatted=True).additional_kwargs["completion_tokens"] == 2
+
+
+def test_fields_changed_after_use_choose_the_document_again(random_model_dir: Path) -> None:
+    llm = InfoKV(model=str(random_model_dir), document_text="The notice period is ninety days.", max_tokens=2)
+    first = llm.compressed_document()
+    llm.document_text = "The penalty is 500 euros."
+    assert llm.compressed_document().document.text == "The penalty is 500 euros." != first.document.text
+    assert llm.to_payload()["context_window"] == llm.metadata.context_window
+
+
+def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
+    llm = InfoKV(model=str(random_model_dir), document_text="The notice period is ninety days.", max_tokens=2)
+    for option in ("max_new_tokens", "max_token", "stop_sequences"):
+        with pytest.raises(ValueError, match=f"unknown option.*{option}"):
+            llm.complete("Q?", **{option: 2})
+
+
+def test_the_query_engine_keeps_the_llms_system_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[tuple[str, str]]] = []
+
+    def start(self: InfoKV, turns: list[tuple[str, str]], kwargs: dict[str, Any]) -> Any:
+        seen.append(turns)
+        raise RuntimeError("no generation needed")
+
+    monkeypatch.setattr(InfoKV, "_start", start)
+    llm = InfoKV(model="no-such-model", document_text="some text", system_prompt="Answer in French.")
+    with pytest.raises(RuntimeError, match="no generation needed"):
+        DocumentQueryEngine(llm=llm).query("Who pays?")
+    assert seen == [[("system", "Answer in French."), *question_turns("Who pays?")]]
 
 
 # On the tiny model ---------------------------------------------------------------------------------
@@ -76,7 +119,8 @@ def llm(fact_pdf: Path) -> InfoKV:
 def test_metadata_counts_the_cached_document(llm: InfoKV) -> None:
     document = llm.compressed_document()
     metadata = llm.metadata
-    assert metadata.context_window == get_engine("tiny").context_window - document.stats.document_tokens
+    template = len(document.engine.prompt.conversation_ids([("user", "")]))  # around every prompt
+    assert metadata.context_window == get_engine("tiny").context_window - document.stats.document_tokens - template
     assert metadata.is_chat_model and not metadata.is_function_calling_model
     assert metadata.num_output == 12 and metadata.model_name == "tiny"
     assert [page.number for page in document.document.pages] == [1, 2, 3]
@@ -159,6 +203,19 @@ def test_query_engine_from_llamaindex_documents(tmp_path: Path) -> None:
     assert isinstance(response, Response) and response.response is not None
     assert "90" in response.response or "ninety" in response.response.lower()
     assert response.source_nodes[0].node.metadata == {"page_label": "1", "page": 1, "file_name": "memo.txt"}
+
+    # Pages of several files share numbers: each is cited by its own file and page, never another's.
+    documents = [
+        LlamaDocument(text=FACT_PAGES[0], metadata={"page_label": "1", "file_name": "a.pdf"}),
+        LlamaDocument(text=FACT_PAGES[1], metadata={"page_label": "1", "file_name": "b.pdf"}),
+        LlamaDocument(text=FACT_PAGES[2], metadata={"page_label": "2", "file_name": "b.pdf"}),
+    ]
+    engine = DocumentQueryEngine.from_documents(documents, model="tiny", compression=COMPRESSION, max_tokens=12)
+    response = engine.query("Who is the account manager?")
+    assert isinstance(response, Response) and "Lindqvist" in str(response.response)
+    cited = response.source_nodes[0].node
+    assert cited.metadata == {"page_label": "1", "page": 1, "file_name": "b.pdf"} and "Lindqvist" in cited.get_content()
+    assert len({node.node.node_id for node in response.source_nodes}) == len(response.source_nodes)
 
 
 @pytest.mark.tiny

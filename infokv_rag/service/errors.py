@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import errors as core
 
@@ -134,6 +135,13 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # A client that hangs up while its request is read (an upload cut off) is no server error: nobody
+        # reads this answer, and the route has already removed what it had received.
+        log.info("the client closed the connection before its request was read")
+        return JSONResponse(error_body(499, "client_closed", "the client closed the connection"), status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
