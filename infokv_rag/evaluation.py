@@ -108,9 +108,10 @@ def make_fact_document(seed: int, target_words: int = 1200, facts: int = 4) -> F
 
 
 def answer_matches(answer: str, expected: str) -> bool:
-    """Whether `answer` contains `expected`, ignoring case, spacing and thousands separators."""
+    """Whether `answer` contains `expected`, ignoring case, spacing and thousands separators, and not as part of
+    a longer number ("14000" does not answer "1400")."""
 
     def canonical(text: str) -> str:
         return re.sub(r"[\s,.]", "", text.lower())
 
-    return canonical(expected) in canonical(answer)
+    return re.search(rf"(?<!\d){re.escape(canonical(expected))}(?!\d)", canonical(answer)) is not None

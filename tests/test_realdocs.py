@@ -18,6 +18,7 @@ from benchmarks.realdocs import (
     load_realdocs,
     normalize_answer,
 )
+from infokv_rag.evaluation import answer_matches as fact_answer_matches
 
 MANIFEST: list[dict[str, Any]] = json.loads(QUESTIONS_FILE.read_text(encoding="utf-8"))["documents"]
 COMMITTED = [entry for entry in MANIFEST if "file" in entry["source"]]
@@ -51,6 +52,34 @@ def test_split_is_fixed() -> None:
     assert (documents["fresh3"], questions["fresh3"]) == (6, 60)
     assert (documents["dev2"], questions["dev2"]) == (6, 60)
     assert set(documents) == set(SPLITS)
+
+
+@pytest.mark.parametrize(
+    ("answer", "accepted", "right"),
+    [
+        ("The rent is USD 6,385.00.", "6,385", True),
+        ("$265.00 per pass", "265", True),
+        ("See RFC2373.", "RFC 2373", True),
+        ("Build-Depends-Arch needs dpkg v1.16.4", "1.16.4", True),
+        ("It is 31%.", "31 percent", True),
+        ("Pin-Priority: -10", "-10", True),
+        # A part of another number is no answer: a decimal, a version, a sign, a longer number.
+        ("0.5 days", "5 days", False),
+        ("10.5 days", "5 days", False),
+        ("version 1.21.3", "3", False),
+        ("Pin-Priority: -10", "10", False),
+        ("about 2373.5", "2373", False),
+        ("14000 cases", "1400", False),
+    ],
+)
+def test_the_checker_takes_a_number_whole(answer: str, accepted: str, right: bool) -> None:
+    assert answer_matches(answer, [accepted]) is right
+
+
+def test_the_planted_fact_checker_takes_a_number_whole() -> None:
+    assert fact_answer_matches("The code is 48,213.", "48213")
+    assert not fact_answer_matches("The code is 148213.", "48213")
+    assert not fact_answer_matches("14000", "1400")
 
 
 @pytest.mark.parametrize("entry", COMMITTED, ids=[entry["id"] for entry in COMMITTED])

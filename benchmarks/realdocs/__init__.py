@@ -156,10 +156,16 @@ def document_text(doc_id: str, cache_dir: Path | None = None) -> str:
 
 
 def normalize_answer(text: str) -> str:
-    """Lower case, thousands separators dropped ("7,400" -> "7400"), "%" -> " percent ",
-    other punctuation -> spaces, whitespace collapsed."""
+    """Lower case, thousands separators dropped ("7,400" -> "7400"), "%" -> " percent ", zero decimals dropped
+    ("265.00" -> "265"), letters and digits apart ("RFC2373" -> "rfc 2373"), a number's decimal or version dots
+    and its sign kept with it ("0.5" -> "0p5", "1.20.1" -> "1p20p1", "-10" -> "minus10": none of them contains
+    "5", "1" or "10"), other punctuation -> spaces, whitespace collapsed."""
     text = unicodedata.normalize("NFKC", text).lower().replace("%", " percent ")
     text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+    text = re.sub(r"(?<![\d.])(\d+)\.0+(?!\d|\.\d)", r"\1", text)
+    text = re.sub(r"(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", " ", text)
+    text = re.sub(r"(?<=\d)\.(?=\d)", "p", text)
+    text = re.sub(r"(?<![0-9a-z])-(?=\d)", "minus", text)
     text = re.sub(r"[^0-9a-z]+", " ", text)
     return " ".join(text.split())
 
