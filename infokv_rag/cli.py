@@ -30,6 +30,16 @@ def _ratio_or_count(flag: str) -> Callable[[str], float | int]:
     return parse
 
 
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a whole number, not {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is from 0 to 65535, not {port}")
+    return port
+
+
 class ProgressBar:
     """A prefill progress bar on stderr with tokens/s and ETA (called after each prefill chunk).
 
@@ -154,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ingest = commands.add_parser("ingest", help="read and compress a document, save its cache to --out")
     ingest.add_argument("file")
-    ingest.add_argument("--out", required=True)
+    ingest.add_argument(
+        "--out", required=True, help="directory to save the cache to: new, empty, or an earlier cache (replaced)"
+    )
     _add_compression_options(ingest)
 
     info = commands.add_parser("info", help="describe a saved cache (and verify its checksums)")
@@ -163,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     _add_model_options(serve)
     serve.add_argument("--data-dir", default=None)
     serve.add_argument(
@@ -258,6 +270,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     document = load_document(args.file, password=args.password)
     _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")
+    if args.command == "ingest":
+        from .store import check_save_target
+
+        check_save_target(args.out)
 
     from .engine import InfoKVEngine
 

@@ -119,9 +119,36 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     return {TENSORS: tensor_bytes, TEXT: text_bytes, **cold, MANIFEST: json.dumps(manifest, indent=1).encode()}
 
 
-def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
-    """Writes `document` to `directory` atomically (replacing an existing cache there)."""
+CACHE_FILES = frozenset((MANIFEST, TENSORS, TEXT, COLD))
+
+
+def check_save_target(directory: str | os.PathLike[str]) -> Path:
+    """The resolved path a cache may be saved to: one that does not exist, an empty directory, or a directory of
+    a saved cache's files only (a cache, or what is left of a damaged one), which a save replaces. Anything else
+    (a file, a directory holding other files) is refused with `CacheStoreError`: a save must never delete what
+    is not a cache."""
     target = Path(directory).expanduser().resolve()
+    if not target.exists() and not target.is_symlink():
+        return target
+    if not target.is_dir() or target.is_symlink():
+        raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
+    try:
+        others = sorted(entry.name for entry in target.iterdir() if entry.name not in CACHE_FILES)
+    except OSError as exc:
+        raise CacheStoreError(f"cannot read {target} ({exc}): save the cache to another path") from exc
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise CacheStoreError(
+            f"{target} holds other files than a saved cache ({shown}): a save replaces the whole directory, so "
+            "save the cache to a new or empty directory"
+        )
+    return target
+
+
+def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
+    """Writes `document` to `directory` atomically, replacing a cache there (`check_save_target` says what may
+    be replaced)."""
+    target = check_save_target(directory)
     files = encode_document(document)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,24 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     assert_clean_failure(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache"), "sha256", "ingest again")
 
 
+def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
+    """`--out` names a directory that a save replaces whole: a file or a directory of other files is refused
+    before the model loads (a model that does not exist shows that it never loaded), and left as it was."""
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.docx").write_text("important")
+    notes = _write(tmp_path / "notes.txt", b"my notes")
+    for out in (victim, notes):
+        result = run_cli(
+            "ingest", str(doc), "--out", str(out), "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path
+        )
+        assert_clean_failure(result, str(out))
+    assert (victim / "thesis.docx").read_text() == "important" and notes.read_bytes() == b"my notes"
+    port = run_cli("serve", "--port", "99999", cache_dir=tmp_path)  # argparse's usage error, before any work
+    assert port.returncode == 2 and "a port is from 0 to 65535, not 99999" in port.stderr
+
+
 def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path) -> None:
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
     assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--recall", "1.5", cache_dir=tmp_path), "recall")

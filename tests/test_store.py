@@ -141,6 +141,18 @@ def test_save_replaces_an_existing_cache(
     assert doc_b.save(target) == target
     assert_same_document(random_engine.load(target), doc_b)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the retired cache is removed"
+    # So is what is left of a damaged one (a cache's files only), and an empty directory is filled.
+    (target / MANIFEST).unlink()
+    assert doc_a.save(target) == target and (tmp_path / "empty").mkdir() is None
+    assert_same_document(random_engine.load(doc_a.save(tmp_path / "empty")), doc_a)
+    # Never what is not a cache: a save replaces the whole directory.
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    for refused in (target, tmp_path / "file"):
+        with pytest.raises(CacheStoreError, match="another path|other files"):
+            doc_b.save(refused)
+    assert (target / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+    assert_same_document(random_engine.load(target), doc_a)
 
 
 # --- refusals -----------------------------------------------------------------------------------
