@@ -332,8 +332,26 @@ def test_openai_client_chat_completions(server: ServerProcess, contract: dict[st
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong-key-000000", max_retries=0).models.list()
-    with pytest.raises(openai.UnprocessableEntityError):  # no document_id
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.BadRequestError) as missing:  # no document_id
         client.chat.completions.create(model="tiny", messages=messages)
+    assert missing.value.param == "document_id"
+    # What this server cannot do is refused, not ignored: a client would rely on a tool call, JSON or logprobs.
+    unsupported: list[dict[str, Any]] = [
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"},
+        {"response_format": {"type": "json_object"}},
+        {"logprobs": True, "top_logprobs": 2},
+    ]
+    for extra in unsupported:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=messages, extra_body={"document_id": doc_id, **extra})
+        assert refused.value.code == "unsupported_parameter" and refused.value.param in extra
+    with pytest.raises(openai.BadRequestError):  # the server's own limit on max_tokens
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=100_000, extra_body={"document_id": doc_id}
+        )
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="tiny", messages=messages, extra_body={"document_id": "doc_" + "z" * 22})
     assert "no document" in str(unknown.value)

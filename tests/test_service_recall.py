@@ -104,7 +104,7 @@ def test_bad_recall_options_are_4xx(client: TestClient) -> None:
         assert_error(ask(client, plain, recall=bad), 422, "invalid_request")
     assert_error(ask(client, plain, recall=0.1), 422, "no_cold_tier")
     chat = {"model": "random", "messages": [{"role": "user", "content": "Q?"}], "document_id": plain, "recall": 8}
-    assert_error(client.post("/v1/chat/completions", json=chat, headers=A), 422, "no_cold_tier")
+    assert_error(client.post("/v1/chat/completions", json=chat, headers=A), 400, "no_cold_tier")
     assert recalled(ask(client, plain, recall=0)) == 0
 
 

@@ -203,7 +203,12 @@ def test_unexpected_errors_are_json_without_details(random_engine, tmp_path: Pat
         response = client.get("/boom")
         assert response.status_code == 500
         assert response.json() == {
-            "error": {"message": "internal server error", "type": "server_error", "code": "internal_error"}
+            "error": {
+                "message": "internal server error",
+                "type": "server_error",
+                "code": "internal_error",
+                "param": None,
+            }
         }
         missing = client.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import CacheStoreError, ConfigError, InfoKVError
 from ..generation import GenerationOptions
 from .dependencies import Service
-from .errors import ServiceError, error_body, from_core
+from .errors import ServiceError, from_core
 from .registry import DocumentRecord
 from .uploads import record_config
 from .worker import Event, GenerationJob, IngestJob, QueueFull
@@ -191,4 +191,4 @@ async def sse_events(job: GenerationJob) -> AsyncIterator[tuple[str, Any]]:
             yield "done", None
         else:
             error = event_error(event)
-            yield "error", error_body(error.status, error.code, error.message)
+            yield "error", error.body()

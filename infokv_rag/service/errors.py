@@ -37,17 +37,21 @@ _TYPES = {
 
 
 class ServiceError(Exception):
-    """An error with the status code, code and message the client receives."""
+    """An error with the status code, code and message the client receives; `param` names the request field
+    it is about, when one is (OpenAI's error body has it)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers
+        self.param = param
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.code, self.message)
+        return error_body(self.status, self.code, self.message, self.param)
 
 
 class StorageError(ServiceError):
@@ -64,8 +68,10 @@ class StorageError(ServiceError):
         super().__init__(507, "storage_error", message)
 
 
-def error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "code": code}}
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "code": code, "param": param}
+    }
 
 
 # The typed core errors, mapped to status and code (most specific first).
@@ -106,6 +112,17 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts) if parts else "invalid request"
 
 
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The field of the first validation error, dotted (`messages.0.role`); None for the body as a whole."""
+    for error in exc.errors():
+        location = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")]
+        return ".".join(location) or None
+    return None
+
+
+OPENAI_CHAT_PATH = "/v1/chat/completions"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(_: Request, exc: ServiceError) -> JSONResponse:
@@ -120,9 +137,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # The message names the fields and what is wrong with them; it never echoes the input back.
-        return JSONResponse(error_body(422, "invalid_request", _validation_message(exc)), status_code=422)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # The message names the fields and what is wrong with them; it never echoes the input back. OpenAI's
+        # route answers 400 where the others answer 422: its clients raise BadRequestError for 400 only.
+        status = 400 if request.url.path.endswith(OPENAI_CHAT_PATH) else 422
+        body = error_body(status, "invalid_request", _validation_message(exc), _validation_param(exc))
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -44,6 +44,7 @@ class ErrorDetail(BaseModel):
     message: str = Field(description="What went wrong and what to do about it.")
     type: str = Field(description="Error class, OpenAI-style (invalid_request_error, authentication_error, ...).")
     code: str = Field(description="Machine-readable cause, e.g. encrypted_pdf, no_text, document_not_found.")
+    param: str | None = Field(None, description="The request field the error is about, when one is.")
 
 
 class ErrorResponse(BaseModel):
@@ -285,6 +286,13 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Not supported, and refused when asked for (400 `unsupported_parameter`): ignored, each would answer
+    # something other than what the client relies on (plain text for a tool call or JSON, no logprobs).
+    tools: list[Any] | None = Field(None, description="Not supported: refused unless empty.")
+    tool_choice: Any = Field(None, description="Not supported: refused unless absent, 'none' or 'auto'.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+    logprobs: bool | None = Field(None, description="Not supported: refused when true.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: refused unless 0.")
 
 
 class ChatCompletionMessage(BaseModel):

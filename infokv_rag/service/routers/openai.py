@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -53,6 +54,50 @@ CONVERSATION_CHAR_FACTOR = 4
 )
 async def list_models(service: ServiceDep) -> ModelList:
     return ModelList(data=[ModelCard(id=service.model_id, created=int(service.started_at))])
+
+
+@router.get(
+    "/models/{model_id:path}",
+    response_model=ModelCard,
+    summary="The served model by its id (OpenAI-compatible)",
+    responses=error_responses(401, 404),
+)
+async def retrieve_model(model_id: str, service: ServiceDep) -> ModelCard:
+    _check_model(service, model_id)
+    return ModelCard(id=service.model_id, created=int(service.started_at))
+
+
+def _refuse_unsupported(request: ChatCompletionRequest) -> None:
+    """400 `unsupported_parameter` for what this server cannot do and a client would rely on."""
+    format_type = (request.response_format or {}).get("type", "text")
+    asked = {
+        "tools": bool(request.tools),
+        "tool_choice": request.tool_choice not in (None, "none", "auto"),
+        "response_format": format_type != "text",
+        "logprobs": bool(request.logprobs),
+        "top_logprobs": bool(request.top_logprobs),
+    }
+    for param, unsupported in asked.items():
+        if unsupported:
+            raise ServiceError(
+                400,
+                "unsupported_parameter",
+                f"{param} is not supported here: this server answers in plain text, without tool calls, structured "
+                "output or log probabilities",
+                param=param,
+            )
+
+
+@contextmanager
+def _as_bad_request() -> Iterator[None]:
+    """OpenAI answers a request it cannot take with 400 (its clients raise BadRequestError for that status only);
+    the shared checks answer 422 (413 for length) on the other routes."""
+    try:
+        yield
+    except ServiceError as exc:
+        if exc.status not in (413, 422):
+            raise
+        raise ServiceError(400, exc.code, exc.message, exc.headers, exc.param) from exc
 
 
 def _turns(request: ChatCompletionRequest) -> list[Turn]:
@@ -118,24 +163,26 @@ async def chat_completions(
     caller: CallerDep,
 ) -> ChatCompletion | StreamingResponse:  # the response_model documents the JSON answer
     _check_model(service, body.model)
+    _refuse_unsupported(body)
     record = await find_document(service, caller, body.document_id)
     turns = _turns(body)
-    check_question(
-        service,
-        sum(len(content) for _, content in turns),
-        what="conversation",
-        limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
-    )
-    options = generation_options(
-        service,
-        record,
-        body.max_completion_tokens or body.max_tokens,
-        body.temperature,
-        body.top_p,
-        body.stop,
-        body.seed,
-        body.recall,
-    )
+    with _as_bad_request():
+        check_question(
+            service,
+            sum(len(content) for _, content in turns),
+            what="conversation",
+            limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
+        )
+        options = generation_options(
+            service,
+            record,
+            body.max_completion_tokens or body.max_tokens,
+            body.temperature,
+            body.top_p,
+            body.stop,
+            body.seed,
+            body.recall,
+        )
     document = await ready_document(service, record)
     job = await start_answer(service, record, document, turns, options)
     completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
