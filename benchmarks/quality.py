@@ -57,7 +57,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "normalization=rank": {"settings": {"normalization": "rank"}},
     "head_reduction=max": {"settings": {"head_reduction": "max"}},
     "aggregation=token": {"settings": {"aggregation": "token"}},
-    "adaptive_budget": {"adaptive_budget": True},
+    "adaptive_budget": {"adaptive_budget": True, "settings": {"layer_budgets": "uniform"}},
     "accumulated_attention": {"settings": {"accumulated_attention": True}},
 }
 

@@ -55,6 +55,15 @@ def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
         raise ConfigError(f"{name} must be a ratio like 0.25 or a token count like 512, not {text!r}") from None
 
 
+def check_count(name: str, value: object, smallest: int | None) -> None:
+    """Refuses (`ConfigError`) a `value` that is not a whole number (a bool or a float is not), or is below
+    `smallest` (None: any)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, not {value!r}")
+    if smallest is not None and value < smallest:
+        raise ConfigError(f"{name} must be >= {smallest}, got {value}")
+
+
 def recall_tokens(recall: float | int, document_tokens: int) -> int:
     """Entries recalled per (layer, KV head) for a `recall` budget (see `check_recall`)."""
     return round(recall * document_tokens) if isinstance(recall, float) else min(recall, document_tokens)
@@ -122,15 +131,16 @@ class CompressionConfig:
             raise ConfigError(f"keep ratio must be in (0, 1], got {self.keep}")
         if isinstance(self.keep, int) and self.keep < 1:
             raise ConfigError(f"keep token count must be positive, got {self.keep}")
-        for name in ("sink_tokens", "window"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, smallest in (("sink_tokens", 0), ("window", 0), ("chunk_size", 1), ("summaries", 0)):
+            check_count(name, getattr(self, name), smallest)
+        check_count("seed", self.seed, None)
+        for name in ("protect_prompt", "adaptive_budget"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as True
+                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
         check_recall(self.recall)
         if self.recall and not method.compresses:
             # Nothing is evicted, so no answer could ever recall anything: every ask would fail instead.
             raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
-        if isinstance(self.summaries, bool) or not isinstance(self.summaries, int) or self.summaries < 0:
-            raise ConfigError(f"summaries must be a count >= 0, not {self.summaries!r}")
         for name in ("cold_bits", "stored_bits"):
             if getattr(self, name) is not None and getattr(self, name) not in COLD_BITS:
                 raise ConfigError(f"{name} must be one of {COLD_BITS}, got {getattr(self, name)!r}")
@@ -142,6 +152,13 @@ class CompressionConfig:
         if not method.compresses:
             object.__setattr__(self, "summaries", 0)  # nothing is evicted, so nothing to stand in for
         object.__setattr__(self, "settings", method.settings_from(self.settings))
+        layer_budgets = getattr(self.settings, "layer_budgets", "uniform")
+        if self.adaptive_budget and layer_budgets != "uniform":
+            # Budgets over layers (and heads) are then the method's own: adaptive_budget would be ignored.
+            raise ConfigError(
+                f"adaptive_budget redistributes uniform layer budgets; {self.method} sets them with "
+                f"layer_budgets={layer_budgets!r}: pass settings={{'layer_budgets': 'uniform'}} with it, or drop it"
+            )
 
     @property
     def method_spec(self) -> Method[Any]:

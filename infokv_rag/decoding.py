@@ -135,6 +135,7 @@ def _decode(
         yield tail
 
 
+@torch.inference_mode()  # the session's buffers may have been (re)made inside a forward pass, as inference tensors
 def _evict(
     session: KVCache,
     document: CompressedDocument,

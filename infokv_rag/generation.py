@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import check_recall
+from .config import check_count, check_recall
 from .errors import ConfigError
 
 
@@ -36,22 +36,24 @@ class GenerationOptions:
     def __post_init__(self) -> None:
         if self.recall is not None:
             check_recall(self.recall)
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ConfigError(f"max_new_tokens must be a whole number, not {self.max_new_tokens!r}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ConfigError(f"temperature must be a number, not {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        check_count("max_new_tokens", self.max_new_tokens, 1)
+        check_count("eviction_slack", self.eviction_slack, 1)
+        if self.max_cache_tokens is not None:
+            check_count("max_cache_tokens", self.max_cache_tokens, 1)
+        if self.seed is not None:
+            check_count("seed", self.seed, None)
+            if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+                raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, not {value!r}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop sequences must be non-empty strings, got {self.stop!r}")
-        if self.max_cache_tokens is not None and self.max_cache_tokens < 1:
-            raise ConfigError(f"max_cache_tokens must be positive, got {self.max_cache_tokens}")
-        if self.eviction_slack < 1:
-            raise ConfigError(f"eviction_slack must be >= 1, got {self.eviction_slack}")
 
     @classmethod
     def build(cls, stop: str | Sequence[str] | None = None, **options: Any) -> GenerationOptions:

@@ -178,12 +178,15 @@ class Ingestion:
             with self.engine.lock:  # answers about other documents may run between chunks
                 capture = signal_capture(self.engine, self.config.window, self.scorer.signals)
                 hidden = self.forward_chunk(cache, capture, start, end)
+                self.note_peak(cache)  # the chunk is in and nothing of it evicted yet: the most ever held
                 self.score_and_compress(cache, capture, hidden, start, end)
-            held = sum(summary.length for summary in self.summaries or [] if summary is not None)
-            self.peak_resident = max(self.peak_resident, cache.resident_tokens + held)
             if progress is not None:
                 progress(end, self.n)
         return self.finish(cache)
+
+    def note_peak(self, cache: KVCache) -> None:
+        held = sum(summary.length for summary in self.summaries or [] if summary is not None)
+        self.peak_resident = max(self.peak_resident, cache.resident_tokens + held)
 
     def finish(self, cache: KVCache) -> IngestionResult:
         summaries = None

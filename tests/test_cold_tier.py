@@ -209,10 +209,14 @@ def test_recall_is_per_answer_and_leaves_the_document_cache_alone(random_engine:
         assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
 
 
-def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine) -> None:
-    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.2))
-    cap = max(doc.cache.lengths) + 40
-    generation = doc.generate([("user", "Summarise.")], GenerationOptions(max_new_tokens=80, max_cache_tokens=cap))
+@pytest.mark.parametrize(("keep", "repeats", "room"), [(0.25, 8, 40), (0.5, 3, 0)])
+def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine, keep: float, repeats: int, room: int) -> None:
+    # With no room beyond the document's layers, the first eviction leaves none spare: recall then grows the
+    # buffers inside the forward pass, and the next eviction must still be able to cut them.
+    doc = random_engine.ingest_text(" ".join(CORPUS * repeats), CompressionConfig(keep=keep, recall=0.1))
+    cap = max(doc.cache.lengths) + room
+    turns = question_turns("What is the notice period?")
+    generation = doc.generate(turns, GenerationOptions(max_new_tokens=80, max_cache_tokens=cap))
     generation.text()
     assert generation.usage.recalled_tokens > 0
     assert generation.usage.max_resident_tokens <= cap

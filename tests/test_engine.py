@@ -67,9 +67,13 @@ def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
 
 
 def test_adaptive_budget_keeps_the_total_and_varies_per_layer(random_engine: InfoKVEngine) -> None:
-    fixed = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
-    adaptive = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, adaptive_budget=True))
+    uniform = {"layer_budgets": "uniform"}  # adaptive_budget redistributes uniform layer budgets
+    fixed = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, settings=uniform))
+    adaptive = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, adaptive_budget=True, settings=uniform))
+    assert adaptive.stats.kept_tokens_per_layer != fixed.stats.kept_tokens_per_layer, "it did something"
     assert adaptive.stats.kept_tokens == fixed.stats.kept_tokens
+    with pytest.raises(ConfigError, match="adaptive_budget redistributes uniform layer budgets"):
+        CompressionConfig(adaptive_budget=True)  # the default's per-head budgets would make it a no-op
     assert adaptive.stats.cache_bytes == fixed.stats.cache_bytes
     assert min(adaptive.stats.kept_tokens_per_layer) >= 36
 
@@ -126,7 +130,9 @@ def test_chunked_prefill_bounds_the_resident_cache(random_engine: InfoKVEngine) 
     n = doc.stats.document_tokens
     assert n >= 4 * config.chunk_size
     budget = config.budget_for(n)
-    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
+    # At its peak each layer holds its budget, the summaries and one chunk not yet compressed; no more, and
+    # no less (the peak is seen before each compression).
+    assert doc.stats.peak_resident_tokens == 3 * (budget + config.summaries + config.chunk_size)
     assert doc.stats.kept_tokens_per_layer == [budget] * 3
 
 
@@ -138,7 +144,7 @@ def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     doc = random_engine.ingest_text(TEXT, config)
     n = doc.stats.document_tokens
     budget = config.budget_for(n, random_engine.prompt.head_tokens)
-    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.chunk_size)
+    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.summaries + config.chunk_size)
     assert doc.stats.kept_tokens == 3 * budget
     assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "layers keep what their scores earn"
     for layer in document_cache(doc).layers:
@@ -186,7 +192,15 @@ def test_questions_and_options_that_are_not_what_they_claim_are_refused(random_e
     for question in (None, 42, "the code \ud800 please"):  # not text; a lone surrogate is not Unicode text
         with pytest.raises(ConfigError, match="must be text|lone surrogate"):
             doc.ask(question)  # type: ignore[arg-type]
-    for options in ({"max_new_tokens": 1.5}, {"max_new_tokens": True}, {"temperature": float("nan")}):
+    for options in (
+        {"max_new_tokens": 1.5},
+        {"max_new_tokens": True},
+        {"temperature": float("nan")},
+        {"top_p": "0.5"},
+        {"seed": 1.5},
+        {"seed": 2**70},
+        {"max_cache_tokens": 100.0},
+    ):
         with pytest.raises(ConfigError):
             doc.ask("What is the notice period?", **options)
     with pytest.raises(DocumentError, match="lone surrogate"):
@@ -269,6 +283,18 @@ def test_config_validation() -> None:
         CompressionConfig(method="snapkv", settings={"tau": 0.5})
     with pytest.raises(ConfigError, match="'random' has no setting lam; it takes no settings"):
         CompressionConfig(method="random", settings={"lam": 0.5})
+    # Wrong types are refused when the config is made, not deep in an ingestion (or read as True).
+    for bad in (
+        {"chunk_size": 64.0},
+        {"window": 32.0},
+        {"sink_tokens": "4"},
+        {"seed": "a"},
+        {"summaries": True},
+        {"protect_prompt": "no"},
+        {"adaptive_budget": 1},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            CompressionConfig(**bad)
 
 
 def _options(**kwargs: Any) -> GenerationOptions:

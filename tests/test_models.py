@@ -357,7 +357,7 @@ def test_supported_architectures_run_exactly_through_the_hook_and_ragged_cache(m
         first = runner.logits(runner.forward(ids[:30], torch.arange(30), cache))
         rest = runner.logits(runner.forward(ids[30:], torch.arange(30, 48), cache))
     torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
-    doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.3, chunk_size=96, adaptive_budget=True))
+    doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.3, chunk_size=96))
     assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "per-layer lengths differ"
     assert isinstance(doc.ask(QUESTION, max_new_tokens=4), str)
 

@@ -44,8 +44,9 @@ def test_row_spec_keep_ratio_and_token_count() -> None:
 
 
 def test_row_spec_settings_are_json_or_strings_and_shared_fields_go_to_the_config() -> None:
-    row = parse_row("infokv@0.5[tau=0.5, information=entropy,adaptive_budget=true,window=16]")
-    assert row.label == "infokv@0.5[tau=0.5, information=entropy,adaptive_budget=true,window=16]"
+    spec = "infokv@0.5[tau=0.5, information=entropy,adaptive_budget=true,layer_budgets=uniform,window=16]"
+    row = parse_row(spec)
+    assert row.label == spec
     settings = row.config.to_dict()["settings"]
     assert settings["tau"] == 0.5 and settings["information"] == "entropy"
     assert row.config.adaptive_budget is True and row.config.window == 16

@@ -143,7 +143,8 @@ def test_save_replaces_an_existing_cache(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the retired cache is removed"
     # So is what is left of a damaged one (a cache's files only), and an empty directory is filled.
     (target / MANIFEST).unlink()
-    assert doc_a.save(target) == target and (tmp_path / "empty").mkdir() is None
+    assert doc_a.save(target) == target
+    (tmp_path / "empty").mkdir()
     assert_same_document(random_engine.load(doc_a.save(tmp_path / "empty")), doc_a)
     # Never what is not a cache: a save replaces the whole directory.
     (target / "notes.txt").write_text("mine")

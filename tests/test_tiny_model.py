@@ -55,7 +55,7 @@ def test_ask_q1_q2_q1_is_stable_and_cache_untouched(tiny_engine: InfoKVEngine, f
 
 
 def test_tiny_keep_ratio_bytes(tiny_engine: InfoKVEngine, fact_text: str) -> None:
-    doc = tiny_engine.ingest_text(fact_text, CompressionConfig(method="infokv", keep=0.25, adaptive_budget=True))
+    doc = tiny_engine.ingest_text(fact_text, CompressionConfig(method="infokv", keep=0.25))
     n = doc.stats.document_tokens
     # 16 summaries per layer and KV head take the place of as many tokens; the bytes still follow keep.
     assert doc.cache.summaries is not None and {summary.length for summary in doc.cache.summaries} == {16}
