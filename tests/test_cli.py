@@ -130,6 +130,13 @@ def test_bad_document_exits_2_with_actionable_message(case: str, tmp_path: Path,
     assert not (tmp_path / "store").exists(), "nothing is stored for a document that cannot be read"
 
 
+def test_json_mode_reports_errors_as_json(tmp_path: Path) -> None:
+    result = run_cli("ask", str(tmp_path / "missing.pdf"), "-q", "Q?", "--json", cache_dir=tmp_path)
+    assert result.returncode == 2 and "missing.pdf" in result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error["type"] == "FileNotFoundError" and "missing.pdf" in error["message"]
+
+
 def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
     assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--keep", "0", cache_dir=tmp_path), "keep")
