@@ -65,21 +65,6 @@ def presented_keys(request: Request) -> list[str]:
     return keys
 
 
-async def authenticate(
-    request: Request,
-    service: ServiceDep,
-    _bearer_scheme: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-    _header_scheme: Annotated[str | None, Security(_header)],
-) -> Principal:
-    """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
-    caller = await optional_caller(request, service, _bearer_scheme, _header_scheme)
-    if caller is None:
-        raise _unauthorized(
-            "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-        )
-    return caller
-
-
 async def optional_caller(
     request: Request,
     service: ServiceDep,
@@ -87,7 +72,7 @@ async def optional_caller(
     _header_scheme: Annotated[str | None, Security(_header)],
 ) -> Principal | None:
     """The caller, or None when the request presents no key (routes open to anyone); keys that it presents
-    are checked as `authenticate` checks them."""
+    must all be valid and name the same tenant (else 401)."""
     keyring = service.settings.keyring
     if not keyring:  # anonymous access was enabled explicitly (Settings.check_startable)
         return _ANONYMOUS
@@ -105,8 +90,19 @@ async def optional_caller(
     return principals.pop()
 
 
-CallerDep = Annotated[Principal, Depends(authenticate)]
 OptionalCallerDep = Annotated[Principal | None, Depends(optional_caller)]
+
+
+async def authenticate(caller: OptionalCallerDep) -> Principal:
+    """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
+    if caller is None:
+        raise _unauthorized(
+            "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+        )
+    return caller
+
+
+CallerDep = Annotated[Principal, Depends(authenticate)]
 
 
 async def find_document(service: Service, caller: Principal, document_id: str) -> DocumentRecord:
