@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -283,6 +284,8 @@ def _run(args: argparse.Namespace) -> int:
         from .store import check_save_target
 
         check_save_target(args.out)
+    else:
+        store_root = _writable_store(args)
 
     from .engine import InfoKVEngine
 
@@ -306,11 +309,10 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps({"saved": str(path), **doc.stats.to_dict()}, indent=2))
         return 0
 
-    from .models import cache_root
     from .prompt import question_turns
     from .store import CacheStore
 
-    store = CacheStore(args.store or cache_root() / "documents")
+    store = CacheStore(store_root)
     doc, reused = store.ingest(engine, document, config, progress=progress)
     cache_path = store.path_for(engine, document, config)
     _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
@@ -353,6 +355,22 @@ def _run(args: argparse.Namespace) -> int:
 def _note(args: argparse.Namespace, message: str) -> None:
     if args.verbose:
         print(f"infokv-rag: {message}", file=sys.stderr, flush=True)
+
+
+def _writable_store(args: argparse.Namespace) -> Path:
+    """The ask store's directory, refused before the model loads (not after reading the document) when it cannot
+    be written."""
+    from .models import cache_root
+
+    root = Path(args.store) if args.store else cache_root() / "documents"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise ConfigError(f"the cache store {root} cannot be made ({reason}); pass another --store") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"the cache store {root} cannot be written; pass another --store")
+    return root
 
 
 def _options(args: argparse.Namespace) -> Any:

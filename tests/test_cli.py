@@ -251,6 +251,9 @@ def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
         )
         assert_clean_failure(result, str(out))
     assert (victim / "thesis.docx").read_text() == "important" and notes.read_bytes() == b"my notes"
+    # An ask store that cannot be written, likewise before the model loads (not after reading the document).
+    store = run_cli("ask", str(doc), "-q", "Q?", "--store", str(notes / "store"), "--model", "nope", cache_dir=tmp_path)
+    assert_clean_failure(store, "cache store", "pass another --store")
     port = run_cli("serve", "--port", "99999", cache_dir=tmp_path)  # argparse's usage error, before any work
     assert port.returncode == 2 and "a port is from 0 to 65535, not 99999" in port.stderr
 
