@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
             source = resolve_model(name)
             if source.hub is not None:  # refused before its weights download when unsupported
                 load_checked(source.directory, source.name)
-            print(f"{name}: {source.weights_directory()}", file=sys.stderr)
+            print(f"{name}: {source.weights_directory()}")  # the result, for scripts: on stdout
         return 0
     if args.command == "info":
         from .store import describe

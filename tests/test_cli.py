@@ -326,7 +326,7 @@ def test_hub_id_device_and_dtype_offline(tmp_path: Path, random_model_dir: Path)
     offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     fetched = run_cli("fetch", repo, cache_dir=tmp_path / "cache", env=offline)
     assert fetched.returncode == 0, fetched.stderr
-    assert f"snapshots/{commit}" in fetched.stderr
+    assert f"snapshots/{commit}" in fetched.stdout
     doc = _write(tmp_path / "contract.txt", TEXT.encode())
     out_dir = tmp_path / "saved"
     ingest = run_cli(
