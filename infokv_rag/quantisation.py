@@ -35,6 +35,20 @@ def quantize(values: Tensor, low: Tensor, high: Tensor, bits: int) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
 
 
+def half_bounds(low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+    """float16 bounds that hold [low, high] (float32, the same shape): rounded outward, since a bound rounded
+    inward clamps the values past it by up to half a float16 spacing, far more than a code step on a channel with
+    a large offset and a small spread; and saturated at float16's largest finite value, since an infinite bound
+    decodes its whole page or group to NaN (values beyond it saturate too)."""
+    limit = torch.finfo(torch.float16).max
+    low, high = low.clamp(-limit, limit), high.clamp(-limit, limit)
+    low16, high16 = low.half(), high.half()
+    down, up = torch.full_like(low16, -torch.inf), torch.full_like(high16, torch.inf)
+    low16 = torch.where(low16.float() > low, torch.nextafter(low16, down), low16)
+    high16 = torch.where(high16.float() < high, torch.nextafter(high16, up), high16)
+    return low16, high16
+
+
 def value_group(head_dim: int) -> int:
     """Channels that share one value range: `VALUE_GROUP`, or the whole head when it does not divide it."""
     return VALUE_GROUP if head_dim % VALUE_GROUP == 0 else head_dim
@@ -92,11 +106,11 @@ class QuantisedEntries:
         if m % PAGE_TOKENS:
             padded[:, m:] = keys[:, (pages - 1) * PAGE_TOKENS].unsqueeze(1)
         paged = padded.reshape(heads, pages, PAGE_TOKENS, dim)
-        key_low, key_high = paged.amin(dim=2).half(), paged.amax(dim=2).half()
+        key_low, key_high = half_bounds(paged.amin(dim=2).float(), paged.amax(dim=2).float())
         page_of_entry = torch.arange(m, device=keys.device) // PAGE_TOKENS
         group = value_group(dim)
         groups = values.float().reshape(heads, m, dim // group, group)
-        value_low, value_high = groups.amin(dim=3).half(), groups.amax(dim=3).half()
+        value_low, value_high = half_bounds(groups.amin(dim=3), groups.amax(dim=3))
         return cls(
             key_codes=quantize(keys, key_low[:, page_of_entry], key_high[:, page_of_entry], bits),
             key_low=key_low,

@@ -55,7 +55,8 @@ def _dequantise_kernel(
     )
     low = tl.load(low_ptr + ranges, mask=inside, other=0.0).to(tl.float32)
     high = tl.load(high_ptr + ranges, mask=inside, other=0.0).to(tl.float32)
-    step = tl.maximum(high - low, 1e-8) / ((1 << BITS) - 1)
+    # NaN propagates, as in the reference's clamp_min.
+    step = tl.maximum(high - low, 1e-8, propagate_nan=tl.PropagateNan.ALL) / ((1 << BITS) - 1)
     tl.store(
         out_ptr + head * stride_oh + rows[:, None] * stride_om + channels[None, :] * stride_od,
         low + code * step,

@@ -18,7 +18,7 @@ from infokv_rag.decoding import working_session
 from infokv_rag.documents import document_from_text
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-from infokv_rag.quantisation import PAGE_TOKENS
+from infokv_rag.quantisation import PAGE_TOKENS, QuantisedEntries
 from infokv_rag.recall import attend_over_cold
 from infokv_rag.store import COLD, MANIFEST, TENSORS, CacheStore, _manifest_checksum
 
@@ -69,6 +69,26 @@ def test_codes_round_trip_within_half_a_step(bits: int) -> None:
         step = (entries.value_high.float() - entries.value_low.float())[0] / (2**bits - 1)
         step = step.repeat_interleave(dim // step.shape[-1], dim=-1)
         assert bool(((entries.all_values(bits)[0] - values[head]).abs() <= step / 2 + 1e-3).all())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_code_ranges_hold_offset_channels_and_stay_finite(bits: int) -> None:
+    """Ranges are stored in float16: rounded outward, so an offset channel (1000.3 plus a small spread, KIVI's key
+    outliers) stays within half a step of its stored range instead of being clamped by half a float16 spacing,
+    and saturated, so an element past float16's range (a bf16 model may make one) decodes finite, not NaN."""
+    offset = torch.full((1, PAGE_TOKENS, 64), 1000.3) + torch.linspace(0, 0.01, PAGE_TOKENS)[None, :, None]
+    entries = QuantisedEntries.encode(offset, offset, bits)
+    for decoded, low, high in (
+        (entries.all_keys(bits), entries.key_low, entries.key_high),
+        (entries.all_values(bits), entries.value_low, entries.value_high),
+    ):
+        step = float((high.float() - low.float()).max()) / (2**bits - 1)  # one float16 spacing at most: 0.5
+        assert float((decoded - offset).abs().max()) <= step / 2 + 1e-4 < 0.02  # inward rounding clamped by 0.2
+    huge = torch.randn(1, PAGE_TOKENS, 64)
+    huge[0, 3, 5] = 7e4
+    entries = QuantisedEntries.encode(huge, -huge, bits)
+    assert bool(entries.all_keys(bits).isfinite().all()) and bool(entries.all_values(bits).isfinite().all())
+    assert float(entries.all_keys(bits)[0, 3, 5]) == pytest.approx(torch.finfo(torch.float16).max)
 
 
 @pytest.mark.parametrize("layer_budgets", ["per_head", "global"])

@@ -590,6 +590,19 @@ def test_dequantise_triton_writes_into_a_wider_buffer() -> None:
     assert bool((out[:, :, 40:] == -7.0).all()), "nothing past the entries is written"
 
 
+@runs_triton
+def test_dequantise_triton_propagates_a_nan_range_as_the_reference_does() -> None:
+    codes, low, high = make_codes(1, 40, 64, 64, 8, 2)
+    high[0, 1, 3] = float("nan")
+    decoded = {}
+    for backend in ("torch", "triton"):
+        with kernel_backend(backend):
+            decoded[backend] = dequantise_keys(codes, low, high, 8, PAGE)
+    for backend, keys in decoded.items():
+        nan = keys.isnan()
+        assert bool(nan[0, PAGE:, 3].all()) and int(nan.sum()) == 40 - PAGE, backend  # that page-channel only
+
+
 def test_dequantise_rejects_bad_inputs() -> None:
     codes, low, high = make_codes(1, 4, 8, 8, 8, 1)
     with pytest.raises(ValueError, match="4 or 8 bits"):
