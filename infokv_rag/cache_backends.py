@@ -14,8 +14,10 @@ An object store cannot rename a directory into place, so `FsspecBackend` publish
 A load follows CURRENT to a complete version and verifies it as a local load does (manifest checksum, every
 file's sha256, the model fingerprint). A publisher killed before CURRENT leaves a version nothing points to,
 never read. Concurrent publishers of one key each write their own version; whichever CURRENT lands last
-names a complete one. Versions other than the current one are removed by a later publish only once they
-are `STALE_SECONDS` old, so a reader that followed an older CURRENT still finds its files.
+names a complete one. A publish marks the version it replaced as retired (`<version>/RETIRED`, the time), and
+versions other than the current one are removed by a later publish only `STALE_SECONDS` after they were
+retired (one never marked, after its creation), so a reader that followed an older CURRENT still finds its
+files however old that version was.
 
 Credentials and endpoints come from the usual environment of the filesystem (for s3fs: AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, or ~/.aws); this module imports fsspec only when an
@@ -24,6 +26,7 @@ fsspec URL is opened.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -45,7 +48,10 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
 
 CACHE = "cache"
+REMOVE_ATTEMPTS = 3
+"""Removals that meet another process's writes or removals look again this many times in all."""
 CURRENT = "CURRENT"
+RETIRED = "RETIRED"
 
 
 class CacheBackend(ABC):
@@ -110,17 +116,25 @@ class LocalBackend(CacheBackend):
 
     def remove(self, key: str, last: str) -> None:
         directory = self._directory(key)
-        if not directory.exists():
-            return
-        for entry in directory.iterdir():
-            if entry.name == last:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink(missing_ok=True)
-        (directory / last).unlink(missing_ok=True)
-        directory.rmdir()
+        for attempt in range(REMOVE_ATTEMPTS):
+            try:
+                for entry in directory.iterdir():
+                    if entry.name == last:
+                        continue
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, onerror=_unless_gone)
+                    else:
+                        entry.unlink(missing_ok=True)
+                (directory / last).unlink(missing_ok=True)
+                directory.rmdir()
+                return
+            except FileNotFoundError:
+                return  # another process removed the rest
+            except OSError as exc:
+                # A writer that had not yet seen a delete put a file back (it removes it once it sees the
+                # tombstone): look again.
+                if exc.errno != errno.ENOTEMPTY or attempt == REMOVE_ATTEMPTS - 1:
+                    raise
 
 
 @dataclass(frozen=True)
@@ -180,10 +194,28 @@ class FsspecBackend(CacheBackend):
             for name, data in files.items():  # the manifest last
                 self.fs.pipe_file(posixpath.join(directory, name), data)
             pointer = {"version": version, "manifest_sha256": hashlib.sha256(files[store.MANIFEST]).hexdigest()}
+            replaced = self._current_version(key)
             self._replace(self._path(key, CACHE, CURRENT), json.dumps(pointer).encode())
+            if replaced is not None and replaced != version:
+                # From now on its readers are the last: its age for the sweep counts from here.
+                self.fs.pipe_file(self._path(key, CACHE, replaced, RETIRED), str(time.time()).encode())
         except OSError as exc:
             raise CacheStoreError(f"cannot publish the cache to {self.url}/{key}: {exc}") from exc
         self._sweep(key, keep=version)
+
+    def _current_version(self, key: str) -> str | None:
+        """The version CURRENT names now; None when there is none or it cannot be read (nothing to retire)."""
+        try:
+            return str(json.loads(self.get(posixpath.join(key, CACHE), CURRENT))["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _retired_at(self, key: str, name: str) -> float | None:
+        """When version `name` stopped being current (its RETIRED mark), else when it was made (its name)."""
+        try:
+            return float(self.get(posixpath.join(key, CACHE, name), RETIRED))
+        except (OSError, ValueError):
+            return _version_time(name)
 
     def _replace(self, path: str, data: bytes) -> None:
         """Writes `path` in one step: a whole temporary object, then moved (a rename, or a copy on S3)."""
@@ -199,8 +231,10 @@ class FsspecBackend(CacheBackend):
         """Removes versions other than `keep` that are old enough that no load can still be reading them."""
         cutoff = time.time() - store.STALE_SECONDS
         for name in self.children(posixpath.join(key, CACHE)):
-            created = _version_time(name)
-            if name != keep and created is not None and created < cutoff:
+            if name == keep:
+                continue
+            retired = self._retired_at(key, name)
+            if retired is not None and retired < cutoff:
                 try:
                     self.fs.rm(self._path(key, CACHE, name), recursive=True)
                 except OSError:
@@ -246,19 +280,33 @@ class FsspecBackend(CacheBackend):
 
     def remove(self, key: str, last: str) -> None:
         path = self._path(key)
-        self.fs.invalidate_cache(path)
-        try:
-            found = self.fs.find(path)
-        except FileNotFoundError:
-            return
         final = self._path(key, last)
-        others = [name for name in found if name.rstrip("/") != final]
-        if others:
-            self.fs.rm(others)
-        if final in found:
-            self.fs.rm(final)
+        for attempt in range(REMOVE_ATTEMPTS):
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path)
+                others = [name for name in found if name.rstrip("/") != final]
+                if others:
+                    self.fs.rm(others)
+                if final in found:
+                    self.fs.rm(final)
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)  # empty directories a local filesystem keeps
+                return
+            except FileNotFoundError:
+                continue  # another process removed some of it meanwhile: look again
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY or attempt == REMOVE_ATTEMPTS - 1:  # as LocalBackend.remove
+                    raise
+        self.fs.invalidate_cache(path)
         if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)  # empty directories a local filesystem keeps
+            raise OSError(errno.ENOTEMPTY, "files kept appearing while they were removed", path)
+
+
+def _unless_gone(_function: object, _path: str, info: tuple[type[BaseException], BaseException, object]) -> None:
+    """`shutil.rmtree`'s error handler: an entry that another process removed first is removed."""
+    if not isinstance(info[1], FileNotFoundError):
+        raise info[1]
 
 
 def open_backend(url: str | os.PathLike[str]) -> CacheBackend:

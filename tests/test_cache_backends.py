@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.cache_backends import CACHE, CURRENT, CacheBackend, FsspecBackend, LocalBackend, open_backend
-from infokv_rag.store import MANIFEST, TENSORS, encode_document
+from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine, cache_backends
+from infokv_rag.cache_backends import (
+    CACHE,
+    CURRENT,
+    RETIRED,
+    CacheBackend,
+    FsspecBackend,
+    LocalBackend,
+    open_backend,
+)
+from infokv_rag.store import MANIFEST, STALE_SECONDS, TENSORS, encode_document
 
 from .conftest import CORPUS
 from .s3_server import s3_server
@@ -176,3 +185,57 @@ def test_concurrent_publishers_never_tear_a_cache(
     assert loads, "the readers loaded while publishers wrote"
     final = shared_backend.load(random_engine, KEY)
     assert final.document.text in (TEXT_A, TEXT_B)
+
+
+def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(
+    shared_backend: FsspecBackend,
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    doc_b: CompressedDocument,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A version made two hours ago and current until now may have a reader that has just followed CURRENT to it:
+    the publish that replaces it must not remove it before STALE_SECONDS have passed since."""
+    made_long_ago = f"{time.time_ns() - int(2 * STALE_SECONDS * 1e9):020d}-{'a' * 12}"
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_backends, "_version_name", lambda: made_long_ago)
+        shared_backend.publish(KEY, doc_a)
+    followed = json.loads(shared_backend.get(f"{KEY}/{CACHE}", CURRENT))["version"]
+    assert followed == made_long_ago
+    shared_backend.publish(KEY, doc_b)  # replaces it, and sweeps
+    assert followed in shared_backend.children(f"{KEY}/{CACHE}"), "removed under its reader"
+    # Once STALE_SECONDS have passed since it was replaced, the next publish removes it.
+    retired = f"{KEY}/{CACHE}/{followed}"
+    shared_backend.put(retired, RETIRED, str(time.time() - STALE_SECONDS - 1).encode())
+    shared_backend.publish(KEY, doc_a)
+    assert followed not in shared_backend.children(f"{KEY}/{CACHE}")
+    assert_same_document(shared_backend.load(random_engine, KEY), doc_a)
+
+
+def _remove_at_once(backend: CacheBackend, key: str, start: threading.Barrier, failures: list[BaseException]) -> None:
+    start.wait()
+    try:
+        backend.remove(key, last="meta.json")
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        failures.append(exc)
+
+
+@pytest.mark.parametrize("kind", ["local", "file"])
+def test_two_removals_of_one_key_at_once_both_succeed(kind: str, tmp_path: Path, doc_a: CompressedDocument) -> None:
+    """Two replicas deleting one document at once (or a delete meeting the other's cleanup): whichever removes
+    an entry first, neither fails, and nothing is left."""
+    backend = open_backend(tmp_path / "store" if kind == "local" else f"file://{tmp_path}/store")
+    for trial in range(20):
+        key = f"documents/doc_{trial}"
+        backend.publish(key, doc_a)
+        for name in ("meta.json", "document.json", "extra.json"):
+            backend.put(key, name, b"{}")
+        failures: list[BaseException] = []
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=_remove_at_once, args=(backend, key, start, failures)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not failures, (trial, failures)
+        assert not (tmp_path / "store" / "documents" / f"doc_{trial}").exists()

@@ -179,6 +179,37 @@ def test_a_delete_stays_deleted_whatever_a_reader_writes_after_it(
     assert deleter.get(finished.id) is None and stored() == set()
 
 
+def test_malformed_records_in_the_store_are_passed_over(tmp_path: Path, store_url: str) -> None:
+    """A record that another version or a broken writer left malformed fails neither the listing (every
+    tenant's), nor a replica's start, nor the takeover of the other documents."""
+    backend = open_backend(store_url)
+    registry = StoreRegistry(backend, tmp_path / "replica", loaded_documents=2, lease_seconds=30)
+    document = document_from_text(SECRET.decode())
+    now = time.time()
+    good = DocumentRecord(new_document_id(), "memo.txt", "ready", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(good, document)
+    stale = DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(stale, document)
+    meta = json.loads(backend.get(f"documents/{stale.id}", "meta.json"))
+    meta["lease"]["until"] = now - 1  # its reader died
+    backend.put(f"documents/{stale.id}", "meta.json", json.dumps(meta).encode())
+    for broken in (
+        {"owner": "tenantB"},  # fields missing
+        {**good.to_meta(), "created_at": None},
+        {**good.to_meta(), "status": "exploded"},
+        {**good.to_meta(), "status": "processing", "lease": None},
+    ):
+        doc_id = new_document_id()
+        backend.put(f"documents/{doc_id}", "meta.json", json.dumps({**broken, "id": doc_id}).encode())
+        backend.put(f"pending/{doc_id}", "lease", b"")
+    fresh = StoreRegistry(open_backend(store_url), tmp_path / "other", loaded_documents=2, lease_seconds=30)
+    fresh.open()  # a replica starts
+    assert {record.id for record in fresh.list()} >= {good.id, stale.id}
+    assert fresh.counts()["ready"] >= 1
+    # The expired one is taken over (and so is the one without a lease, which no reader holds).
+    assert stale.id in {record.id for record in fresh.claim_expired(set())}
+
+
 def test_a_store_refuses_cache_sharing_and_an_unusable_store(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="share_caches"):
         settings_for(tmp_path, f"file://{tmp_path}/store", share_caches=True)

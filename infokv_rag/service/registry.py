@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -143,7 +144,18 @@ class DocumentRecord:
         # meta.json of a version without tenants has no "owner": such documents belong to no tenant.
         values = {name: data[name] for name in cls.PERSISTED if name in data}
         values.setdefault("owner", None)
-        return cls(**values)
+        try:
+            record = cls(**values)
+        except TypeError as exc:
+            raise ValueError(f"the record lacks fields ({exc})") from None
+        timestamps = (record.created_at, record.updated_at)
+        if (
+            not isinstance(record.id, str)
+            or record.status not in typing.get_args(Status)
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in timestamps)
+        ):
+            raise ValueError("the record's id, status or times are malformed")
+        return record
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -63,6 +63,12 @@ CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
 
 
+def _lease(data: dict[str, Any]) -> dict[str, Any]:
+    """The lease of a stored record (empty when it has none, or none that reads as one)."""
+    lease = data.get("lease")
+    return lease if isinstance(lease, dict) else {}
+
+
 def _key(doc_id: str) -> str:
     if not valid_document_id(doc_id):  # the only place a store key is built from an id
         raise ValueError(f"invalid document id {doc_id!r}")
@@ -160,22 +166,24 @@ class StoreRegistry(Registry):
     def _refresh(self, doc_id: str) -> DocumentRecord | None:
         try:
             data = self._stored_meta(doc_id)
+            fresh = DocumentRecord.from_meta(data) if data is not None else None
         except (OSError, ValueError) as exc:
+            # One unreadable or malformed record is logged and passed over: it must not fail a listing (every
+            # tenant's), a replica's start or the takeovers.
             log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
             with self._lock:
                 return self._records.get(doc_id)
         with self._lock:
             known = self._records.get(doc_id)
-            if data is None:
+            if data is None or fresh is None:
                 if known is not None:
                     known.deleted = True
                     self._records.pop(doc_id, None)
             elif known is None:
-                known = self._records[doc_id] = DocumentRecord.from_meta(data)
-            elif data.get("lease", {}).get("holder") != self.holder:
+                known = self._records[doc_id] = fresh
+            elif _lease(data).get("holder") != self.holder:
                 # Another process wrote it last (read it, failed it): the store is right. Records this
                 # process writes itself are newer in memory (progress) than in the store.
-                fresh = DocumentRecord.from_meta(data)
                 for name in DocumentRecord.PERSISTED:
                     setattr(known, name, getattr(fresh, name))
         if data is None:
@@ -270,13 +278,14 @@ class StoreRegistry(Registry):
                 continue
             try:
                 data = self._stored_meta(doc_id)
-            except (OSError, ValueError) as exc:  # one unreadable record must not stop the others' takeovers
+                until = float(_lease(data).get("until", 0)) if data is not None else 0.0
+            except (OSError, ValueError, TypeError) as exc:  # one bad record must not stop the others' takeovers
                 log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
                 continue
             if data is None or data.get("status") not in PENDING_STATUSES:
                 self._unmark_pending(doc_id)  # left by a process killed between the record and its mark
                 continue
-            if float(data.get("lease", {}).get("until", 0)) > now:
+            if until > now:
                 continue
             record = self._refresh(doc_id)
             if record is not None and self.update(record, status="queued"):
@@ -287,7 +296,7 @@ class StoreRegistry(Registry):
         won = []
         for record in claimed:
             data = self._stored_meta(record.id)
-            if data is not None and data.get("lease", {}).get("holder") == self.holder:
+            if data is not None and _lease(data).get("holder") == self.holder:
                 won.append(record)
         return won
 
