@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0: any free port")
     _add_model_options(serve)
+    serve.set_defaults(model=None)  # unset: INFOKV_MODEL, else the default (the settings decide, as for device)
     serve.add_argument(
         "--data-dir",
         default=None,

@@ -404,3 +404,13 @@ def test_ingest_and_ask_with_the_cache_in_codes(tmp_path: Path, random_model_dir
     assert 0 < coded["stats"]["cache_bytes"] < plain["stats"]["cache_bytes"] / 2
     refused = run_cli(*ask, "--stored-bits", "3", cache_dir=tmp_path)
     assert refused.returncode == 2 and "--stored-bits: invalid choice: 3 (choose from 4, 8)" in refused.stderr
+
+
+def test_serve_takes_the_model_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infokv_rag.cli import build_parser
+    from infokv_rag.service.settings import Settings
+
+    monkeypatch.setenv("INFOKV_MODEL", "tiny")
+    assert Settings.from_env(model=build_parser().parse_args(["serve"]).model).model == "tiny"
+    given = build_parser().parse_args(["serve", "--model", "default"]).model
+    assert Settings.from_env(model=given).model == "default"
