@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
 
 CACHE = "cache"
-REMOVE_ATTEMPTS = 3
+REMOVE_ATTEMPTS = 5
 """Removals that meet another process's writes or removals look again this many times in all."""
 CURRENT = "CURRENT"
 RETIRED = "RETIRED"
@@ -293,11 +293,12 @@ class FsspecBackend(CacheBackend):
                 if self.fs.exists(path):
                     self.fs.rm(path, recursive=True)  # empty directories a local filesystem keeps
                 return
-            except FileNotFoundError:
-                continue  # another process removed some of it meanwhile: look again
             except OSError as exc:
-                if exc.errno != errno.ENOTEMPTY or attempt == REMOVE_ATTEMPTS - 1:  # as LocalBackend.remove
+                # Another process removed some of it meanwhile (and may be removing the rest), or put a file
+                # back (as LocalBackend.remove): look again a moment later.
+                if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ENOTEMPTY:
                     raise
+                time.sleep(0.05 * (attempt + 1))
         self.fs.invalidate_cache(path)
         if self.fs.exists(path):
             raise OSError(errno.ENOTEMPTY, "files kept appearing while they were removed", path)
