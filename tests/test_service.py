@@ -138,6 +138,8 @@ def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:
     assert {"documents", "queue", "counters"} <= set(admin) and "prefills" in admin["counters"]
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    # The answer length starts at this server's default, within its limit: a first Ask is never refused for it.
+    assert 'max="64" value="16"' in page.text
     assert "script-src 'sha256-" in page.headers["content-security-policy"]
     schema = client.get("/openapi.json").json()
     expected = {

@@ -11,6 +11,8 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
+from ..dependencies import ServiceDep
+
 router = APIRouter(tags=["page"])
 
 
@@ -33,6 +35,11 @@ def _page() -> tuple[str, str]:
 
 
 @router.get("/", response_class=HTMLResponse, summary="A minimal web page: upload a document, ask, stream answers")
-async def index() -> HTMLResponse:
+async def index(service: ServiceDep) -> HTMLResponse:
     html, policy = _page()
+    # The answer length field starts at this server's own default and stops at its limit (markup, not script:
+    # the policy's hashes stay those of the file).
+    settings = service.settings
+    html = html.replace("__DEFAULT_MAX_TOKENS__", str(settings.default_max_tokens))
+    html = html.replace("__MAX_NEW_TOKENS__", str(settings.max_new_tokens))
     return HTMLResponse(html, headers={"Content-Security-Policy": policy, "Cache-Control": "no-cache"})
