@@ -76,15 +76,9 @@ class PromptFormat:
             if role == "user" and pending_system:
                 content = "\n".join([*pending_system, content])
                 pending_system = []
-            if messages and messages[-1]["role"] == role:
-                messages[-1]["content"] += "\n\n" + content
-            else:
-                messages.append({"role": role, "content": content})
+            _add_turn(messages, role, content)
         if pending_system:  # after the last user turn: it still speaks to the question, so it joins it
-            if messages and messages[-1]["role"] == "user":
-                messages[-1]["content"] += "\n\n" + "\n".join(pending_system)
-            else:
-                messages.append({"role": "user", "content": "\n".join(pending_system)})
+            _add_turn(messages, "user", "\n".join(pending_system))
         if not messages or messages[0]["role"] != "user":
             raise ConfigError("a conversation about the document must start with a user message")
         messages[0] = {"role": "user", "content": _SENTINEL + messages[0]["content"]}
@@ -95,6 +89,14 @@ class PromptFormat:
 
     def question_ids(self, question: str) -> list[int]:
         return self.conversation_ids(question_turns(question))
+
+
+def _add_turn(messages: list[dict[str, str]], role: str, content: str) -> None:
+    """Appends a turn to `messages`, merged into the last one when it has the same role."""
+    if messages and messages[-1]["role"] == role:
+        messages[-1]["content"] += "\n\n" + content
+    else:
+        messages.append({"role": role, "content": content})
 
 
 def _check_content(content: object) -> None:

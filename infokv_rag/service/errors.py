@@ -123,10 +123,18 @@ def _validation_param(exc: RequestValidationError) -> str | None:
 OPENAI_CHAT_PATH = "/v1/chat/completions"
 
 
+def _status_on(request: Request, status: int) -> int:
+    """The status a refusal answers with on this request's route: OpenAI's answers 400 where the others answer
+    413 or 422 (its clients raise BadRequestError for 400 only)."""
+    return 400 if status in (413, 422) and request.url.path.endswith(OPENAI_CHAT_PATH) else status
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _service(request: Request, exc: ServiceError) -> JSONResponse:
+        status = _status_on(request, exc.status)
+        body = error_body(status, exc.code, exc.message, exc.param)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
 
     @app.exception_handler(core.InfoKVError)
     async def _core(_: Request, exc: core.InfoKVError) -> JSONResponse:
@@ -138,9 +146,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # The message names the fields and what is wrong with them; it never echoes the input back. OpenAI's
-        # route answers 400 where the others answer 422: its clients raise BadRequestError for 400 only.
-        status = 400 if request.url.path.endswith(OPENAI_CHAT_PATH) else 422
+        # The message names the fields and what is wrong with them; it never echoes the input back.
+        status = _status_on(request, 422)
         body = error_body(status, "invalid_request", _validation_message(exc), _validation_param(exc))
         return JSONResponse(body, status_code=status)
 

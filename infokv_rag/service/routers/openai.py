@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -88,18 +87,6 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
             )
 
 
-@contextmanager
-def _as_bad_request() -> Iterator[None]:
-    """OpenAI answers a request it cannot take with 400 (its clients raise BadRequestError for that status only);
-    the shared checks answer 422 (413 for length) on the other routes."""
-    try:
-        yield
-    except ServiceError as exc:
-        if exc.status not in (413, 422):
-            raise
-        raise ServiceError(400, exc.code, exc.message, exc.headers, exc.param) from exc
-
-
 def _turns(request: ChatCompletionRequest) -> list[Turn]:
     turns: list[Turn] = []
     for index, message in enumerate(request.messages):
@@ -166,23 +153,23 @@ async def chat_completions(
     _refuse_unsupported(body)
     record = await find_document(service, caller, body.document_id)
     turns = _turns(body)
-    with _as_bad_request():
-        check_question(
-            service,
-            sum(len(content) for _, content in turns),
-            what="conversation",
-            limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
-        )
-        options = generation_options(
-            service,
-            record,
-            body.max_completion_tokens or body.max_tokens,
-            body.temperature,
-            body.top_p,
-            body.stop,
-            body.seed,
-            body.recall,
-        )
+    # A 413 or 422 from these shared checks answers 400 here, as OpenAI's does (`errors._status_on`).
+    check_question(
+        service,
+        sum(len(content) for _, content in turns),
+        what="conversation",
+        limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
+    )
+    options = generation_options(
+        service,
+        record,
+        body.max_completion_tokens or body.max_tokens,
+        body.temperature,
+        body.top_p,
+        body.stop,
+        body.seed,
+        body.recall,
+    )
     document = await ready_document(service, record)
     job = await start_answer(service, record, document, turns, options)
     completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
