@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.cli import ProgressBar
+from infokv_rag.cli import ProgressBar, ratio_or_count
 from infokv_rag.documents import load_document
+from infokv_rag.errors import ConfigError
 from infokv_rag.models import cache_root
 from infokv_rag.scorers import method_names
 
@@ -72,9 +73,17 @@ def main() -> int:
     parser.add_argument(
         "--method", default="infokv", choices=method_names(), help="compression method (default: infokv)"
     )
-    parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument(
-        "--recall", type=float, default=0.1, help="keep a cold tier and recall this share per question (0: none)"
+        "--keep",
+        type=ratio_or_count("--keep"),
+        default=0.25,
+        help="kept in the cache: ratio (0.25) or token count (512)",
+    )
+    parser.add_argument(
+        "--recall",
+        type=ratio_or_count("--recall"),
+        default=0.1,
+        help="keep a cold tier and recall this much per question: ratio (0.1) or token count (64); 0: none",
     )
     parser.add_argument(
         "--stored-bits",
@@ -88,6 +97,10 @@ def main() -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when an answer lacks the expected text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    try:
+        config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
+    except ConfigError as error:
+        parser.error(str(error))
     if args.threads:
         import torch
 
@@ -100,7 +113,6 @@ def main() -> int:
 
     document = load_document(PDF)
     print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")
-    config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
     store = CacheStore(args.store or cache_root() / "documents")
     progress = ProgressBar(f"reading {PDF.name}", enabled=True)
     started = time.perf_counter()
@@ -123,9 +135,14 @@ def main() -> int:
         f"(method {stats.method}, keep {stats.keep})"
     )
     if doc.cold_tier is not None:
+        recalled = (
+            f"{args.recall:.0%} of the document's tokens"
+            if isinstance(args.recall, float)
+            else f"{args.recall:,} tokens"
+        )
         print(
             f"cold tier: {megabytes(stats.cold_bytes)} ({doc.cold_tier.bits}-bit) of evicted entries; each question "
-            f"recalls {args.recall:.0%} of the document's tokens per layer from it"
+            f"recalls {recalled} per layer from it"
         )
 
     print()

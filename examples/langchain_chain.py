@@ -16,7 +16,6 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
 from _common import parse_args
-from infokv_rag import CompressionConfig
 from infokv_rag.integrations.langchain import ChatInfoKV
 
 
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = ChatInfoKV(
         model=args.model,
         document=args.document,
-        compression=CompressionConfig(method=args.method, keep=args.keep),
+        compression=args.compression,
         max_tokens=args.max_tokens,
     )
     prompt = ChatPromptTemplate.from_messages(

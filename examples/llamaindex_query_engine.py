@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 from _common import parse_args
-from infokv_rag import CompressionConfig
 from infokv_rag.integrations.llama_index import DocumentQueryEngine
 
 
@@ -21,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = DocumentQueryEngine.from_file(
         args.document,
         model=args.model,
-        compression=CompressionConfig(method=args.method, keep=args.keep),
+        compression=args.compression,
         max_tokens=args.max_tokens,
     )
     stats = engine.document.stats  # reads the document once; every query below reuses its cache

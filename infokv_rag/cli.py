@@ -19,7 +19,7 @@ from .placement import dtype_name
 from .scorers import method_names
 
 
-def _ratio_or_count(flag: str) -> Callable[[str], float | int]:
+def ratio_or_count(flag: str) -> Callable[[str], float | int]:
     """A parser of `flag`'s value: `0.25` is a ratio, `512` a token count (the config checks the range)."""
 
     def parse(value: str) -> float | int:
@@ -95,12 +95,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
-    parser.add_argument(
-        "--keep", type=_ratio_or_count("--keep"), default=0.25, help="ratio (0.25) or token count (512)"
-    )
+    parser.add_argument("--keep", type=ratio_or_count("--keep"), default=0.25, help="ratio (0.25) or token count (512)")
     parser.add_argument(
         "--recall",
-        type=_ratio_or_count("--recall"),
+        type=ratio_or_count("--recall"),
         default=0,
         help="keep what compression evicts in a cold tier and recall this much of it per question: "
         "ratio (0.1) or token count (64); 0: no cold tier",

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "Page",
     "PageExtractionWarning",
     "PAGE_SEPARATOR",
+    "document_from_pages",
     "document_from_text",
     "load_document",
 ]
@@ -151,16 +153,22 @@ def unpaired_surrogate(text: str) -> int | None:
     return None
 
 
-def document_from_text(text: str, source: str | None = None) -> Document:
-    """Wrap in-memory text as a one-page Document; line endings are normalised to LF."""
+def _check_text(text: object, where: str) -> str:
+    """`text` if it is Unicode text (a str with no lone surrogate), else TypeError / DocumentError."""
     if not isinstance(text, str):
-        raise TypeError(f"text must be str, not {type(text).__name__}")
+        raise TypeError(f"{where} must be str, not {type(text).__name__}")
     surrogate = unpaired_surrogate(text)
     if surrogate is not None:
         raise DocumentError(
-            f"{source or 'The text'} holds a lone surrogate ({text[surrogate]!r} at character {surrogate}), which is "
+            f"{where} holds a lone surrogate ({text[surrogate]!r} at character {surrogate}), which is "
             "not Unicode text: decode the document's bytes with their real encoding"
         )
+    return text
+
+
+def document_from_text(text: str, source: str | None = None) -> Document:
+    """Wrap in-memory text as a one-page Document; line endings are normalised to LF."""
+    _check_text(text, source or "The text")
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     body = _normalize_newlines(text.removeprefix("\ufeff"))
     if not body.strip():
@@ -169,6 +177,22 @@ def document_from_text(text: str, source: str | None = None) -> Document:
             f"{where} is empty or only whitespace: there is nothing to answer questions from. Pass the document's text."
         )
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
+
+
+def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
+    """A Document from (page number, text) pairs, e.g. one per page of a framework's PDF reader; pages with no
+    text are left out, line endings normalised to LF. `sha256` is that of the joined text."""
+    kept = []
+    for number, text in pages:
+        body = _normalize_newlines(_check_text(text, f"page {number} of {source or 'the documents'}")).strip()
+        if body:
+            kept.append(Page(number, body))
+    if not kept:
+        raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
+    text = PAGE_SEPARATOR.join(page.text for page in kept)
+    return Document(
+        text=text, pages=tuple(kept), source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()
+    )
 
 
 def load_document(path: str | os.PathLike[str], password: str | None = None) -> Document:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
-import re
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,8 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol, Union
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
-from infokv_rag.errors import ConfigError, EmptyDocumentError
+from infokv_rag.documents import Document
+from infokv_rag.errors import ConfigError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name
@@ -195,16 +193,6 @@ def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> Compre
     )
 
 
-def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
-    """A `Document` from (page number, text) pairs, e.g. one per page of a framework's PDF reader."""
-    kept = [Page(number, text.strip()) for number, text in pages if text.strip()]
-    if not kept:
-        raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
-    text = PAGE_SEPARATOR.join(page.text for page in kept)
-    sha = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
-    return Document(text=text, pages=tuple(kept), source=source, sha256=sha)
-
-
 # Generation ----------------------------------------------------------------------------------------
 
 
@@ -299,53 +287,3 @@ def check_turns(turns: Sequence[Turn]) -> list[Turn]:
     if not turns:
         raise ValueError("no messages: ask a question about the document")
     return turns
-
-
-# Citations -----------------------------------------------------------------------------------------
-
-_WORD = re.compile(r"\w+", re.UNICODE)
-_STOPWORDS = frozenset(
-    "the a an and or of to in on at by for with from is are was were be been this that these those it its "
-    "as any all not no shall may will which who whom what when where how per such than then there their".split()
-)
-
-
-def _terms(text: str) -> set[str]:
-    return {
-        w
-        for w in (m.group().lower() for m in _WORD.finditer(text))
-        if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())
-    }
-
-
-def supporting_pages(document: Document, answer: str, question: str = "", limit: int = 3) -> list[tuple[int, float]]:
-    """(index in `document.pages`, score) of the pages that best support an answer, best first (an index, not
-    a page number: pages gathered from several files may share numbers).
-
-    A page holding the whole answer verbatim scores highest; otherwise pages are ranked by the
-    rarity-weighted share of the answer's words they contain (the question's words count half).
-    """
-    pages = document.pages
-    if not pages:
-        return []
-    page_terms = [_terms(page.text) for page in pages]
-    frequency: dict[str, int] = {}
-    for terms in page_terms:
-        for term in terms:
-            frequency[term] = frequency.get(term, 0) + 1
-    weight = {term: math.log(1 + len(pages) / count) for term, count in frequency.items()}
-    answer_terms, question_terms = _terms(answer), _terms(question) - _terms(answer)
-    total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
-    needle = " ".join(answer.split()).lower().rstrip(".")
-    scored: list[tuple[int, float]] = []
-    for page, terms in zip(pages, page_terms, strict=True):
-        hit = sum(weight[t] for t in answer_terms & terms) + 0.5 * sum(weight[t] for t in question_terms & terms)
-        score = hit / total if total else 0.0
-        if len(needle) >= 3 and needle in " ".join(page.text.split()).lower():
-            score += 1.0
-        scored.append((len(scored), score))
-    scored.sort(key=lambda item: -item[1])
-    best = scored[0][1]
-    if best <= 0:
-        return [(0, 0.0)] if len(pages) == 1 else []
-    return [(index, round(score, 4)) for index, score in scored[:limit] if score >= 0.5 * best]

@@ -39,11 +39,14 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import Document as LlamaDocument
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.citations import supporting_pages
+from infokv_rag.documents import document_from_pages
 from infokv_rag.generation import Generation
 from infokv_rag.prompt import Turn, question_turns
 
 from ._common import (
+    DEFAULT_MODEL,
     DOCUMENT_OPTIONS,
     AnswerInfo,
     adapter_model_name,
@@ -52,10 +55,9 @@ from ._common import (
     call_options,
     check_turns,
     coerce_dtype,
-    document_from_pages,
+    get_engine,
     open_call_document,
     optional_config,
-    supporting_pages,
 )
 
 __all__ = ["DocumentQueryEngine", "InfoKV", "messages_to_turns"]
@@ -149,25 +151,31 @@ class InfoKV(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return self._metadata(self.compressed_document())
+        """With a bound document, the window left beside it; with none yet (each call passes its own), the model's
+        window less the chat template only: an upper bound that a call's document lowers."""
+        if self.document is None and self.document_text is None:
+            return self._metadata(get_engine(self.model or DEFAULT_MODEL, self.device, self.dtype), 0)
+        document = self.compressed_document()
+        return self._metadata(document.engine, document.cache.document_tokens)
 
-    def _metadata(self, document: CompressedDocument) -> LLMMetadata:
+    def _metadata(self, engine: InfoKVEngine, document_tokens: int) -> LLMMetadata:
         # The context left for a prompt: the model's, less the document and the chat template's own tokens
         # around every question (a prompt packed to the window would overflow by those).
-        template = len(document.engine.prompt.conversation_ids([("user", "")]))
+        template = len(engine.prompt.conversation_ids([("user", "")]))
         return LLMMetadata(
-            context_window=document.engine.context_window - document.cache.document_tokens - template,
+            context_window=engine.context_window - document_tokens - template,
             num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=False,
-            model_name=document.engine.name,
+            model_name=engine.name,
         )
 
     def to_payload(self) -> dict[str, Any]:
         """For instrumentation events: never loads weights or reads the document just to describe them."""
         if self._opened is None:
             return {"class_name": self.class_name(), "model_name": self._model_name(), "num_output": self.max_tokens}
-        return {"class_name": self.class_name(), **self._metadata(self._opened).model_dump()}
+        metadata = self._metadata(self._opened.engine, self._opened.cache.document_tokens)
+        return {"class_name": self.class_name(), **metadata.model_dump()}
 
     # Generation ------------------------------------------------------------------------------------
 

@@ -414,3 +414,37 @@ def test_serve_takes_the_model_from_the_environment_unless_given(monkeypatch: py
     assert Settings.from_env(model=build_parser().parse_args(["serve"]).model).model == "tiny"
     given = build_parser().parse_args(["serve", "--model", "default"]).model
     assert Settings.from_env(model=given).model == "default"
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example_script(script: str, *args: str, cache_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "INFOKV_CACHE_DIR": str(cache_dir), "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+@pytest.mark.parametrize("script", ["demo.py", "langchain_chain.py", "llamaindex_query_engine.py"])
+def test_examples_refuse_bad_options_before_the_model_loads(script: str, tmp_path: Path) -> None:
+    for keep, message in (("0", "keep token count must be positive"), ("2.5", "keep ratio must be in (0, 1]")):
+        # --model nope would fail on loading: the option error must come first.
+        result = run_example_script(script, "--keep", keep, "--model", "nope", cache_dir=tmp_path)
+        assert result.returncode == 2 and message in result.stderr, result.stderr[-800:]
+        assert "Traceback" not in result.stderr
+    if script != "demo.py":
+        missing = run_example_script(script, "--document", str(tmp_path / "nope.pdf"), cache_dir=tmp_path)
+        assert missing.returncode == 2 and "no such file or directory" in missing.stderr, missing.stderr[-800:]
+
+
+def test_examples_take_keep_as_a_token_count(tmp_path: Path, random_model_dir: Path) -> None:
+    doc = _write(tmp_path / "contract.txt", " ".join(CORPUS * 6).encode())
+    result = run_example_script(
+        "langchain_chain.py",
+        *("--model", str(random_model_dir), "--document", str(doc), "--keep", "48", "--max-tokens", "3"),
+        *("-q", "Who signs?"),
+        cache_dir=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "infokv keep 48:" in result.stdout

@@ -18,6 +18,7 @@ from infokv_rag.documents import (
     Document,
     Page,
     PageExtractionWarning,
+    document_from_pages,
     document_from_text,
     load_document,
 )
@@ -293,6 +294,18 @@ def test_document_from_text() -> None:
     assert doc.page_of(1) == 1 and doc.page_spans == ((0, 3),)
     with pytest.raises(EmptyDocumentError, match="memo is empty"):
         document_from_text(" \n\t", source="memo")
+
+
+def test_document_from_pages_checks_each_page_as_text() -> None:
+    doc = document_from_pages([(3, "a\r\nb "), (4, " \n"), (5, "c")], source="scan")
+    assert doc.pages == (Page(3, "a\nb"), Page(5, "c")) and doc.text == f"a\nb{PAGE_SEPARATOR}c"
+    assert doc.page_of(doc.text.index("c")) == 5 and doc.source == "scan"
+    with pytest.raises(DocumentError, match="page 4 of scan holds a lone surrogate"):
+        document_from_pages([(3, "fine"), (4, "bad \ud800 text")], source="scan")
+    with pytest.raises(TypeError, match="page 1 of the documents must be str"):
+        document_from_pages([(1, b"bytes")])  # type: ignore[list-item]
+    with pytest.raises(EmptyDocumentError, match="scan hold no text"):
+        document_from_pages([(1, " "), (2, "")], source="scan")
 
 
 def test_document_rejects_text_that_is_not_the_joined_pages() -> None:

@@ -15,9 +15,10 @@ from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRol
 from llama_index.core.base.response.schema import Response
 from llama_index.core.schema import Document as LlamaDocument
 
-from infokv_rag.documents import document_from_text
+from infokv_rag.citations import supporting_pages
+from infokv_rag.documents import document_from_pages, document_from_text
 from infokv_rag.generation import GenerationOptions
-from infokv_rag.integrations._common import document_from_pages, get_engine, supporting_pages
+from infokv_rag.integrations._common import get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
 
@@ -124,6 +125,17 @@ def test_metadata_counts_the_cached_document(llm: InfoKV) -> None:
     assert metadata.is_chat_model and not metadata.is_function_calling_model
     assert metadata.num_output == 12 and metadata.model_name == "tiny"
     assert [page.number for page in document.document.pages] == [1, 2, 3]
+
+
+@pytest.mark.tiny
+def test_metadata_without_a_bound_document_is_the_model_window(fact_pdf: Path) -> None:
+    unbound = InfoKV(model="tiny", compression=COMPRESSION, max_tokens=12)  # each call passes its document
+    engine = get_engine("tiny")
+    template = len(engine.prompt.conversation_ids([("user", "")]))
+    metadata = unbound.metadata
+    assert metadata.context_window == engine.context_window - template and metadata.model_name == "tiny"
+    answer = unbound.complete("Who is the account manager?", document=str(fact_pdf)).text
+    assert answer and unbound.metadata.context_window == metadata.context_window
 
 
 def _check_stream(responses: list[Any], final_text: str) -> None:
