@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import CacheStoreError, ConfigError, InfoKVError
 from ..generation import GenerationOptions
-from .dependencies import Service
+from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
 from .registry import DocumentRecord
 from .uploads import record_config
@@ -53,13 +53,16 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
 
 
 def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> ServiceError:
-    """Reads the document again, its saved cache being unusable; the error that tells the client so."""
+    """Reads the document again, its saved cache being unusable; the error that tells the client so. Of the
+    questions that find it unusable at once, the first starts the one read; a deleted document is a 404."""
     assert service.worker is not None
-    log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
-    service.registry.forget_loaded(record.id)
-    if service.registry.update(record, status="queued", reason=None, reason_code=None):
-        config = record_config(service.settings, record)
-        service.worker.submit_ingestion(IngestJob(record, config), force=True)
+    if not record.deleted:
+        service.registry.forget_loaded(record.id)
+        if service.registry.update(record, if_status="ready", status="queued", reason=None, reason_code=None):
+            log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
+            service.worker.submit_ingestion(IngestJob(record, record_config(service.settings, record)))
+    if record.deleted:  # its files went while it loaded: that is the failure, not a damaged cache
+        return document_not_found()
     return ServiceError(
         409,
         "cache_rebuilding",
@@ -136,7 +139,7 @@ async def start_answer(
     except InfoKVError as exc:
         raise from_core(exc) from exc
     try:
-        return service.worker.submit_generation(generation, asyncio.get_running_loop())
+        return service.worker.submit_generation(generation, asyncio.get_running_loop(), record)
     except QueueFull as exc:
         raise ServiceError(
             503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "2"}
@@ -146,6 +149,8 @@ async def start_answer(
 def event_error(event: Event) -> ServiceError:
     if event.kind == "cancelled":
         return ServiceError(503, "cancelled", "the answer was cancelled because the server is shutting down")
+    if event.kind == "deleted":
+        return document_not_found()
     exc = event.error
     if isinstance(exc, InfoKVError):
         error = from_core(exc)
@@ -168,7 +173,7 @@ async def collect(job: GenerationJob, request: Request) -> str:
             pieces.append(event.text)
         elif event.kind == "done":
             return "".join(pieces)
-        elif event.kind in ("error", "cancelled"):
+        elif event.kind in ("error", "cancelled", "deleted"):
             raise event_error(event)
     raise ServiceError(500, "internal_error", "the answer ended unexpectedly")
 

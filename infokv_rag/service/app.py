@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
+    import uvicorn
     from fastapi import FastAPI
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     from ..errors import ConfigError
@@ -173,7 +175,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
                 leases.start()
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
-                worker.submit_ingestion(IngestJob(record, record_config(settings, record)), force=True)
+                worker.submit_ingestion(IngestJob(record, record_config(settings, record)))
             service.started_at = time.time()
             yield
         finally:
@@ -224,6 +226,20 @@ def _version() -> str:
     return __version__
 
 
+class DrainingServer(uvicorn.Server):
+    """Stops the model worker before uvicorn waits for the open requests and then cancels them: their answers
+    end with 503 `cancelled` (an SSE `error` event), which the handlers can still send."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.service.worker is not None:
+            await run_in_threadpool(self.service.worker.stop)
+        await super().shutdown(sockets)
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -232,15 +248,13 @@ def serve(
     **overrides: Any,
 ) -> None:
     """Runs the service with uvicorn (one process: the model worker owns the model)."""
-    import uvicorn
-
     settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
     app = create_app(settings)
     if not settings.auth_required:
         log.warning(
             "anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s:%s can use it", host, port
         )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -249,3 +263,4 @@ def serve(
         server_header=False,
         log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower(),
     )
+    DrainingServer(config, app.state.service).run()

@@ -111,8 +111,13 @@ async def find_document(service: Service, caller: Principal, document_id: str) -
     # In a thread: with a shared store (`StoreRegistry`), reading a record is a request to the store.
     record = await run_in_threadpool(service.registry.get, document_id)
     if record is None or not caller.may_see(record.owner):
-        raise ServiceError(404, "document_not_found", "no document with this id; list yours with GET /v1/documents")
+        raise document_not_found()
     return record
+
+
+def document_not_found() -> ServiceError:
+    """The 404 of a document that is not there, or not the caller's, or deleted meanwhile (the same to a client)."""
+    return ServiceError(404, "document_not_found", "no document with this id; list yours with GET /v1/documents")
 
 
 async def visible_documents(service: Service, caller: Principal) -> list[DocumentRecord]:

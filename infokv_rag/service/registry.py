@@ -387,12 +387,12 @@ class Registry:
             counts[record.status] += 1
         return counts
 
-    def update(self, record: DocumentRecord, **changes: Any) -> bool:
+    def update(self, record: DocumentRecord, *, if_status: str | None = None, **changes: Any) -> bool:
         """Changes and persists a record; False when it was deleted meanwhile (also when a delete elsewhere is
-        only found out by writing it). StorageError when the meta file cannot be written (the change then holds
-        in memory only)."""
+        only found out by writing it), or when its status is not `if_status` (a check and change in one step).
+        StorageError when the meta file cannot be written (the change then holds in memory only)."""
         with record.io_lock:
-            if record.deleted:
+            if record.deleted or (if_status is not None and record.status != if_status):
                 return False
             for name, value in changes.items():
                 setattr(record, name, value)

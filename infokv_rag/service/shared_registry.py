@@ -336,7 +336,7 @@ class LeaseKeeper:
             log.info("taking over %s: its reader stopped renewing its lease", record.id)
             self.registry.counters["takeovers"] += 1
             config = record_config(self.settings, record)
-            self.worker.submit_ingestion(IngestJob(record, config), force=True)
+            self.worker.submit_ingestion(IngestJob(record, config))
 
 
 def open_registry(settings: Settings) -> Registry:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,17 +50,18 @@ class _Cancelled(Exception):
 
 @dataclass
 class Event:
-    kind: str  # piece | done | error | cancelled
+    kind: str  # piece | done | error | cancelled (shutting down) | deleted (its document was)
     text: str = ""
     error: BaseException | None = None
 
 
 @dataclass
 class GenerationJob:
-    """One answer being generated for an HTTP request."""
+    """One answer being generated for an HTTP request, from `record`'s document."""
 
     generation: Generation
     loop: asyncio.AbstractEventLoop
+    record: DocumentRecord
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -134,6 +136,8 @@ class ModelWorker:
         self._stepping = 0  # 1 while the decoding thread advances a job it took off _active
         self._uploads: queue.Queue[IngestJob | None] = queue.Queue()
         self._ingest_jobs: dict[str, IngestJob] = {}
+        self._waiting_uploads: set[str] = set()  # queued, not cancelled, not yet taken by the ingestion thread
+        self._upload_slots = 0  # places held by uploads being saved (`upload_slot`)
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self.counters: dict[str, int] = {
@@ -173,25 +177,35 @@ class ModelWorker:
 
     def queue_state(self) -> dict[str, int]:
         with self._cond:
+            self._drop_cancelled_pending()
             return {
                 "active_generations": len(self._active) + self._stepping,
                 "queued_generations": len(self._pending),
-                "queued_uploads": self._uploads.qsize(),
+                "queued_uploads": len(self._waiting_uploads),
             }
 
     # Answers -------------------------------------------------------------------------------------
 
-    def submit_generation(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> GenerationJob:
-        job = GenerationJob(generation, loop)
+    def submit_generation(
+        self, generation: Generation, loop: asyncio.AbstractEventLoop, record: DocumentRecord
+    ) -> GenerationJob:
+        job = GenerationJob(generation, loop, record)
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
+            self._drop_cancelled_pending()
             if len(self._pending) >= self.settings.max_queued_generations:
                 raise QueueFull(f"{len(self._pending)} questions are waiting already")
             self._pending.append(job)
             self.counters["generations_submitted"] += 1
             self._cond.notify()
         return job
+
+    def _drop_cancelled_pending(self) -> None:
+        """Ends the waiting answers whose clients left (under `_cond`): they hold no place in the queue."""
+        for job in [job for job in self._pending if job.cancelled.is_set()]:
+            self._pending.remove(job)
+            self._end(job, Event("cancelled"), "cancelled")
 
     def _decode_loop(self) -> None:
         while True:
@@ -233,9 +247,12 @@ class ModelWorker:
 
     def _step(self, job: GenerationJob) -> bool:
         """Advances one answer by one text piece; True when it has ended."""
-        if job.cancelled.is_set():
+        if job.cancelled.is_set() or self._stopping:  # `stop` cancels what it finds queued, not the job in hand
             self._close(job)
             return self._end(job, Event("cancelled"), "cancelled")
+        if job.record.deleted:  # nothing of a deleted document is served, not even the rest of an answer
+            self._close(job)
+            return self._end(job, Event("deleted"), "cancelled")
         if job.started is None:
             job.started = time.perf_counter()
         try:
@@ -284,10 +301,29 @@ class ModelWorker:
 
     # Uploads -------------------------------------------------------------------------------------
 
-    def submit_ingestion(self, job: IngestJob, *, force: bool = False) -> None:
-        if not force and self._uploads.qsize() >= self.settings.max_queued_uploads:
-            raise QueueFull(f"{self._uploads.qsize()} uploads are waiting to be read already")
-        self._ingest_jobs[job.record.id] = job
+    @contextmanager
+    def upload_slot(self) -> Iterator[None]:
+        """Holds a place in the upload queue while an upload is saved, before anyone can see it (QueueFull when
+        none is left); `submit_ingestion` inside takes the place, leaving without it gives the place back."""
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            waiting = len(self._waiting_uploads) + self._upload_slots
+            if waiting >= self.settings.max_queued_uploads:
+                raise QueueFull(f"{waiting} uploads are waiting to be read already")
+            self._upload_slots += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._upload_slots -= 1
+
+    def submit_ingestion(self, job: IngestJob) -> None:
+        """Queues a document to be read: an upload inside its `upload_slot`, or a document read again (after a
+        restart, a takeover or a lost cache: never refused, it is already listed)."""
+        with self._cond:
+            self._ingest_jobs[job.record.id] = job
+            self._waiting_uploads.add(job.record.id)
         self._uploads.put(job)
 
     def ingestions(self) -> list[str]:
@@ -295,7 +331,9 @@ class ModelWorker:
         return list(self._ingest_jobs)
 
     def cancel_ingestion(self, doc_id: str) -> None:
-        job = self._ingest_jobs.get(doc_id)
+        with self._cond:
+            job = self._ingest_jobs.get(doc_id)
+            self._waiting_uploads.discard(doc_id)
         if job is not None:
             job.cancelled.set()
 
@@ -304,6 +342,8 @@ class ModelWorker:
             job = self._uploads.get()
             if job is None or self._stopping:
                 return
+            with self._cond:
+                self._waiting_uploads.discard(job.record.id)
             try:
                 self._ingest(job)
             except Exception:  # noqa: BLE001 - the loop must survive anything

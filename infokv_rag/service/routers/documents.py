@@ -22,7 +22,7 @@ from ..answers import (
     start_answer,
 )
 from ..dependencies import CallerDep, ServiceDep, authenticate, find_document, visible_documents
-from ..errors import ServiceError, StorageError
+from ..errors import ServiceError
 from ..registry import DocumentRecord, new_document_id
 from ..schemas import (
     AskRequest,
@@ -105,40 +105,37 @@ async def upload_document(request: Request, response: Response, service: Service
                 settings, staged.method, staged.keep, staged.recall, staged.cold_bits, staged.stored_bits
             )
         )
-        document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
-        now = time.time()
-        record = DocumentRecord(
-            id=new_document_id(),
-            owner=caller.tenant,
-            sha256=document.sha256,
-            filename=staged.name,
-            status="queued",
-            method=config.method,
-            keep=config.keep,
-            recall=config.recall,
-            cold_bits=config.cold_bits,
-            stored_bits=config.stored_bits,
-            created_at=now,
-            updated_at=now,
-            size_bytes=staged.size,
-            pages=len(document.pages),
-            skipped_pages=list(document.skipped_pages),
-            tokens=tokens,
-        )
-        record.progress_total = tokens
-        await run_in_threadpool(service.registry.create, record, document)
-    finally:
-        await run_in_threadpool(staged.discard)
-    try:
-        service.worker.submit_ingestion(IngestJob(record, config, document))
+        # The queue's place is taken before the upload is parsed or saved: a refused upload is never listed.
+        with service.worker.upload_slot():
+            document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
+            now = time.time()
+            record = DocumentRecord(
+                id=new_document_id(),
+                owner=caller.tenant,
+                sha256=document.sha256,
+                filename=staged.name,
+                status="queued",
+                method=config.method,
+                keep=config.keep,
+                recall=config.recall,
+                cold_bits=config.cold_bits,
+                stored_bits=config.stored_bits,
+                created_at=now,
+                updated_at=now,
+                size_bytes=staged.size,
+                pages=len(document.pages),
+                skipped_pages=list(document.skipped_pages),
+                tokens=tokens,
+            )
+            record.progress_total = tokens
+            await run_in_threadpool(service.registry.create, record, document)
+            service.worker.submit_ingestion(IngestJob(record, config, document))
     except QueueFull as exc:
-        try:
-            await run_in_threadpool(service.registry.delete, record)
-        except StorageError:
-            pass  # it stays listed (failed, delete_incomplete): the client can see it and delete it again
         raise ServiceError(
             503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "10"}
         ) from exc
+    finally:
+        await run_in_threadpool(staged.discard)
     response.headers["Location"] = f"/v1/documents/{record.id}"
     return document_info(record)
 

@@ -1,0 +1,271 @@
+"""The service's queues and lifecycle, on a live server (the random model): a place in a queue is held only by
+work someone still waits for, nothing of a deleted document is served after its DELETE returned, and a
+graceful stop answers the requests in flight with 503 `cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from infokv_rag.config import CompressionConfig  # noqa: E402
+from infokv_rag.errors import CacheStoreError  # noqa: E402
+from infokv_rag.service.answers import _rebuild, ready_document  # noqa: E402
+from infokv_rag.service.dependencies import Service  # noqa: E402
+from infokv_rag.service.errors import ServiceError  # noqa: E402
+from infokv_rag.service.launcher import ServerProcess, read_sse  # noqa: E402
+from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
+from infokv_rag.service.worker import ModelWorker  # noqa: E402
+
+from .service_helpers import (  # noqa: E402
+    ADMIN_ENTRY,
+    admin_health,
+    assert_error,
+    bearer,
+    random_model_settings,
+    upload,
+    upload_ready,
+)
+
+KEY_A, KEY_B = "queues-key-tenant-a", "queues-key-tenant-b"
+A, B = bearer(KEY_A), bearer(KEY_B)
+SETTINGS = {
+    "warmup": False,
+    "default_method": "snapkv",
+    "ingest_chunk_size": 32,  # a long upload stays in "processing" for many seconds
+    "max_queued_uploads": 2,
+    "max_active_generations": 1,
+    "max_queued_generations": 2,
+    "max_new_tokens": 2048,  # an answer that runs while the test does what it needs
+    "default_max_tokens": 4,
+}
+LONG_ANSWER = {"question": "Q?", "max_tokens": 2048}
+
+
+VOCABULARY = "the supplier shall deliver goods within thirty days of order either party may terminate".split()
+
+
+def text(words: int, seed: int) -> bytes:
+    """A document of `words` words (about 2.4 tokens each for the random model's tokenizer)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCABULARY) for _ in range(words)).encode()
+
+
+def start_server(model_dir: Path, root: Path) -> ServerProcess:
+    server = ServerProcess(
+        str(model_dir),
+        root / "data",
+        api_keys=[f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"],
+        admin_keys=[ADMIN_ENTRY],
+        settings=SETTINGS,
+        log_path=root / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    return server.start()
+
+
+@pytest.fixture(scope="module")
+def server(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = start_server(random_model_dir, tmp_path_factory.mktemp("queues"))
+    yield process
+    process.stop()
+
+
+@pytest.fixture()
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+        # Every test leaves the server idle for the next: its documents deleted, no answer running.
+        for headers in (A, B):
+            for document in client.get("/v1/documents", headers=headers).json()["data"]:
+                client.delete(f"/v1/documents/{document['id']}", headers=headers)
+        deadline = time.monotonic() + 120
+        while any(admin_health(client)["queue"].values()):
+            assert time.monotonic() < deadline, admin_health(client)["queue"]
+            time.sleep(0.1)
+
+
+def wait_status(client: httpx.Client, doc_id: str, headers: dict[str, str], status: str) -> None:
+    deadline = time.monotonic() + 120
+    while client.get(f"/v1/documents/{doc_id}", headers=headers).json()["status"] != status:
+        assert time.monotonic() < deadline, f"{doc_id} never {status}"
+        time.sleep(0.02)
+
+
+def in_thread(target: Any) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_deleted_uploads_free_their_places_and_a_refused_upload_is_never_made(client: httpx.Client) -> None:
+    big = upload(client, A, "big.txt", text(1600, seed=1)).json()["id"]
+    wait_status(client, big, A, "processing")
+    queued = [upload(client, A, f"q{i}.txt", text(60, seed=10 + i)).json()["id"] for i in range(2)]
+    # The queue is full: refused before the upload is parsed (a corrupt PDF is not even looked at) or listed.
+    assert_error(upload(client, B, "b.txt", text(60, seed=20)), 503, "busy")
+    assert_error(upload(client, B, "broken.pdf", b"%PDF-1.7 not really"), 503, "busy")
+    assert client.get("/v1/documents", headers=B).json()["data"] == []
+    for doc_id in queued:
+        assert client.delete(f"/v1/documents/{doc_id}", headers=A).status_code == 200
+    health = admin_health(client)
+    assert health["queue"]["queued_uploads"] == 0 and health["documents"]["queued"] == 0, health
+    accepted = upload(client, B, "b.txt", text(60, seed=20))
+    assert accepted.status_code == 202, accepted.text
+    # What this test is about: the places freed while the long upload was still being read.
+    assert client.get(f"/v1/documents/{big}", headers=A).json()["status"] == "processing"
+
+
+def test_questions_whose_clients_left_free_their_places(client: httpx.Client, server: ServerProcess) -> None:
+    doc_id = upload_ready(client, A, "d.txt", text(300, seed=2))
+    long = in_thread(lambda: client.post(f"/v1/documents/{doc_id}/ask", json=LONG_ANSWER, headers=A))
+    deadline = time.monotonic() + 60
+    while admin_health(client)["queue"]["active_generations"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for _ in range(2):  # two questions queue behind it, and their clients give up
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=A, timeout=0.5)
+    time.sleep(1.5)  # the server looks for a closed connection every half second
+    assert admin_health(client)["queue"]["queued_generations"] == 0
+    assert client.post(f"/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=B).status_code == 404
+    answer = client.post(f"/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=A)
+    assert answer.status_code == 200, answer.text  # waited behind the long answer instead of a 503
+    long.join()
+
+
+def test_nothing_of_a_deleted_document_is_served_after_its_delete(client: httpx.Client, server: ServerProcess) -> None:
+    busy, doomed = (upload_ready(client, A, f"{name}.txt", text(300, seed=3 + i)) for i, name in enumerate("xy"))
+    long = in_thread(lambda: client.post(f"/v1/documents/{busy}/ask", json=LONG_ANSWER, headers=A))
+    time.sleep(0.7)
+    queued: dict[str, httpx.Response] = {}
+
+    def ask_doomed() -> None:
+        queued["answer"] = httpx.post(
+            f"{server.url}/v1/documents/{doomed}/ask", json={"question": "Q?"}, headers=A, timeout=120
+        )
+
+    waiting = in_thread(ask_doomed)
+    time.sleep(0.7)
+    assert admin_health(client)["queue"]["queued_generations"] == 1
+    assert client.delete(f"/v1/documents/{doomed}", headers=A).status_code == 200
+    waiting.join(60)
+    assert_error(queued["answer"], 404, "document_not_found")  # queued before the DELETE, never started
+    long.join()
+
+    streamed = upload_ready(client, A, "z.txt", text(300, seed=6))
+    events_after_delete: list[str] = []
+    with httpx.stream(
+        "POST", f"{server.url}/v1/documents/{streamed}/ask", json={**LONG_ANSWER, "stream": True}, headers=A
+    ) as stream:
+        deleted = False
+        for name, data in read_sse(stream.iter_lines()):
+            if name == "token" and not deleted:
+                assert client.delete(f"/v1/documents/{streamed}", headers=A).status_code == 200
+                deleted = True
+            elif deleted:
+                events_after_delete.append(name)
+                last = data
+    # Pieces made while the DELETE was under way still arrive; then the answer stops (it had 2,048 tokens to go).
+    assert events_after_delete[-1] == "error" and len(events_after_delete) < 500, len(events_after_delete)
+    assert '"document_not_found"' in last
+
+
+@pytest.fixture()
+def in_process(random_engine: Any, tmp_path: Path) -> Iterator[tuple[Service, DocumentRecord]]:
+    """A service in this process (its worker not started: what is submitted to it stays queued) with one ready
+    document whose cache is on disk, not in memory."""
+    settings = random_model_settings(tmp_path / "data", (KEY_A,))
+    registry = Registry(settings.data_dir, settings.loaded_documents)
+    registry.open()
+    document = random_engine.ingest_text("The notice period is ninety days.", CompressionConfig(method="full"))
+    record = DocumentRecord(
+        id=new_document_id(),
+        filename="memo.txt",
+        status="ready",
+        owner="default",
+        method="full",
+        keep=1.0,
+        created_at=0,
+        updated_at=0,
+    )
+    registry.create(record, document.document)
+    registry.finish(record, document)
+    registry.forget_loaded(record.id)
+    worker = ModelWorker(random_engine, registry, settings)
+    yield Service(settings=settings, registry=registry, engine=random_engine, model_id="random", worker=worker), record
+    registry.close()
+
+
+def refusal(service: Service, record: DocumentRecord) -> ServiceError:
+    with pytest.raises(ServiceError) as refused:
+        asyncio.run(ready_document(service, record))
+    return refused.value
+
+
+def test_questions_that_find_a_cache_damaged_at_once_start_one_read(
+    in_process: tuple[Service, DocumentRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, record = in_process
+    assert service.worker is not None
+    submitted: list[str] = []
+    monkeypatch.setattr(service.worker, "submit_ingestion", lambda job: submitted.append(job.record.id))
+    tensors = service.registry.cache_path(record.id) / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-10])
+    error = refusal(service, record)
+    assert (error.status, error.code) == (409, "cache_rebuilding") and record.status == "queued"
+    # A second question that passed the status check before the first one's load failed, failing now.
+    error = _rebuild(service, record, CacheStoreError("damaged"))
+    assert (error.status, error.code) == (409, "cache_rebuilding")
+    assert submitted == [record.id]
+
+
+def test_a_question_that_finds_its_document_deleted_is_told_so(in_process: tuple[Service, DocumentRecord]) -> None:
+    """A question that read the record just before a DELETE removed the files: 404, not 'being read again'."""
+    service, record = in_process
+    assert service.worker is not None
+    service.registry.delete(record)
+    error = refusal(service, record)
+    assert (error.status, error.code) == (404, "document_not_found")
+    assert isinstance(error.__cause__, CacheStoreError) and service.worker.ingestions() == []
+
+
+def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(random_model_dir, tmp_path)
+    outcomes: dict[str, Any] = {}
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            doc_id = upload_ready(client, A, "d.txt", text(300, seed=7))
+
+        def streamed() -> None:
+            with httpx.stream(
+                "POST", f"{server.url}/v1/documents/{doc_id}/ask", json={**LONG_ANSWER, "stream": True}, headers=A
+            ) as stream:
+                outcomes["stream"] = list(read_sse(stream.iter_lines()))[-1]
+
+        def whole() -> None:
+            outcomes["json"] = httpx.post(
+                f"{server.url}/v1/documents/{doc_id}/ask", json=LONG_ANSWER, headers=A, timeout=120
+            )
+
+        clients = [in_thread(streamed), in_thread(whole)]
+        time.sleep(1.5)
+    finally:
+        server.stop()  # SIGTERM: a graceful stop
+    for thread in clients:
+        thread.join(60)
+    assert_error(outcomes["json"], 503, "cancelled")
+    name, data = outcomes["stream"]
+    assert name == "error" and '"cancelled"' in data, outcomes["stream"]
+    log = server.log_tail(20000)
+    assert "Application shutdown complete" in log and "Exception in ASGI application" not in log, log
