@@ -104,6 +104,25 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
     return ("file", str(path), stat.st_mtime_ns, stat.st_size)
 
 
+def document_identity(source: DocumentSource | None, text: str | None) -> str | None:
+    """What an adapter's answers depend on in its document, as text for answer caches and traces: the content
+    (digests, or a file's path, size and modification time) and, for a `CompressedDocument`, its config and
+    model. None when no document is bound."""
+    if source is None and text is None:
+        return None
+    if isinstance(source, CompressedDocument) and text is None:
+        key: tuple[Any, ...] = (
+            *_source_key(source.document, None),
+            source.config.to_dict(),
+            source.engine.fingerprint,
+        )
+        return json.dumps(key, sort_keys=True)
+    try:
+        return json.dumps(_source_key(source, text))
+    except FileNotFoundError:  # refused when a call opens it; until then, named as given
+        return os.fspath(source)  # type: ignore[arg-type]
+
+
 def open_document(
     source: DocumentSource | None = None,
     *,

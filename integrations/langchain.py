@@ -17,8 +17,6 @@ Needs the `langchain` extra (`langchain-core`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -45,11 +43,11 @@ from langchain_core.outputs import (
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
-from infokv_rag.documents import Document
 from infokv_rag.generation import Generation as InfoKVGeneration
 from infokv_rag.prompt import Turn
 
 from ._common import (
+    CALL_KWARGS,
     AnswerInfo,
     adapter_model_name,
     aiter_pieces,
@@ -57,6 +55,7 @@ from ._common import (
     call_options,
     check_turns,
     coerce_dtype,
+    document_identity,
     open_call_document,
     optional_config,
 )
@@ -116,6 +115,28 @@ def _usage_metadata(info: AnswerInfo) -> UsageMetadata:
         total_tokens=info.input_tokens + usage.completion_tokens,
         input_token_details=InputTokenDetails(cache_read=usage.cached_tokens),
     )
+
+
+def _call_fields(adapter: _InfoKVFields, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Takes the adapter's own options out of a call's `kwargs` (those LangChain's are left), as field values: a
+    call's `document` replaces the adapter's `document_text`, and a `compression` is checked as the field is."""
+    options = {name: kwargs.pop(name) for name in list(kwargs) if name in CALL_KWARGS and name != "stop"}
+    if "document" in options and "document_text" not in options:
+        options["document_text"] = None
+    if "compression" in options:
+        options["compression"] = optional_config(options["compression"])
+    return options
+
+
+def _identified(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Call kwargs with a per-call document named by what its answers depend on (`document_identity`): LangChain
+    puts call kwargs into its answer cache's key as text, and a path or a document's repr is not its content."""
+    named = dict(kwargs)
+    if "document" in named:
+        named["document"] = document_identity(named["document"], None)
+    if "document_text" in named:
+        named["document_text"] = document_identity(None, named["document_text"])
+    return named
 
 
 class _InfoKVFields(BaseModel):
@@ -179,16 +200,7 @@ class _InfoKVFields(BaseModel):
         return document.generate(turns, call_options(self, kwargs, stops)), document
 
     def _infokv_identity(self) -> dict[str, Any]:
-        document = self.document
-        if isinstance(document, CompressedDocument):
-            document = document.document
-        if isinstance(document, Document):
-            document = document.source or f"<document sha256={document.sha256[:16]}>"
-        elif document is not None:
-            document = os.fspath(document)
-        if self.document_text is not None:
-            digest = hashlib.sha256(self.document_text.encode("utf-8", "surrogatepass")).hexdigest()
-            document = f"<text sha256={digest[:16]}>"
+        document = document_identity(self.document, self.document_text)
         return {
             "model": self._model_name(),
             "document": document,
@@ -223,6 +235,9 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        return super()._get_llm_string(stop, **_identified(kwargs))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
@@ -325,6 +340,24 @@ class InfoKVLLM(LLM, _InfoKVFields):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
+
+    def generate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any
+    ) -> LLMResult:
+        # LangChain keys an LLM's answer cache on its fields alone, not on the call's kwargs: a call's options
+        # become the fields of a copy, so that answers for another document or length are never served.
+        options = _call_fields(self, kwargs)
+        if options:
+            return self.model_copy(update=options).generate(prompts, stop, callbacks, **kwargs)
+        return super().generate(prompts, stop, callbacks, **kwargs)
+
+    async def agenerate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any
+    ) -> LLMResult:
+        options = _call_fields(self, kwargs)
+        if options:
+            return await self.model_copy(update=options).agenerate(prompts, stop, callbacks, **kwargs)
+        return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)

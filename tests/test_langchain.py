@@ -23,6 +23,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from infokv_rag import CompressionConfig
+from infokv_rag.documents import document_from_text
 from infokv_rag.errors import ConfigError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations._common import get_engine, open_document
@@ -362,6 +363,43 @@ def test_the_answer_cache_tells_apart_what_changes_an_answer(random_model_dir: P
         assert stopped != unstopped and stop not in stopped
     finally:
         set_llm_cache(None)
+
+
+def _answer_text(answer: str | AIMessage) -> str:
+    return answer if isinstance(answer, str) else str(answer.content)
+
+
+def test_the_answer_cache_keys_on_the_document_content_and_the_call_options(
+    random_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two documents with the same name, one document compressed two ways, a file edited in place, and a call's
+    own document (which LangChain leaves out of an LLM's key): never one's cached answer for the other."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    model = str(random_model_dir)
+    first, second = COLD_TEXT, " ".join(reversed(CORPUS * 6))
+    same_name = [document_from_text(text, source="contract.txt") for text in (first, second)]
+    keys = {ChatInfoKV(model=model, document=document)._get_llm_string() for document in same_name}
+    kept = [open_document(text=first, model=model, config={"keep": keep}) for keep in (0.25, 0.9)]
+    keys |= {ChatInfoKV(model=model, document=document)._get_llm_string() for document in kept}
+    path = tmp_path / "contract.txt"
+    path.write_text(first)
+    keys.add(ChatInfoKV(model=model, document=str(path))._get_llm_string())
+    path.write_text(second)
+    keys.add(ChatInfoKV(model=model, document=str(path))._get_llm_string())
+    chat = ChatInfoKV(model=model, max_tokens=2)
+    keys |= {chat._get_llm_string(document=str(path)), chat._get_llm_string(document=kept[0])}
+    assert len(keys) == 8
+    for adapter in (InfoKVLLM, ChatInfoKV):
+        llm = adapter(model=model, document_text=first, max_tokens=6)  # type: ignore[operator]
+        fresh = [_answer_text(llm.invoke("Q?", document_text=text)) for text in (first, second)]
+        set_llm_cache(InMemoryCache())
+        try:
+            cached = [_answer_text(llm.invoke("Q?", document_text=text)) for text in (first, second)]
+        finally:
+            set_llm_cache(None)
+        assert fresh[0] != fresh[1] and cached == fresh, adapter
 
 
 def test_a_misspelt_option_is_refused_and_the_repr_stays_small(random_model_dir: Path) -> None:
