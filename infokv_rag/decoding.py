@@ -61,6 +61,10 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
     return Generation(_decode(document, suffix, options, budget, usage, assembler), usage, assembler.ids)
 
 
+ANSWER_ROOM = 256
+"""Answer tokens a working cache has room for before its buffers first grow."""
+
+
 def recall_budget(document: CompressedDocument, recall: float | int | None) -> int:
     """Cold entries per (layer, KV head) an answer recalls for `recall` (None: the document's default)."""
     tokens = recall_tokens(document.config.recall if recall is None else recall, document.cache.document_tokens)
@@ -95,7 +99,10 @@ def _decode(
     n = document.cache.document_tokens
     started = time.perf_counter()
     with engine.lock:
-        session, recall = working_session(document, len(suffix) + options.max_new_tokens, budget)
+        # Room for the start of the answer only: the buffers double as it grows, and most answers stop far
+        # short of `max_new_tokens` (reserving it all would take that much memory per layer, on a GPU at once).
+        answer_room = min(options.max_new_tokens, ANSWER_ROOM)
+        session, recall = working_session(document, len(suffix) + answer_room, budget)
     sampler = TokenSampler(options, runner.device)
     question_end = n + len(suffix)
     pending = torch.tensor(suffix, device=runner.device)

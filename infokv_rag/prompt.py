@@ -33,16 +33,16 @@ class PromptFormat:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        rendered = self._render([{"role": "user", "content": _SENTINEL}])
+        rendered = self._render([{"role": "user", "content": _SENTINEL}], _SENTINEL)
         self._head, _ = rendered.split(_SENTINEL)
 
     @property
     def chat_template(self) -> str:
         return str(self.tokenizer.chat_template or "")
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(self, messages: list[dict[str, str]], marker: str) -> str:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if rendered.count(_SENTINEL) != 1:
+        if rendered.count(marker) != 1:
             raise ConfigError("the model's chat template does not place the first user turn verbatim")
         return str(rendered)
 
@@ -81,8 +81,11 @@ class PromptFormat:
             _add_turn(messages, "user", "\n".join(pending_system))
         if not messages or messages[0]["role"] != "user":
             raise ConfigError("a conversation about the document must start with a user message")
-        messages[0] = {"role": "user", "content": _SENTINEL + messages[0]["content"]}
-        head, suffix = self._render(messages).split(_SENTINEL)
+        marker = _SENTINEL
+        while any(marker in message["content"] for message in messages):  # a turn may quote the marker
+            marker += "\u2063"
+        messages[0] = {"role": "user", "content": marker + messages[0]["content"]}
+        head, suffix = self._render(messages, marker).split(marker)
         if head != self._head:
             raise ConfigError("the chat template renders the document turn differently for this conversation")
         return self._encode(suffix)

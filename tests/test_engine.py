@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine
+from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
 from infokv_rag.errors import DocumentError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
@@ -217,6 +217,40 @@ def test_a_system_message_after_the_question_joins_it(random_engine: InfoKVEngin
     prompt = random_engine.prompt
     joined = prompt.conversation_ids([("user", "Q?\n\nBe brief.")])
     assert prompt.conversation_ids([("user", "Q?"), ("system", "Be brief.")]) == joined
+
+
+def test_a_question_may_quote_the_prompt_s_own_split_marker(random_engine: InfoKVEngine) -> None:
+    prompt = random_engine.prompt
+    marker = "\u2063INFOKV-SPLIT\u2063"  # what the prompt splits a rendered conversation on
+    for question in (f"Why does the log say {marker}?", f"{marker}{marker}\u2063 and {marker}\u2063\u2063"):
+        ids = prompt.conversation_ids([("user", question)])
+        assert prompt.tokenizer.decode(ids).startswith(question)
+
+
+def test_an_answer_reserves_room_as_it_grows(random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.5, recall=0.1))
+    reserved: list[int] = []
+    session = decoding.working_session
+
+    def spy(document: Any, extra_tokens: int, recall: int) -> Any:
+        reserved.append(extra_tokens)
+        return session(document, extra_tokens, recall)
+
+    monkeypatch.setattr(decoding, "working_session", spy)
+    long = decoding.ANSWER_ROOM + 100
+    answers = []
+    room_at_first = decoding.ANSWER_ROOM
+    for room in (room_at_first, 2 * long):  # growing from the start of the answer, or all reserved at once
+        monkeypatch.setattr(decoding, "ANSWER_ROOM", room)
+        for recall in (0, None):
+            generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=long, recall=recall))
+            generation.text()
+            assert generation.usage.completion_tokens == long
+            answers.append(generation.token_ids)
+    assert answers[:2] == answers[2:]
+    monkeypatch.setattr(decoding, "ANSWER_ROOM", room_at_first)
+    next(iter(doc.generate([("user", "Summarise.")], _options(max_new_tokens=1500))))
+    assert reserved[-1] == reserved[0], "the room reserved follows the start of the answer, not max_new_tokens"
 
 
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
