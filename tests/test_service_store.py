@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -22,14 +22,15 @@ pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from infokv_rag import InfoKVEngine  # noqa: E402
-from infokv_rag.cache_backends import open_backend  # noqa: E402
+from infokv_rag.cache_backends import CacheBackend, open_backend  # noqa: E402
 from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
-from infokv_rag.service.shared_registry import StoreRegistry  # noqa: E402
+from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry  # noqa: E402
+from infokv_rag.service.worker import IngestJob, ModelWorker  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
 from .service_helpers import (  # noqa: E402
@@ -103,18 +104,15 @@ def test_another_process_answers_from_the_store_without_a_prefill(
         assert first.get("/v1/documents", headers=A).json()["data"] == []
 
 
-def test_a_document_whose_reader_died_is_taken_over(
-    random_engine: InfoKVEngine, tmp_path: Path, store_url: str
-) -> None:
-    # What a reader killed mid-prefill leaves in the store: the text and a record in `processing`
-    # whose lease nobody renews.
-    backend = open_backend(store_url)
-    doc_id, now = new_document_id(), time.time()
+def put_orphan(backend: CacheBackend, doc_id: str, **meta: Any) -> None:
+    """What a reader killed mid-prefill leaves in the store: the text and a record in `processing` whose lease
+    nobody renews (`meta`: fields to change in it)."""
     document = document_from_text(SECRET.decode())
     backend.put(
         f"documents/{doc_id}", "document.json", json.dumps({"text": document.text, **document.layout()}).encode()
     )
-    meta = {
+    now = time.time()
+    record = {
         "id": doc_id,
         "owner": "tenantA",
         "filename": "memo.txt",
@@ -125,9 +123,60 @@ def test_a_document_whose_reader_died_is_taken_over(
         "updated_at": now,
         "tokens": 0,
         "lease": {"holder": "dead", "until": now - 1},
+        **meta,
     }
-    backend.put(f"documents/{doc_id}", "meta.json", json.dumps(meta).encode())
+    backend.put(f"documents/{doc_id}", "meta.json", json.dumps(record).encode())
     backend.put(f"pending/{doc_id}", "lease", b"")
+
+
+class FakeWorker:
+    """What `LeaseKeeper` uses of a `ModelWorker`: the documents read here, and the queue takeovers join."""
+
+    def __init__(self, reading: list[str] | None = None) -> None:
+        self.reading = reading or []
+        self.submitted: list[IngestJob] = []
+
+    def ingestions(self) -> list[str]:
+        return list(self.reading)
+
+    def submit_ingestion(self, job: IngestJob) -> None:
+        self.submitted.append(job)
+
+
+def lease_keeper(tmp_path: Path, store_url: str, worker: FakeWorker) -> LeaseKeeper:
+    """A keeper (not started: the test ticks it) over a fresh process's registry of the store."""
+    registry = StoreRegistry(open_backend(store_url), tmp_path / "keeper", loaded_documents=2, lease_seconds=30)
+    return LeaseKeeper(registry, cast(ModelWorker, worker), settings_for(tmp_path, store_url))
+
+
+def test_a_takeover_with_unusable_options_fails_that_document_only(tmp_path: Path) -> None:
+    """A pending record whose options this process cannot use (an unknown method) is failed, and the documents
+    claimed after it in the same tick are still taken over; only the latter count as takeovers."""
+    store_url = f"file://{tmp_path}/store"
+    backend = open_backend(store_url)
+    unusable, usable = "doc_" + "A" * 22, "doc_" + "B" * 22  # the unusable one is claimed first
+    put_orphan(backend, unusable, method="no-such-method")
+    put_orphan(backend, usable)
+    worker = FakeWorker()
+    keeper = lease_keeper(tmp_path, store_url, worker)
+
+    keeper.tick()
+    assert [job.record.id for job in worker.submitted] == [usable]
+    assert keeper.registry.counters["takeovers"] == 1
+    failed = keeper.registry.get(unusable)
+    assert failed is not None and failed.status == "failed" and failed.reason_code == "invalid_option", failed
+    assert backend.children("pending") == [usable], "a failed document is no longer pending"
+
+    keeper.tick()  # nothing is claimed again
+    assert len(worker.submitted) == 1 and keeper.registry.counters["takeovers"] == 1
+
+
+def test_a_document_whose_reader_died_is_taken_over(
+    random_engine: InfoKVEngine, tmp_path: Path, store_url: str
+) -> None:
+    backend = open_backend(store_url)
+    doc_id = new_document_id()
+    put_orphan(backend, doc_id)
 
     with TestClient(create_app(settings_for(tmp_path, store_url, lease_seconds=1), engine=random_engine)) as client:
         info = wait_settled(client, doc_id, A, timeout=60)
