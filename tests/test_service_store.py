@@ -8,6 +8,7 @@ is taken over and read again, and a delete anywhere is seen everywhere.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections.abc import Iterator
@@ -226,6 +227,63 @@ def test_a_delete_stays_deleted_whatever_a_reader_writes_after_it(
     # (and goes).
     backend.put(f"documents/{finished.id}", "meta.json", json.dumps(finished.to_meta()).encode())
     assert deleter.get(finished.id) is None and stored() == set()
+
+
+def test_a_renewal_that_meets_a_delete_finds_it_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete elsewhere removes the document while this process renews its lease, so the write fails (its
+    directory is gone): the renewal finds the tombstone and the record reads as deleted, no error."""
+    store_url = f"file://{tmp_path}/store"
+    reader = StoreRegistry(open_backend(store_url), tmp_path / "reader", loaded_documents=2, lease_seconds=30)
+    deleter = StoreRegistry(open_backend(store_url), tmp_path / "deleter", loaded_documents=2, lease_seconds=30)
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+    reader.create(record, document_from_text(SECRET.decode()))
+
+    def put_meeting_a_delete(key: str, name: str, data: bytes) -> None:
+        found = deleter.get(record.id)
+        assert found is not None
+        deleter.delete(found)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", f"{key}/{name}")
+
+    monkeypatch.setattr(reader.backend, "put", put_meeting_a_delete)
+    reader.renew(record)
+    assert record.deleted and not reader.update(record, status="failed")
+    assert record.id not in reader.backend.children("documents") + reader.backend.children("pending")
+
+
+def test_a_failed_renewal_stops_neither_the_other_renewals_nor_the_takeovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store_url = f"file://{tmp_path}/store"
+    orphan = new_document_id()
+    put_orphan(open_backend(store_url), orphan)
+    now = time.time()
+    refused, renewed = (
+        DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+        for _ in range(2)
+    )
+    worker = FakeWorker(reading=[refused.id, renewed.id])
+    keeper = lease_keeper(tmp_path, store_url, worker)
+    backend = keeper.registry.backend
+    for record in (refused, renewed):
+        keeper.registry.create(record, document_from_text(SECRET.decode()))
+
+    def lease_until(doc_id: str) -> float:
+        return float(json.loads(backend.get(f"documents/{doc_id}", "meta.json"))["lease"]["until"])
+
+    written = lease_until(renewed.id)
+    real_put = backend.put
+
+    def put_refusing_one(key: str, name: str, data: bytes) -> None:
+        if refused.id in key:
+            raise OSError(errno.EIO, "Input/output error", key)
+        real_put(key, name, data)
+
+    monkeypatch.setattr(backend, "put", put_refusing_one)
+    time.sleep(0.01)
+    keeper.tick()
+    assert lease_until(renewed.id) > written, "the renewal after the refused one was made"
+    assert [job.record.id for job in worker.submitted] == [orphan], "and the takeover too"
 
 
 def test_malformed_records_in_the_store_are_passed_over(tmp_path: Path, store_url: str) -> None:

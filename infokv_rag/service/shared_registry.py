@@ -121,14 +121,22 @@ class StoreRegistry(Registry):
         lease = {"holder": self.holder, "until": time.time() + self.lease_seconds}
         meta = {**record.to_meta(), "lease": lease}
         pending = record.status in PENDING_STATUSES
-        if pending:  # the mark first: a pending record without one would never be taken over
-            self.backend.put(f"{PENDING}/{record.id}", PENDING_MARK, b"")
-        self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
-        if not pending:
-            self._unmark_pending(record.id)
+        failure: OSError | None = None
+        try:
+            if pending:  # the mark first: a pending record without one would never be taken over
+                self.backend.put(f"{PENDING}/{record.id}", PENDING_MARK, b"")
+            self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
+            if not pending:
+                self._unmark_pending(record.id)
+        except OSError as exc:
+            # A delete elsewhere removing the document under this write makes it fail (a file put into a
+            # directory that vanished): then the delete won, which the tombstone tells.
+            failure = exc
         if self._deleted(record.id):  # a delete elsewhere came first: this write brought the document back
             record.deleted = True
             self._remove_leftovers(record.id)
+        elif failure is not None:
+            raise failure
 
     def _unmark_pending(self, doc_id: str) -> None:
         self.backend.remove(f"{PENDING}/{doc_id}", last=PENDING_MARK)
@@ -329,9 +337,12 @@ class LeaseKeeper:
     def tick(self) -> None:
         busy = self.worker.ingestions()
         for doc_id in busy:
-            record = self.registry.get(doc_id)
-            if record is not None:
-                self.registry.renew(record)
+            try:
+                record = self.registry.get(doc_id)
+                if record is not None:
+                    self.registry.renew(record)
+            except OSError as exc:  # one document's failed renewal must not stop the others' nor the takeovers
+                log.warning("cannot renew the lease of %s: %s", doc_id, exc)
         for record in self.registry.claim_expired(set(busy)):
             self._take_over(record)
 
