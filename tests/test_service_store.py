@@ -300,18 +300,23 @@ def test_malformed_records_in_the_store_are_passed_over(tmp_path: Path, store_ur
     meta = json.loads(backend.get(f"documents/{stale.id}", "meta.json"))
     meta["lease"]["until"] = now - 1  # its reader died
     backend.put(f"documents/{stale.id}", "meta.json", json.dumps(meta).encode())
+    malformed = set()
     for broken in (
         {"owner": "tenantB"},  # fields missing
         {**good.to_meta(), "created_at": None},
         {**good.to_meta(), "status": "exploded"},
-        {**good.to_meta(), "status": "processing", "lease": None},
+        {**good.to_meta(), "status": "processing", "lease": None},  # a record, only its lease is malformed
+        {**good.to_meta(), "filename": None},  # one field of the wrong type: the listing's schema would refuse it
     ):
         doc_id = new_document_id()
         backend.put(f"documents/{doc_id}", "meta.json", json.dumps({**broken, "id": doc_id}).encode())
         backend.put(f"pending/{doc_id}", "lease", b"")
+        if "lease" not in broken:
+            malformed.add(doc_id)
     fresh = StoreRegistry(open_backend(store_url), tmp_path / "other", loaded_documents=2, lease_seconds=30)
     fresh.open()  # a replica starts
-    assert {record.id for record in fresh.list()} >= {good.id, stale.id}
+    listed = {record.id for record in fresh.list()}
+    assert listed >= {good.id, stale.id} and not listed & malformed
     assert fresh.counts()["ready"] >= 1
     # The expired one is taken over (and so is the one without a lease, which no reader holds).
     assert stale.id in {record.id for record in fresh.claim_expired(set())}

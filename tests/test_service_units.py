@@ -13,7 +13,12 @@ pytest.importorskip("fastapi")
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.answers import sse  # noqa: E402
 from infokv_rag.service.launcher import read_sse  # noqa: E402
-from infokv_rag.service.registry import Registry, new_document_id, valid_document_id  # noqa: E402
+from infokv_rag.service.registry import (  # noqa: E402
+    DocumentRecord,
+    Registry,
+    new_document_id,
+    valid_document_id,
+)
 from infokv_rag.service.scheduling import FairLock  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.tenants import KeyRing  # noqa: E402
@@ -78,6 +83,44 @@ def test_document_ids_are_random_and_never_paths(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         registry.directory("../outside")
     assert registry.get("../outside") is None
+
+
+MALFORMED_FIELDS = [
+    ("filename", None),
+    ("owner", 7),
+    ("sha256", ["ab"]),
+    ("status", "exploded"),
+    ("method", ""),
+    ("method", None),
+    ("keep", 0),
+    ("keep", "0.5"),
+    ("keep", True),
+    ("recall", -1),
+    ("cold_bits", 4.0),
+    ("created_at", None),
+    ("updated_at", float("inf")),
+    ("size_bytes", "12"),
+    ("pages", 1.5),
+    ("skipped_pages", [1, "2"]),
+    ("skipped_pages", None),
+    ("tokens", False),
+    ("kept_tokens", "many"),
+    ("compression_ratio", float("nan")),
+    ("prefill_seconds", "fast"),
+    ("reason", {"why": "no"}),
+    ("reason_code", 3),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), MALFORMED_FIELDS)
+def test_a_record_with_a_malformed_field_is_refused_as_a_whole(name: str, value: object) -> None:
+    """A record left by another version or a broken writer is refused (ValueError: logged and passed over),
+    never listed to fail every listing that would show it."""
+    now = time.time()
+    good = DocumentRecord(new_document_id(), "memo.txt", "ready", "tenantA", "snapkv", 0.5, now, now).to_meta()
+    assert DocumentRecord.from_meta({**good, "keep": 512, "created_at": int(now), "skipped_pages": [2]}).keep == 512
+    with pytest.raises(ValueError, match="malformed"):
+        DocumentRecord.from_meta({**good, name: value})
 
 
 def test_display_names_are_one_safe_path_component() -> None:

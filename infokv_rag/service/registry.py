@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -30,11 +32,13 @@ import shutil
 import tempfile
 import threading
 import time
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..config import check_recall
 from ..documents import Document
 from ..errors import CacheStoreError, ConfigError
 from ..files import write_atomic
@@ -148,14 +152,42 @@ class DocumentRecord:
             record = cls(**values)
         except TypeError as exc:
             raise ValueError(f"the record lacks fields ({exc})") from None
-        timestamps = (record.created_at, record.updated_at)
-        if (
-            not isinstance(record.id, str)
-            or record.status not in typing.get_args(Status)
-            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in timestamps)
-        ):
-            raise ValueError("the record's id, status or times are malformed")
+        # Every field, not only those a listing needs first: a record with one field of the wrong type would
+        # otherwise be listed, and fail every listing that shows it (the response's schema refuses it).
+        for name, hint in _persisted_types().items():
+            if not _conforms(getattr(record, name), hint):
+                raise ValueError(f"the record's {name} is malformed ({str(getattr(record, name))[:40]!r})")
+        if not record.method or record.keep <= 0:
+            raise ValueError("the record's method or keep is malformed")
+        try:
+            check_recall(record.recall)
+        except ConfigError as exc:
+            raise ValueError(f"the record's recall is malformed ({exc})") from None
         return record
+
+
+@functools.cache
+def _persisted_types() -> dict[str, Any]:
+    """The type of each persisted field of `DocumentRecord` (its annotations, resolved once)."""
+    hints = typing.get_type_hints(DocumentRecord)
+    return {name: hints[name] for name in DocumentRecord.PERSISTED}
+
+
+def _conforms(value: object, hint: Any) -> bool:
+    """Whether `value`, read from JSON, has the type `hint` (a bool is no number; a number is finite)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(value == option and type(value) is type(option) for option in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, option) for option in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(entry, item) for entry in value)
+    if hint is float:  # JSON writes a whole float without its point
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 def _link_or_copy(source: str, target: str) -> None:
