@@ -14,10 +14,10 @@ An object store cannot rename a directory into place, so `FsspecBackend` publish
 A load follows CURRENT to a complete version and verifies it as a local load does (manifest checksum, every
 file's sha256, the model fingerprint). A publisher killed before CURRENT leaves a version nothing points to,
 never read. Concurrent publishers of one key each write their own version; whichever CURRENT lands last
-names a complete one. A publish marks the version it replaced as retired (`<version>/RETIRED`, the time), and
-versions other than the current one are removed by a later publish only `STALE_SECONDS` after they were
-retired (one never marked, after its creation), so a reader that followed an older CURRENT still finds its
-files however old that version was.
+names a complete one. A publish marks the version it replaces as retired (`<version>/RETIRED`, the time) just
+before it moves CURRENT, and versions other than the current one are removed by a later publish only
+`STALE_SECONDS` after they were retired (one never marked, after its creation), so a reader that followed an
+older CURRENT still finds its files however old that version was. The version CURRENT names is never removed.
 
 Credentials and endpoints come from the usual environment of the filesystem (for s3fs: AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, or ~/.aws); this module imports fsspec only when an
@@ -195,10 +195,9 @@ class FsspecBackend(CacheBackend):
                 self.fs.pipe_file(posixpath.join(directory, name), data)
             pointer = {"version": version, "manifest_sha256": hashlib.sha256(files[store.MANIFEST]).hexdigest()}
             replaced = self._current_version(key)
-            self._replace(self._path(key, CACHE, CURRENT), json.dumps(pointer).encode())
             if replaced is not None and replaced != version:
-                # From now on its readers are the last: its age for the sweep counts from here.
-                self.fs.pipe_file(self._path(key, CACHE, replaced, RETIRED), str(time.time()).encode())
+                self._retire(key, replaced)
+            self._replace(self._path(key, CACHE, CURRENT), json.dumps(pointer).encode())
         except OSError as exc:
             raise CacheStoreError(f"cannot publish the cache to {self.url}/{key}: {exc}") from exc
         self._sweep(key, keep=version)
@@ -209,6 +208,16 @@ class FsspecBackend(CacheBackend):
             return str(json.loads(self.get(posixpath.join(key, CACHE), CURRENT))["version"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def _retire(self, key: str, name: str) -> None:
+        """Marks version `name` retired now, before CURRENT moves off it: its readers are the last from then on,
+        and its age for the sweep counts from here. Marked after the move, another publisher's sweep in between
+        would see it unmarked, date it by its creation and remove it under a reader that had just followed
+        CURRENT to it."""
+        try:
+            self.fs.pipe_file(self._path(key, CACHE, name, RETIRED), str(time.time()).encode())
+        except FileNotFoundError:
+            pass  # already removed (CURRENT moved on meanwhile, and a sweep took it): nothing to mark
 
     def _retired_at(self, key: str, name: str) -> float | None:
         """When version `name` stopped being current (its RETIRED mark), else when it was made (its name)."""
@@ -230,8 +239,13 @@ class FsspecBackend(CacheBackend):
     def _sweep(self, key: str, keep: str) -> None:
         """Removes versions other than `keep` that are old enough that no load can still be reading them."""
         cutoff = time.time() - store.STALE_SECONDS
+        # Read afresh: another publisher may have moved CURRENT since, and a version is marked retired just
+        # before CURRENT moves off it, so a publish that failed in between leaves the current version marked.
+        current = self._current_version(key)
+        if current is None:
+            return  # which version is current is not known: remove nothing (a later publish sweeps)
         for name in self.children(posixpath.join(key, CACHE)):
-            if name == keep:
+            if name in (keep, current):
                 continue
             retired = self._retired_at(key, name)
             if retired is not None and retired < cutoff:

@@ -196,10 +196,7 @@ def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(
 ) -> None:
     """A version made two hours ago and current until now may have a reader that has just followed CURRENT to it:
     the publish that replaces it must not remove it before STALE_SECONDS have passed since."""
-    made_long_ago = f"{time.time_ns() - int(2 * STALE_SECONDS * 1e9):020d}-{'a' * 12}"
-    with monkeypatch.context() as patch:
-        patch.setattr(cache_backends, "_version_name", lambda: made_long_ago)
-        shared_backend.publish(KEY, doc_a)
+    made_long_ago = _publish_long_ago(shared_backend, doc_a, monkeypatch)
     followed = json.loads(shared_backend.get(f"{KEY}/{CACHE}", CURRENT))["version"]
     assert followed == made_long_ago
     shared_backend.publish(KEY, doc_b)  # replaces it, and sweeps
@@ -209,6 +206,70 @@ def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(
     shared_backend.put(retired, RETIRED, str(time.time() - STALE_SECONDS - 1).encode())
     shared_backend.publish(KEY, doc_a)
     assert followed not in shared_backend.children(f"{KEY}/{CACHE}")
+    assert_same_document(shared_backend.load(random_engine, KEY), doc_a)
+
+
+def _publish_long_ago(backend: FsspecBackend, document: CompressedDocument, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Publishes `document` as a version made two STALE_SECONDS ago (current until now); returns its name."""
+    made_long_ago = f"{time.time_ns() - int(2 * STALE_SECONDS * 1e9):020d}-{'a' * 12}"
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_backends, "_version_name", lambda: made_long_ago)
+        backend.publish(KEY, document)
+    return made_long_ago
+
+
+def test_a_sweep_just_after_current_moved_keeps_the_version_it_replaced(
+    shared_backend: FsspecBackend,
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    doc_b: CompressedDocument,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another publisher's sweep runs just after this publish moved CURRENT off an old version: that version
+    is already marked retired (now), so the sweep keeps it for the reader that had just followed CURRENT to
+    it, and this publish succeeds."""
+    followed = _publish_long_ago(shared_backend, doc_a, monkeypatch)
+    other = FsspecBackend(shared_backend.url)  # another process
+    replace = shared_backend._replace
+
+    def replace_then_other_publishes(path: str, data: bytes) -> None:
+        replace(path, data)
+        if path.endswith(f"/{CURRENT}"):
+            other.publish(KEY, doc_b)
+
+    monkeypatch.setattr(shared_backend, "_replace", replace_then_other_publishes)
+    shared_backend.publish(KEY, doc_a)
+    files = cache_backends._StoredFiles(shared_backend.fs, _version_dir(shared_backend, followed), "the reader's")
+    assert_same_document(random_engine.load_files(files), doc_a)
+
+
+def test_a_version_removed_before_it_is_marked_retired_fails_no_publish(
+    shared_backend: FsspecBackend, doc_a: CompressedDocument, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replaced = _publish_long_ago(shared_backend, doc_a, monkeypatch)
+    pipe_file = shared_backend.fs.pipe_file
+
+    def removed_first(path: str, data: bytes, **options: object) -> None:
+        if path.endswith(f"{replaced}/{RETIRED}"):  # another publisher's sweep took it a moment before
+            shared_backend.fs.rm(_version_dir(shared_backend, replaced), recursive=True)
+        pipe_file(path, data, **options)
+
+    monkeypatch.setattr(shared_backend.fs, "pipe_file", removed_first)
+    shared_backend.publish(KEY, doc_a)
+    assert json.loads(shared_backend.get(f"{KEY}/{CACHE}", CURRENT))["version"] != replaced
+
+
+def test_a_sweep_never_removes_the_current_version(
+    shared_backend: FsspecBackend,
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publish that marked the current version retired and then failed to move CURRENT leaves it marked; once
+    that mark is old, a sweep still keeps it while CURRENT names it."""
+    current = _publish_long_ago(shared_backend, doc_a, monkeypatch)
+    shared_backend.put(f"{KEY}/{CACHE}/{current}", RETIRED, str(time.time() - STALE_SECONDS - 1).encode())
+    FsspecBackend(shared_backend.url)._sweep(KEY, keep="another-version")
     assert_same_document(shared_backend.load(random_engine, KEY), doc_a)
 
 
