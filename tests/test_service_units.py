@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -256,3 +258,25 @@ def test_unexpected_errors_are_json_without_details(random_engine, tmp_path: Pat
         missing = client.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         assert client.put("/healthz").json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_body_over_the_limit_is_400_on_openais_route_and_413_elsewhere(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's clients raise BadRequestError for 400 only: its route answers 400 where the others answer 413, for
+    a body refused from its Content-Length and one refused as it passes the limit (sent in chunks)."""
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", warmup=False)
+    body = json.dumps({"model": "random", "messages": [{"role": "user", "content": "x" * settings.max_request_bytes}]})
+
+    def chunks() -> Iterator[bytes]:
+        data = body.encode()
+        yield from (data[start : start + 65536] for start in range(0, len(data), 65536))
+
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        for path, status in (("/v1/chat/completions", 400), (f"/v1/documents/{new_document_id()}/ask", 413)):
+            for content in (body, chunks()):
+                response = client.post(path, content=content, headers={"content-type": "application/json"})
+                assert response.status_code == status, (path, response.status_code, response.text)
+                assert response.json()["error"]["code"] == "request_too_large"

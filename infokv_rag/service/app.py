@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .dependencies import Service
-from .errors import error_body, install_error_handlers
+from .errors import error_body, install_error_handlers, status_on
 from .openapi import openapi_with_limits
 from .routers import documents, health, openai, page
 from .settings import Settings
@@ -53,7 +53,8 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over the limit (413) before they are read, or as soon as they pass it."""
+    """Refuses request bodies over the limit (413; 400 on OpenAI's route, `errors.status_on`) before they are read,
+    or as soon as they pass it."""
 
     def __init__(self, app: ASGIApp, default_limit: int, upload_limit: int) -> None:
         self.app = app
@@ -73,7 +74,8 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = 0
                 if declared > limit:
-                    await _send_json(send, 413, error_body(413, "request_too_large", BodyTooLarge(limit).detail))
+                    status = status_on(scope["path"], 413)  # OpenAI's route answers 400, as its handlers do
+                    await _send_json(send, status, error_body(status, "request_too_large", BodyTooLarge(limit).detail))
                     return
         received = 0
 

@@ -123,16 +123,17 @@ def _validation_param(exc: RequestValidationError) -> str | None:
 OPENAI_CHAT_PATH = "/v1/chat/completions"
 
 
-def _status_on(request: Request, status: int) -> int:
-    """The status a refusal answers with on this request's route: OpenAI's answers 400 where the others answer
-    413 or 422 (its clients raise BadRequestError for 400 only)."""
-    return 400 if status in (413, 422) and request.url.path.endswith(OPENAI_CHAT_PATH) else status
+def status_on(path: str, status: int) -> int:
+    """The status a refusal answers with on the route of the request for `path`: OpenAI's answers 400 where the
+    others answer 413 or 422 (its clients raise BadRequestError for 400 only). The one place of this rule: the
+    error handlers and the body limit (a middleware, before any route) use it."""
+    return 400 if status in (413, 422) and path.rstrip("/").endswith(OPENAI_CHAT_PATH) else status
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
-        status = _status_on(request, exc.status)
+        status = status_on(request.url.path, exc.status)
         body = error_body(status, exc.code, exc.message, exc.param)
         return JSONResponse(body, status_code=status, headers=exc.headers)
 
@@ -147,19 +148,20 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # The message names the fields and what is wrong with them; it never echoes the input back.
-        status = _status_on(request, 422)
+        status = status_on(request.url.path, 422)
         body = error_body(status, "invalid_request", _validation_message(exc), _validation_param(exc))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "bad_request"}
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404 and message == "Not Found":
             message = "no such endpoint; see /docs for the API"
+        status = status_on(request.url.path, exc.status_code)  # e.g. a body that passed the limit as it was read
         return JSONResponse(
-            error_body(exc.status_code, codes.get(exc.status_code, "http_error"), message),
-            status_code=exc.status_code,
+            error_body(status, codes.get(exc.status_code, "http_error"), message),
+            status_code=status,
             headers=getattr(exc, "headers", None),
         )
 

@@ -153,7 +153,7 @@ async def chat_completions(
     _refuse_unsupported(body)
     record = await find_document(service, caller, body.document_id)
     turns = _turns(body)
-    # A 413 or 422 from these shared checks answers 400 here, as OpenAI's does (`errors._status_on`).
+    # A 413 or 422 from these shared checks answers 400 here, as OpenAI's does (`errors.status_on`).
     check_question(
         service,
         sum(len(content) for _, content in turns),
