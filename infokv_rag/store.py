@@ -94,7 +94,7 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         tensors["information_reference"] = document.information_reference
     tensor_bytes = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
     text_bytes = document.document.text.encode("utf-8")
-    cold = {COLD: save(document.cold_tier.tensors())} if document.cold_tier is not None else {}
+    cold = {COLD: _encode_cold_tier(document.cold_tier)} if document.cold_tier is not None else {}
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
@@ -117,6 +117,16 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     manifest["checksum"] = _manifest_checksum(manifest)
     # The manifest goes last: a cache whose manifest is missing is never loadable.
     return {TENSORS: tensor_bytes, TEXT: text_bytes, **cold, MANIFEST: json.dumps(manifest, indent=1).encode()}
+
+
+def _encode_cold_tier(cold_tier: ColdTier) -> bytes:
+    """The cold tier's file. A loaded one maps its file: changed in place since it was verified, the map would
+    read the new bytes, saved here under fresh checksums as if verified (or die on a truncation), so the file
+    is checked first (`CacheStoreError`), and again after it was read for a change made meanwhile."""
+    cold_tier.check_source()
+    data = save(cold_tier.tensors())
+    cold_tier.check_source()
+    return data
 
 
 CACHE_FILES = frozenset((MANIFEST, TENSORS, TEXT, COLD))

@@ -340,6 +340,28 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
         (path / COLD).write_bytes(good)
 
 
+def test_a_mapped_cold_tier_changed_in_place_is_not_saved(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """Saving a loaded document reads its mapped cold tier: changed in place since the load, the new bytes would
+    be saved under fresh checksums (a copy that then loads as verified), and a truncation would kill the
+    process. The save refuses it instead, and leaves no copy."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
+    good = (path / COLD).read_bytes()
+    for change in ("written over", "truncated"):  # written over first: without the check it fails, not crashes
+        loaded = random_engine.load(path)
+        time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
+        with open(path / COLD, "r+b") as handle:
+            if change == "written over":
+                handle.seek(len(good) - 64)
+                handle.write(b"\x7f" * 64)
+            else:
+                handle.truncate(len(good) // 2)
+        copy = tmp_path / f"copy {change}"
+        with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+            loaded.save(copy)
+        assert not copy.exists()
+        (path / COLD).write_bytes(good)
+
+
 def test_special_files_in_a_cache_are_refused_without_reading_them(random_engine: InfoKVEngine, tmp_path: Path) -> None:
     """A FIFO would block the load for good, and a link to a device such as /dev/zero would read without end."""
     path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
