@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from infokv_rag.config import CompressionConfig  # noqa: E402
+from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import CacheStoreError  # noqa: E402
 from infokv_rag.service.answers import _rebuild, ready_document  # noqa: E402
 from infokv_rag.service.dependencies import Service  # noqa: E402
@@ -269,3 +270,37 @@ def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path,
     assert name == "error" and '"cancelled"' in data, outcomes["stream"]
     log = server.log_tail(20000)
     assert "Application shutdown complete" in log and "Exception in ASGI application" not in log, log
+
+
+def test_a_restart_fails_an_interrupted_upload_whose_options_it_cannot_use(random_engine: Any, tmp_path: Path) -> None:
+    """An upload left queued by the last run, with an option this server cannot use (a method it lacks): the
+    server starts, fails that document with the reason, and reads the others again."""
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    settings = random_model_settings(tmp_path / "data", (f"tenantA:{KEY_A}",))
+    registry = Registry(settings.data_dir, settings.loaded_documents)
+    registry.open()
+    ids = {}
+    for method in ("no-such-method", "snapkv"):
+        record = DocumentRecord(
+            id=new_document_id(),
+            filename=f"{method}.txt",
+            status="queued",
+            owner="tenantA",
+            method=method,
+            keep=0.5,
+            created_at=0,
+            updated_at=0,
+        )
+        registry.create(record, document_from_text(text(100, seed=8).decode()))
+        ids[method] = record.id
+    registry.close()
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        unusable = client.get(f"/v1/documents/{ids['no-such-method']}", headers=A).json()
+        assert unusable["status"] == "failed" and unusable["reason_code"] == "invalid_option", unusable
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/documents/{ids['snapkv']}", headers=A).json()["status"] != "ready":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

@@ -28,7 +28,7 @@ from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
-from infokv_rag.service.registry import DocumentRecord, new_document_id  # noqa: E402
+from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry  # noqa: E402
 from infokv_rag.service.worker import IngestJob, ModelWorker  # noqa: E402
@@ -131,7 +131,12 @@ def put_orphan(backend: CacheBackend, doc_id: str, **meta: Any) -> None:
 
 
 class FakeWorker:
-    """What `LeaseKeeper` uses of a `ModelWorker`: the documents read here, and the queue takeovers join."""
+    """What `LeaseKeeper` uses of a `ModelWorker`: the documents read here, the queue takeovers join, and how a
+    document is read again (the worker's own `read_again`, over the keeper's registry and settings)."""
+
+    registry: Registry
+    settings: Settings
+    read_again = ModelWorker.read_again
 
     def __init__(self, reading: list[str] | None = None) -> None:
         self.reading = reading or []
@@ -147,7 +152,8 @@ class FakeWorker:
 def lease_keeper(tmp_path: Path, store_url: str, worker: FakeWorker) -> LeaseKeeper:
     """A keeper (not started: the test ticks it) over a fresh process's registry of the store."""
     registry = StoreRegistry(open_backend(store_url), tmp_path / "keeper", loaded_documents=2, lease_seconds=30)
-    return LeaseKeeper(registry, cast(ModelWorker, worker), settings_for(tmp_path, store_url))
+    worker.registry, worker.settings = registry, settings_for(tmp_path, store_url)
+    return LeaseKeeper(registry, cast(ModelWorker, worker), worker.settings)
 
 
 def test_a_takeover_with_unusable_options_fails_that_document_only(tmp_path: Path) -> None:

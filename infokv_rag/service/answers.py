@@ -17,8 +17,7 @@ from ..generation import GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
 from .registry import DocumentRecord
-from .uploads import record_config
-from .worker import Event, GenerationJob, IngestJob, QueueFull
+from .worker import Event, GenerationJob, QueueFull
 
 if TYPE_CHECKING:
     from ..document import CompressedDocument
@@ -60,9 +59,11 @@ def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> 
         service.registry.forget_loaded(record.id)
         if service.registry.update(record, if_status="ready", status="queued", reason=None, reason_code=None):
             log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
-            service.worker.submit_ingestion(IngestJob(record, record_config(service.settings, record)))
+            service.worker.read_again(record)
     if record.deleted:  # its files went while it loaded: that is the failure, not a damaged cache
         return document_not_found()
+    if record.status == "failed":
+        return ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
     return ServiceError(
         409,
         "cache_rebuilding",

@@ -156,8 +156,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from ..engine import InfoKVEngine
-        from .uploads import record_config
-        from .worker import IngestJob, ModelWorker
+        from .worker import ModelWorker
 
         leases: LeaseKeeper | None = None
         try:
@@ -177,7 +176,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
                 leases.start()
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
-                worker.submit_ingestion(IngestJob(record, record_config(settings, record)))
+                worker.read_again(record)
             service.started_at = time.time()
             yield
         finally:

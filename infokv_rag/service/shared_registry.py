@@ -39,10 +39,8 @@ from typing import TYPE_CHECKING, Any
 from ..cache_backends import CacheBackend, open_backend
 from ..documents import Document
 from ..errors import ConfigError
-from .errors import ServiceError, StorageError
+from .errors import StorageError
 from .registry import DELETE_INCOMPLETE, DOCUMENT, META, DocumentRecord, Registry, valid_document_id
-from .uploads import record_config
-from .worker import IngestJob
 
 if TYPE_CHECKING:
     from ..document import CompressedDocument
@@ -347,17 +345,11 @@ class LeaseKeeper:
             self._take_over(record)
 
     def _take_over(self, record: DocumentRecord) -> None:
-        """Reads a claimed document again; one whose stored options this process cannot use is failed, so that
-        it is neither claimed again every tick nor stops the takeover of the documents claimed after it."""
-        try:
-            config = record_config(self.settings, record)
-        except (ServiceError, ConfigError) as exc:
-            log.warning("cannot take over %s: its options are not usable here (%s)", record.id, exc)
-            self.registry.fail(record, "invalid_option", f"this document cannot be read again: {exc}")
-            return
-        log.info("taking over %s: its reader stopped renewing its lease", record.id)
-        self.worker.submit_ingestion(IngestJob(record, config))
-        self.registry.counters["takeovers"] += 1  # counted once it is really on its way
+        """Reads a claimed document again; one whose stored options this process cannot use is failed (by the
+        worker), so that it is neither claimed again every tick nor stops the takeovers claimed after it."""
+        if self.worker.read_again(record):
+            log.info("taking over %s: its reader stopped renewing its lease", record.id)
+            self.registry.counters["takeovers"] += 1  # counted once it is really on its way
 
 
 def open_registry(settings: Settings) -> Registry:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import CompressionConfig
-from ..errors import InfoKVError
-from .errors import StorageError
+from ..errors import ConfigError, InfoKVError
+from .errors import ServiceError, StorageError
 from .registry import DocumentRecord, Registry
 from .scheduling import FairLock
+from .uploads import record_config
 
 if TYPE_CHECKING:
     from ..documents import Document
@@ -325,6 +326,19 @@ class ModelWorker:
             self._ingest_jobs[job.record.id] = job
             self._waiting_uploads.add(job.record.id)
         self._uploads.put(job)
+
+    def read_again(self, record: DocumentRecord) -> bool:
+        """Queues a listed document to be read again with the options it was uploaded with (after a restart, a
+        takeover or a lost cache). One whose options this server cannot use is failed instead (False): left
+        queued, it would be tried again and again."""
+        try:
+            config = record_config(self.settings, record)
+        except (ServiceError, ConfigError) as exc:
+            log.warning("cannot read %s again: its options are not usable here (%s)", record.id, exc)
+            self.registry.fail(record, "invalid_option", f"this document cannot be read again: {exc}")
+            return False
+        self.submit_ingestion(IngestJob(record, config))
+        return True
 
     def ingestions(self) -> list[str]:
         """Ids of the documents queued or being read here."""
