@@ -1,4 +1,4 @@
-"""Which transformers models the engine can drive, checked before any weights load.
+"""Which transformers models the engine can drive, checked before any weights load, and loading the weights.
 
 `ModelRunner` runs the decoder layers itself (embeddings, rotary table, layers, final norm, LM head)
 over a ragged per-layer cache, with its own attention hook. That is exact only for decoders whose
@@ -105,3 +105,26 @@ def load_checked(directory: Path, source: str) -> tuple[Any, Any]:
     tokenizer = AutoTokenizer.from_pretrained(directory)
     check_tokenizer(tokenizer, source)
     return config, tokenizer
+
+
+def load_weights(directory: Path, config: Any, dtype: Any, source: str) -> Any:
+    """The causal LM of `directory` under `config` in `dtype`, refused when its checkpoint lacks a weight.
+
+    transformers initialises a weight the checkpoint lacks at random and only logs it: every load would then
+    compute something else under the same fingerprint, and caches saved by one load would pass in the next.
+    Its `missing_keys` already leave out tied weights (an LM head tied to the embeddings) and non-persistent
+    buffers, which are not in a checkpoint by design. Unexpected keys are allowed: transformers ignores them,
+    so they change nothing that is computed (a checkpoint may carry extras, e.g. a speculative-decoding head).
+    """
+    from transformers import AutoModelForCausalLM
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, output_loading_info=True)
+    model, info = loaded
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(
+            f"{source}: the checkpoint in {directory} lacks {len(missing)} weight(s) the model needs ({shown}); "
+            "it is incomplete or for another architecture: replace it with the model's complete weights"
+        )
+    return model

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import store
-from .architectures import check_loaded_model, check_tokenizer, load_checked
+from .architectures import check_loaded_model, check_tokenizer, load_checked, load_weights
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document
@@ -84,13 +84,10 @@ class InfoKVEngine:
         fp32) to bfloat16 on CUDA (float16 where unsupported) and float32 elsewhere. An unsupported
         architecture or a tokenizer without a chat template is refused before the weights load.
         """
-        from transformers import AutoModelForCausalLM
-
         place, precision = resolve_placement(device, dtype)  # a bad option fails before anything downloads
         source = resolve_model(name_or_path, revision)
         config, tokenizer = load_checked(source.directory, source.name)
-        model: Any = AutoModelForCausalLM.from_pretrained(source.weights_directory(), config=config, dtype=precision)
-        model = model.to(place)
+        model = load_weights(source.weights_directory(), config, precision, source.name).to(place)
         return cls(model, tokenizer, source.name, source.fingerprint, model_dir=source.directory)
 
     @classmethod

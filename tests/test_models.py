@@ -316,6 +316,19 @@ def test_from_pretrained_refuses_before_the_weights_load(random_model_dir: Path,
         InfoKVEngine.from_pretrained(str(other), device="cpu")
 
 
+def test_a_checkpoint_that_lacks_a_weight_is_refused(random_model_dir: Path, tmp_path: Path) -> None:
+    """transformers initialises a missing weight at random: served, each load would be another model under one
+    fingerprint, and a cache saved by one load would pass in the next."""
+    from safetensors.torch import load_file, save_file
+
+    incomplete = Path(shutil.copytree(random_model_dir, tmp_path / "incomplete"))
+    weights = load_file(incomplete / "model.safetensors")
+    del weights["model.layers.1.self_attn.q_proj.weight"]
+    save_file(weights, incomplete / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"lacks 1 weight\(s\) .*model.layers.1.self_attn.q_proj.weight"):
+        InfoKVEngine.from_pretrained(str(incomplete), device="cpu")
+
+
 # Architectures ----------------------------------------------------------------------------------------
 
 
