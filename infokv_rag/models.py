@@ -152,6 +152,26 @@ def _tokenizer_fingerprint(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def _weight_files(directory: Path) -> list[Path]:
+    """The weights files a directory's fingerprint covers, in a fixed order."""
+    return sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin"))
+
+
+def _hash_weights(directory: Path, digest: hashlib._Hash) -> hashlib._Hash:
+    for weights in _weight_files(directory):
+        _sha256_file(weights, digest)
+    return digest
+
+
+def _weights_stamp(directory: Path) -> dict[str, list[int]]:
+    """Each weights file's (size, mtime_ns): what changes when a file is written, without reading it."""
+    stamps = {}
+    for weights in _weight_files(directory):
+        status = weights.stat()
+        stamps[weights.name] = [status.st_size, status.st_mtime_ns]
+    return stamps
+
+
 def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> None:
     record = {
         "format": CONVERSION_FORMAT,
@@ -159,6 +179,10 @@ def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> Non
         "weights_sha256": weights_sha256,
         "tokenizer_sha256": _tokenizer_fingerprint(directory),
         "config_sha256": _config_fingerprint(directory),
+        # The converted weights as written, and their stamp: a changed stamp makes model_fingerprint read them
+        # again (a fine-tune saved over the copy), an unchanged one spares a load reading gigabytes.
+        "converted_weights_sha256": _hash_weights(directory, hashlib.sha256()).hexdigest(),
+        "weights_stamp": _weights_stamp(directory),
     }
     record["fingerprint"] = hashlib.sha256(
         f"{record['weights_sha256']}:{record['tokenizer_sha256']}".encode()
@@ -263,23 +287,49 @@ def _resolve_local(name_or_path: str) -> Path | None:
 def model_fingerprint(model_dir: Path) -> str:
     """Hash of weights, tokenizer files, chat template and the config fields that change the computation.
 
-    A converted model's is computed once and stored beside it: there, a config edited since the conversion
-    (recorded from then on) makes another fingerprint.
+    A converted model's is computed once and stored beside it (so that it stays what the packaged model's
+    shipped surrogate is keyed by); what was edited since the conversion is mixed into it: the config, the
+    tokenizer files (both cheap to hash again), and the weights when their sizes or modification times differ
+    from those recorded and their content from the hash recorded.
     """
     record_path = model_dir / FINGERPRINT_FILE
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        converted = str(record["fingerprint"])
-        config = _config_fingerprint(model_dir)
-        if record.get("config_sha256", config) == config:  # conversions before it was recorded: as converted
-            return converted
-        return hashlib.sha256(f"{converted}:config:{config}".encode()).hexdigest()
-    digest = hashlib.sha256()
-    for weights in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
-        _sha256_file(weights, digest)
+        fingerprint = str(record["fingerprint"])
+        for kind, now in _edits_since_conversion(model_dir, record, record_path):
+            fingerprint = hashlib.sha256(f"{fingerprint}:{kind}:{now}".encode()).hexdigest()
+        return fingerprint
+    digest = _hash_weights(model_dir, hashlib.sha256())
     digest.update(_tokenizer_fingerprint(model_dir).encode())
     digest.update(_config_fingerprint(model_dir).encode())
     return digest.hexdigest()
+
+
+def _edits_since_conversion(model_dir: Path, record: dict[str, Any], record_path: Path) -> list[tuple[str, str]]:
+    """(what, its hash now) for each part of a converted directory that differs from its conversion record.
+
+    Records made before a part was recorded: the config is taken as converted; the weights are read again
+    when a file was written after the record was (a conversion writes the record last).
+    """
+    edits = []
+    config = _config_fingerprint(model_dir)
+    if record.get("config_sha256", config) != config:
+        edits.append(("config", config))
+    tokenizer = _tokenizer_fingerprint(model_dir)
+    if record.get("tokenizer_sha256", tokenizer) != tokenizer:
+        edits.append(("tokenizer", tokenizer))
+    stamp = _weights_stamp(model_dir)
+    if "weights_stamp" in record:
+        stale = stamp != record["weights_stamp"]
+    else:
+        written = record_path.stat().st_mtime_ns
+        # Not strictly later: file times move in clock ticks, and two writes may share one.
+        stale = any(modified >= written for _, modified in stamp.values())
+    if stale:
+        weights = _hash_weights(model_dir, hashlib.sha256()).hexdigest()
+        if weights != record.get("converted_weights_sha256"):
+            edits.append(("weights", weights))
+    return edits
 
 
 # Hugging Face hub ------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ mock transport inside the process.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -18,7 +19,13 @@ import torch
 
 from infokv_rag import CacheStoreError, CompressionConfig, ConfigError, InfoKVEngine, ModelError
 from infokv_rag.architectures import SUPPORTED_ARCHITECTURES
-from infokv_rag.models import FINGERPRINT_FILE, _config_fingerprint, model_fingerprint, resolve_model
+from infokv_rag.models import (
+    FINGERPRINT_FILE,
+    _config_fingerprint,
+    _write_fingerprint,
+    model_fingerprint,
+    resolve_model,
+)
 from infokv_rag.placement import dtype_name, resolve_placement
 
 from .conftest import CORPUS, build_tokenizer
@@ -237,6 +244,39 @@ def test_a_config_edit_that_changes_the_computation_is_another_model(
     model, tokenizer = _load(random_model_dir)
     model.config.rms_norm_eps *= 10
     assert InfoKVEngine.from_model(model, tokenizer).fingerprint != reference
+
+
+def test_a_converted_model_edited_since_its_conversion_is_another_model(random_model_dir: Path, tmp_path: Path) -> None:
+    """A converted directory's recorded fingerprint holds only while its tokenizer files and weights are the
+    ones converted: another chat template or a fine-tune saved over the copy is another model."""
+    from safetensors.torch import load_file, save_file
+
+    converted = Path(shutil.copytree(random_model_dir, tmp_path / "converted"))
+    _write_fingerprint(converted, "a" * 64, source="test.gguf")
+    recorded = json.loads((converted / FINGERPRINT_FILE).read_text())["fingerprint"]
+    assert model_fingerprint(converted) == recorded
+    template = converted / "chat_template.jinja"
+    original = template.read_text()
+    template.write_text("{{ 'You are a pirate.' }}" + original)
+    assert model_fingerprint(converted) != recorded, "another chat template"
+    template.write_text(original)
+    assert model_fingerprint(converted) == recorded
+    weights = converted / "model.safetensors"
+    os.utime(weights, ns=(1, 1))  # a new stamp, the same content (a copy without -p): as converted
+    assert model_fingerprint(converted) == recorded
+    tensors = load_file(weights)
+    save_file({k: v * 1.5 for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+    edited = model_fingerprint(converted)
+    assert edited not in (recorded, model_fingerprint(random_model_dir)), "other weights"
+
+    # A record written before weights were recorded: weights written after it are read again.
+    record = json.loads((converted / FINGERPRINT_FILE).read_text())
+    legacy = {key: record[key] for key in ("format", "source", "weights_sha256", "tokenizer_sha256", "fingerprint")}
+    (converted / FINGERPRINT_FILE).write_text(json.dumps(legacy))
+    os.utime(weights, ns=(1, 1))
+    assert model_fingerprint(converted) == recorded, "weights older than the record: as converted"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert model_fingerprint(converted) != recorded
 
 
 # Models in memory -----------------------------------------------------------------------------------
