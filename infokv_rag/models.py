@@ -143,10 +143,25 @@ def _config_fingerprint(directory: Path) -> str:
     return hashlib.sha256(computing_config(config if isinstance(config, dict) else {}).encode()).hexdigest()
 
 
+TOKENIZER_FILES = re.compile(
+    r"tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template\.(jinja|json)|vocab\.(json|txt)"
+    r"|merges\.txt|[^/]+\.(model|tiktoken)|additional_chat_templates/[^/]+\.jinja"
+)
+"""The files (relative paths) transformers reads a tokenizer and its chat templates from: the token ids
+(tokenizer.json, or the vocabulary and merges without it, added_tokens.json) and the templates
+(chat_template.jinja / .json, additional_chat_templates/<name>.jinja, which may replace the default)."""
+
+
 def _tokenizer_fingerprint(directory: Path) -> str:
+    """Hash of the tokenizer files' names and contents. A directory holding only the files hashed before
+    TOKENIZER_FILES grew (tokenizer*, special_tokens_map.json, chat_template.jinja) hashes as it did then."""
+    templates = directory / "additional_chat_templates"
+    names = os.listdir(directory)
+    if templates.is_dir():
+        names += [f"{templates.name}/{name}" for name in os.listdir(templates)]
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
+    for name in sorted(names):
+        if TOKENIZER_FILES.fullmatch(name) and (directory / name).is_file():
             digest.update(name.encode())
             _sha256_file(directory / name, digest)
     return digest.hexdigest()

@@ -279,6 +279,38 @@ def test_a_converted_model_edited_since_its_conversion_is_another_model(random_m
     assert model_fingerprint(converted) != recorded
 
 
+def _template_as_json(directory: Path) -> None:
+    template = directory / "chat_template.jinja"
+    (directory / "chat_template.json").write_text(
+        json.dumps({"chat_template": "SYSTEM: be terse\n" + template.read_text()})
+    )
+    template.unlink()
+
+
+def _added_tokens(directory: Path) -> None:
+    (directory / "added_tokens.json").write_text(json.dumps({"12,500": 400}))
+
+
+def _additional_default_template(directory: Path) -> None:
+    (directory / "additional_chat_templates").mkdir()
+    (directory / "additional_chat_templates" / "default.jinja").write_text("{{ 'In French.' }}")
+
+
+@pytest.mark.parametrize("edit", [_template_as_json, _added_tokens, _additional_default_template])
+def test_every_tokenizer_file_the_tokenizer_reads_is_in_the_fingerprint(
+    edit: Callable[[Path], None], random_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each edit changes the token ids or the chat template the loaded tokenizer uses: another model."""
+    from transformers import AutoTokenizer
+
+    edited = Path(shutil.copytree(random_model_dir, tmp_path / "edited"))
+    edit(edited)
+    before, after = AutoTokenizer.from_pretrained(random_model_dir), AutoTokenizer.from_pretrained(edited)
+    text = "Payment of 12,500 EUR is due."
+    assert (before.chat_template, before.encode(text)) != (after.chat_template, after.encode(text))
+    assert model_fingerprint(edited) != model_fingerprint(random_model_dir)
+
+
 # Models in memory -----------------------------------------------------------------------------------
 
 
