@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .errors import ModelError
+from .models import REPLACE_FILES, check_weight_files
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "Llama 2 / 3.x, SmolLM2, the tiny model",
@@ -89,8 +90,9 @@ def check_loaded_model(model: Any, source: str) -> None:
         raise ModelError(f"{source} is spread over several devices ({listed}): move it onto one with model.to(device)")
 
 
-def load_checked(directory: Path, source: str) -> tuple[Any, Any]:
-    """(config, tokenizer) of a model directory, checked before its weights are read (or downloaded)."""
+def load_checked(directory: Path, source: str, remedy: str = REPLACE_FILES) -> tuple[Any, Any]:
+    """(config, tokenizer) of a model directory, checked before its weights are read (or downloaded).
+    `remedy`: what to do when its files are damaged."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -102,13 +104,21 @@ def load_checked(directory: Path, source: str) -> tuple[Any, Any]:
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         raise ModelError(f"{source}: its config.json cannot be read ({exc})") from exc
     check_config(config, source)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except Exception as exc:  # transformers and tokenizers raise anything from ValueError to a bare Exception
+        reason = " ".join(str(exc).split())  # on one line: some of transformers' messages list options on several
+        raise ModelError(
+            f"{source}: the tokenizer in {directory} cannot be loaded ({type(exc).__name__}: {reason}); "
+            f"it needs tokenizer.json (or the tokenizer files of its model) and tokenizer_config.json: {remedy}"
+        ) from exc
     check_tokenizer(tokenizer, source)
     return config, tokenizer
 
 
-def load_weights(directory: Path, config: Any, dtype: Any, source: str) -> Any:
-    """The causal LM of `directory` under `config` in `dtype`, refused when its checkpoint lacks a weight.
+def load_weights(directory: Path, config: Any, dtype: Any, source: str, remedy: str = REPLACE_FILES) -> Any:
+    """The causal LM of `directory` under `config` in `dtype`, refused (with `remedy`) when its weights files
+    are missing or damaged, or its checkpoint lacks a weight.
 
     transformers initialises a weight the checkpoint lacks at random and only logs it: every load would then
     compute something else under the same fingerprint, and caches saved by one load would pass in the next.
@@ -116,9 +126,16 @@ def load_weights(directory: Path, config: Any, dtype: Any, source: str) -> Any:
     buffers, which are not in a checkpoint by design. Unexpected keys are allowed: transformers ignores them,
     so they change nothing that is computed (a checkpoint may carry extras, e.g. a speculative-decoding head).
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, output_loading_info=True)
+    check_weight_files(directory, remedy)
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            directory, config=config, dtype=dtype, output_loading_info=True
+        )
+    except (SafetensorError, RuntimeError, ValueError) as exc:  # e.g. a tensor of another shape than the config's
+        raise ModelError(f"{source}: the weights in {directory} cannot be loaded ({exc}): {remedy}") from exc
     model, info = loaded
     missing = sorted(info.get("missing_keys") or ())
     if missing:

@@ -248,13 +248,16 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch":
         from .architectures import load_checked
-        from .models import resolve_model
+        from .models import check_weight_files, resolve_model
 
         for name in args.models:
-            source = resolve_model(name)
-            if source.hub is not None:  # refused before its weights download when unsupported
-                load_checked(source.directory, source.name)
-            print(f"{name}: {source.weights_directory()}")  # the result, for scripts: on stdout
+            source = resolve_model(name, repair=True)  # a damaged converted copy is converted again
+            # What is printed is verified: config and tokenizer (for a hub id before its weights download),
+            # then the weights files.
+            load_checked(source.directory, source.name, source.remedy)
+            directory = source.weights_directory()
+            check_weight_files(directory, source.remedy)
+            print(f"{name}: {directory}")  # the result, for scripts: on stdout
         return 0
     if args.command == "info":
         from .store import describe

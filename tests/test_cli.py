@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -150,6 +151,18 @@ def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
         "cannot resolve model",
         "default, tiny",
     )
+
+
+def test_a_damaged_model_exits_2_and_fetch_verifies_what_it_prints(tmp_path: Path, random_model_dir: Path) -> None:
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    damaged = Path(shutil.copytree(random_model_dir, tmp_path / "damaged"))
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = run_cli("ask", str(doc), "-q", "Q?", "--model", str(damaged), "--json", cache_dir=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error["type"] == "ModelError" and f"{weights} is damaged" in error["message"]
+    assert_clean_failure(run_cli("fetch", str(damaged), cache_dir=tmp_path), f"{weights} is damaged", "complete copy")
 
 
 def test_ask_json_then_again_reuses_the_stored_cache(tmp_path: Path, random_model_dir: Path) -> None:

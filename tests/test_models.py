@@ -6,10 +6,13 @@ mock transport inside the process.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -403,6 +406,82 @@ def test_a_checkpoint_that_lacks_a_weight_is_refused(random_model_dir: Path, tmp
     save_file(weights, incomplete / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"lacks 1 weight\(s\) .*model.layers.1.self_attn.q_proj.weight"):
         InfoKVEngine.from_pretrained(str(incomplete), device="cpu")
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "model.safetensors").unlink(), "{d} holds no weights"),
+        (lambda d: _truncate(d / "model.safetensors"), "{d}/model.safetensors is damaged .* truncated"),
+        (lambda d: (d / "model.safetensors").write_bytes(bytes(100)), "{d}/model.safetensors is damaged .*header"),
+        (lambda d: (d / "tokenizer.json").unlink(), "the tokenizer in {d} cannot be loaded"),
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), "the tokenizer in {d} cannot be loaded"),
+    ],
+)
+def test_a_damaged_model_directory_is_a_model_error_naming_the_file(
+    damage: Callable[[Path], None], message: str, random_model_dir: Path, tmp_path: Path
+) -> None:
+    damaged = Path(shutil.copytree(random_model_dir, tmp_path / "damaged"))
+    damage(damaged)
+    with pytest.raises(ModelError, match=message.format(d=re.escape(str(damaged))) + ".*complete copy"):
+        InfoKVEngine.from_pretrained(str(damaged), device="cpu")
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.gguf").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ModelError, match="bad.gguf is not a GGUF file"):
+        InfoKVEngine.from_pretrained(str(tmp_path / "bad.gguf"), device="cpu")
+
+
+def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A truncated model.safetensors in the converted-weights cache names the remedy; `fetch` repairs it."""
+    from infokv_rag import cli, models
+
+    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path / "cache"))
+    conversions: list[Path] = []
+
+    def convert(gguf_path: Path, target: Path, weights_sha256: str) -> None:  # the random model stands in
+        conversions.append(target)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(random_model_dir, target)
+        models._write_fingerprint(target, weights_sha256, source=gguf_path.name)
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    target = resolve_model(str(gguf)).directory
+    assert conversions == [target]
+    _truncate(target / "model.safetensors")
+    remedy = f"delete {target} or run `infokv-rag fetch {gguf}`"
+    with pytest.raises(ModelError, match=f"{re.escape(str(target))}/model.safetensors is damaged.*{re.escape(remedy)}"):
+        InfoKVEngine.from_pretrained(str(gguf), device="cpu")
+    assert cli.main(["fetch", str(gguf)]) == 0
+    assert conversions == [target, target]
+    assert InfoKVEngine.from_pretrained(str(gguf), device="cpu").fingerprint == model_fingerprint(target)
+
+
+def test_a_full_disk_while_converting_is_an_os_error() -> None:
+    """safetensors reports a failed write as a SafetensorError; the command line shows OSErrors (a full disk,
+    a file-size limit) as one line with the reason, so the conversion's write turns it into one."""
+    script = (
+        "import resource, tempfile, torch\n"
+        "from pathlib import Path\n"
+        "from infokv_rag.models import _save_weights\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        "    _save_weights(torch.nn.Linear(64, 64), Path(tempfile.mkdtemp()) / 'model.safetensors')\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, exc.filename)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    code, filename = result.stdout.split()
+    assert int(code) == errno.EFBIG and filename.endswith("model.safetensors"), result.stderr
 
 
 # Architectures ----------------------------------------------------------------------------------------
