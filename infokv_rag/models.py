@@ -10,6 +10,7 @@ id, the resolved commit and the weights' hashes. A model already in memory is fi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -21,6 +22,8 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,7 +213,8 @@ def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> Non
 
 
 def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
-    """Dequantises a GGUF file to float32 safetensors + tokenizer files in `target` (atomically)."""
+    """Dequantises a GGUF file to float32 safetensors + tokenizer files in `target` (atomically). Called
+    under `_conversion_lock(target)`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s (one time, about a minute)", gguf_path.name)
@@ -235,9 +239,13 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
         _save_weights(model, staging / "model.safetensors")
         tokenizer.save_pretrained(staging)
         _write_fingerprint(staging, weights_sha256, source=gguf_path.name)
+        # A damaged copy (the only kind converted again) is renamed aside, not removed first: a reader sees the
+        # old directory or the new one, for no longer than between two renames.
+        damaged = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         if target.exists():
-            shutil.rmtree(target)
+            os.replace(target, damaged)
         os.replace(staging, target)
+        shutil.rmtree(damaged, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -359,13 +367,13 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
     spec = REGISTRY.get(name_or_path)
     if spec is not None:
         target = cache_root() / "models" / f"{spec.name}-{spec.sha256[:16]}"
-        remedy = _reconvert(target, name_or_path)
-        if _needs_conversion(target, remedy, repair):
-            (cache_root() / "models").mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache_root() / "models") as workdir:
-                gguf = assemble_packaged_gguf(spec, Path(workdir))
-                convert_gguf(gguf, target, spec.sha256)
-        return ModelSource(name_or_path, target, remedy=remedy)
+
+        def convert_packaged() -> None:
+            # Its staging name, so that a killed conversion's chunks are removed as stale by the next one.
+            with tempfile.TemporaryDirectory(prefix=target.name + ".", dir=target.parent) as workdir:
+                convert_gguf(assemble_packaged_gguf(spec, Path(workdir)), target, spec.sha256)
+
+        return _converted(name_or_path, target, repair, convert_packaged)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -375,10 +383,7 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
                 raise ModelError(f"{path} is not a GGUF file (it lacks the GGUF magic bytes): pass a .gguf model file")
         weights_sha256 = _sha256_file(path).hexdigest()
         target = cache_root() / "models" / f"{path.stem}-{weights_sha256[:16]}"
-        remedy = _reconvert(target, name_or_path)
-        if _needs_conversion(target, remedy, repair):
-            convert_gguf(path.resolve(), target, weights_sha256)
-        return ModelSource(name_or_path, target, remedy=remedy)
+        return _converted(name_or_path, target, repair, lambda: convert_gguf(path.resolve(), target, weights_sha256))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a directory without config.json: not a Hugging Face model directory")
@@ -386,9 +391,48 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
     return None
 
 
-def _reconvert(target: Path, name: str) -> str:
-    """What to do about a damaged converted copy."""
-    return f"delete {target} or run `infokv-rag fetch {name}` to convert it again"
+def _converted(name: str, target: Path, repair: bool, convert: Callable[[], None]) -> ModelSource:
+    """The converted copy `target` of model `name`, made by `convert` first where `_needs_conversion`.
+
+    Processes converting the same model take turns (`_conversion_lock`) and look again once it is theirs: a
+    conversion another one finished meanwhile is used, never replaced.
+    """
+    remedy = f"delete {target} or run `infokv-rag fetch {name}` to convert it again"
+    if _needs_conversion(target, remedy, repair):
+        with _conversion_lock(target):
+            if _needs_conversion(target, remedy, repair):
+                convert()
+    return ModelSource(name, target, remedy=remedy)
+
+
+STALE_TEMPORARY_SECONDS = 3600.0
+"""Age after which a `tmp*` directory in the models cache is taken as left by a killed conversion: versions
+before the staging directories were named after their model assembled packaged chunks there (minutes)."""
+
+
+def _old_temporary(path: Path) -> bool:
+    try:
+        return path.name.startswith("tmp") and time.time() - path.stat().st_mtime > STALE_TEMPORARY_SECONDS
+    except FileNotFoundError:
+        return False  # removed meanwhile
+
+
+@contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Holds `<target>.lock` (an exclusive flock, released by the kernel if the process dies), then removes
+    what killed conversions of `target` left: staging directories `<target.name>.*` (only a conversion holding
+    the lock writes them) and old `tmp*` directories."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            for path in target.parent.iterdir():
+                if path.is_dir() and (path.name.startswith(target.name + ".") or _old_temporary(path)):
+                    log.warning("removing %s, left by an interrupted conversion", path)
+                    shutil.rmtree(path, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _needs_conversion(target: Path, remedy: str, repair: bool) -> bool:

@@ -13,7 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -437,24 +439,38 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
         InfoKVEngine.from_pretrained(str(tmp_path / "bad.gguf"), device="cpu")
 
 
-def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(
-    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A truncated model.safetensors in the converted-weights cache names the remedy; `fetch` repairs it."""
-    from infokv_rag import cli, models
+@pytest.fixture
+def conversions(random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """GGUF conversions into a temporary INFOKV_CACHE_DIR made by copying the random model (a real one takes a
+    minute): the targets converted, in order."""
+    from infokv_rag import models
 
     monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path / "cache"))
-    conversions: list[Path] = []
+    converted: list[Path] = []
 
-    def convert(gguf_path: Path, target: Path, weights_sha256: str) -> None:  # the random model stands in
-        conversions.append(target)
+    def convert(gguf_path: Path, target: Path, weights_sha256: str) -> None:
+        converted.append(target)
+        time.sleep(0.3)  # a conversion takes a while: room for another process to race it
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(random_model_dir, target)
         models._write_fingerprint(target, weights_sha256, source=gguf_path.name)
 
     monkeypatch.setattr(models, "convert_gguf", convert)
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(64))
+    return converted
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    """A file that passes for GGUF up to its conversion (see `conversions`)."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(64))
+    return path
+
+
+def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(conversions: list[Path], gguf: Path) -> None:
+    """A truncated model.safetensors in the converted-weights cache names the remedy; `fetch` repairs it."""
+    from infokv_rag import cli
+
     target = resolve_model(str(gguf)).directory
     assert conversions == [target]
     _truncate(target / "model.safetensors")
@@ -464,6 +480,33 @@ def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(
     assert cli.main(["fetch", str(gguf)]) == 0
     assert conversions == [target, target]
     assert InfoKVEngine.from_pretrained(str(gguf), device="cpu").fingerprint == model_fingerprint(target)
+
+
+def test_concurrent_conversions_of_one_model_take_turns(conversions: list[Path], gguf: Path) -> None:
+    """Two processes loading a GGUF not yet converted: one converts, the other waits and uses its result."""
+    with ThreadPoolExecutor(2) as pool:  # flock excludes another open() of the lock file in the same process too
+        sources = list(pool.map(lambda _: resolve_model(str(gguf)), range(2)))
+    assert len(conversions) == 1
+    assert sources[0].directory == sources[1].directory == conversions[0]
+    assert (
+        model_fingerprint(conversions[0]) == json.loads((conversions[0] / FINGERPRINT_FILE).read_text())["fingerprint"]
+    )
+
+
+def test_a_conversion_removes_what_killed_conversions_left(conversions: list[Path], gguf: Path) -> None:
+    target = resolve_model(str(gguf)).directory
+    leftover = target.parent / f"{target.name}.k1ll3d"  # the staging directory of a conversion killed mid-way
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(bytes(1000))
+    old_temporary, new_temporary = target.parent / "tmpkilled", target.parent / "tmpbusy"
+    for directory in (old_temporary, new_temporary):
+        directory.mkdir()
+    os.utime(old_temporary, (time.time() - 7200,) * 2)
+    shutil.rmtree(target)  # converted again
+    assert resolve_model(str(gguf)).directory == target and len(conversions) == 2
+    assert not leftover.exists() and not old_temporary.exists(), "left by killed conversions"
+    assert new_temporary.exists(), "perhaps another conversion's, in progress"
+    assert (target / FINGERPRINT_FILE).is_file()
 
 
 def test_a_full_disk_while_converting_is_an_os_error() -> None:
