@@ -49,6 +49,8 @@ def resolve_placement(
         place = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps") from exc
+    if place.type not in ("cpu", "cuda", "mps"):  # e.g. meta: weights without data, which fail only later
+        raise ConfigError(f"device {device!r} cannot run a model: use auto, cpu, cuda, cuda:N or mps")
     if place.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU")
     if place.type == "cuda" and place.index is not None and place.index >= torch.cuda.device_count():
@@ -57,6 +59,8 @@ def resolve_placement(
         raise ConfigError(f"device {device!r} was asked for, but MPS is not available on this machine")
     if isinstance(dtype, torch.dtype):
         return place, dtype
+    if dtype is not None and not isinstance(dtype, str):
+        raise ConfigError(f"dtype {dtype!r} is neither a torch dtype nor a name: use auto, {', '.join(DTYPES)}")
     name = dtype_name(dtype)
     if name is None:
         if place.type != "cuda":

@@ -603,6 +603,10 @@ def test_dtype_names_and_default_placement() -> None:
     assert resolve_placement("cpu", torch.float16)[1] == torch.float16
     with pytest.raises(ConfigError, match="unknown device 'gpu0'"):
         resolve_placement("gpu0")
+    with pytest.raises(ConfigError, match="device 'meta' cannot run a model"):
+        resolve_placement("meta")
+    with pytest.raises(ConfigError, match="dtype 16 is neither a torch dtype nor a name"):
+        resolve_placement("cpu", 16)  # type: ignore[arg-type]
     if torch.cuda.is_available():
         device, dtype = resolve_placement(None)
         assert device.type == "cuda" and dtype in (torch.bfloat16, torch.float16), "bf16/fp16 on CUDA by default"
