@@ -341,7 +341,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
 
-    def generate(  # type: ignore[override]
+    def generate(
         self, prompts: list[str], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any
     ) -> LLMResult:
         # LangChain keys an LLM's answer cache on its fields alone, not on the call's kwargs: a call's options
@@ -351,7 +351,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
             return self.model_copy(update=options).generate(prompts, stop, callbacks, **kwargs)
         return super().generate(prompts, stop, callbacks, **kwargs)
 
-    async def agenerate(  # type: ignore[override]
+    async def agenerate(
         self, prompts: list[str], stop: list[str] | None = None, callbacks: Any = None, **kwargs: Any
     ) -> LLMResult:
         options = _call_fields(self, kwargs)

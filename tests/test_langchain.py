@@ -392,7 +392,7 @@ def test_the_answer_cache_keys_on_the_document_content_and_the_call_options(
     keys |= {chat._get_llm_string(document=str(path)), chat._get_llm_string(document=kept[0])}
     assert len(keys) == 8
     for adapter in (InfoKVLLM, ChatInfoKV):
-        llm = adapter(model=model, document_text=first, max_tokens=6)  # type: ignore[operator]
+        llm = adapter(model=model, document_text=first, max_tokens=6)
         fresh = [_answer_text(llm.invoke("Q?", document_text=text)) for text in (first, second)]
         set_llm_cache(InMemoryCache())
         try:
