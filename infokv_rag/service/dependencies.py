@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 
 from .errors import ServiceError
 from .registry import DocumentRecord, Registry
@@ -52,17 +53,30 @@ def _unauthorized(code: str, message: str) -> ServiceError:
     return ServiceError(401, code, message, headers=_CHALLENGE)
 
 
-def presented_keys(request: Request) -> list[str]:
-    """Every credential the request presents, whichever header carries it (empty values included)."""
+def presented_keys(headers: Headers) -> list[str]:
+    """Every credential a request's headers present, whichever header carries it (empty values included)."""
     keys = []
-    authorization = request.headers.get("authorization")
+    authorization = headers.get("authorization")
     if authorization is not None:
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _unauthorized("invalid_api_key", "the Authorization header must be 'Bearer <API key>'")
         keys.append(token.strip())
-    keys.extend(request.headers.getlist("x-api-key"))
+    keys.extend(headers.getlist("x-api-key"))
     return keys
+
+
+def presents_admin_key(settings: Settings, headers: Headers) -> bool:
+    """Whether a request is an admin's: it presents keys and every one is an admin key (or the service is
+    anonymous, where every caller is). What only admins may see of the server's activity depends on this."""
+    if not settings.keyring:
+        return True
+    try:
+        keys = presented_keys(headers)
+    except ServiceError:
+        return False
+    found = [settings.keyring.find(key) for key in keys]
+    return bool(found) and all(credential is not None and credential.admin for credential in found)
 
 
 async def optional_caller(
@@ -76,7 +90,7 @@ async def optional_caller(
     keyring = service.settings.keyring
     if not keyring:  # anonymous access was enabled explicitly (Settings.check_startable)
         return _ANONYMOUS
-    keys = presented_keys(request)
+    keys = presented_keys(request.headers)
     if not keys:
         return None
     found = [keyring.find(key) for key in keys]

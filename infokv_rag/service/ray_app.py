@@ -12,9 +12,9 @@ received it, which publishes the cache to the store.
 The ingress forwards every HTTP request unchanged to a replica, chosen by Ray Serve's model multiplexing
 with the document's id as the model id (from the path, or `document_id` of an OpenAI chat request): a
 replica that has served a document (or received its upload) keeps getting its questions while it holds
-it, so its cache stays in memory there. Every response carries `x-infokv-replica` (the replica's id) and
-`x-infokv-prefills` (how many documents that replica has read), so that clients and tests can tell who
-answered and whether it read the document itself.
+it, so its cache stays in memory there. Every response carries `x-infokv-replica` (the replica's id), and a
+response to an admin key `x-infokv-prefills` (how many documents that replica has read), so that operators
+and tests can tell who answered and whether it read the document itself.
 
 This module imports Ray: only `infokv-rag serve --ray` and Ray's own CLI import it (extra [scale]).
 """
@@ -35,12 +35,14 @@ from typing import cast
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from ..errors import ConfigError
 from .app import UPLOAD_OVERHEAD, create_app
+from .dependencies import presents_admin_key
 from .errors import error_body
 from .registry import valid_document_id
 from .settings import Settings
@@ -160,9 +162,13 @@ class ModelWorkerReplica:
         """Marks a document as held here, for routing; its cache loads on first use (verified, from the store)."""
         return document_id
 
-    def _identity_headers(self) -> list[tuple[bytes, bytes]]:
-        prefills = self.app.state.service.worker.counters["prefills"]
-        return [(b"x-infokv-replica", self.replica.encode()), (b"x-infokv-prefills", str(prefills).encode())]
+    def _identity_headers(self, request: ForwardedRequest) -> list[tuple[bytes, bytes]]:
+        service = self.app.state.service
+        headers = [(b"x-infokv-replica", self.replica.encode())]
+        # Every tenant's uploads move the count: like /healthz's counters, it is for admin keys only.
+        if presents_admin_key(service.settings, Headers(raw=request.headers)):
+            headers.append((b"x-infokv-prefills", str(service.worker.counters["prefills"]).encode()))
+        return headers
 
     async def __call__(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         document_id = serve.get_multiplexed_model_id()
@@ -175,7 +181,7 @@ class ModelWorkerReplica:
                     match = DOCUMENT_PATH.match(location)
                     if match and valid_document_id(match.group(1)):
                         await self.hold(match.group(1))
-                part = ResponseStart(part.status, part.headers + self._identity_headers())
+                part = ResponseStart(part.status, part.headers + self._identity_headers(request))
             yield part
 
     async def __del__(self) -> None:
