@@ -1,4 +1,5 @@
-"""PDF and text files -> `Document` (text plus page map), with typed, actionable errors."""
+"""PDF and text files, in-memory text and (page number, text) pairs -> `Document` (text plus page map), with
+typed, actionable errors."""
 
 from __future__ import annotations
 

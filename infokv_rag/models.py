@@ -2,10 +2,13 @@
 
 Packaged GGUF weights are dequantised by transformers once (40-90 s) and stored as safetensors plus
 tokenizer files under the cache directory, so later loads take seconds. Every converted directory
-carries a fingerprint (hash of the source weights, tokenizer files and chat template) that persisted
-document caches are checked against. Hub ids resolve through huggingface_hub into its own cache
-(downloaded when online, read from the cache when HF_HUB_OFFLINE=1); their fingerprint covers the repo
-id, the resolved commit and the weights' hashes. A model already in memory is fingerprinted by its weights.
+carries the fingerprint recorded at conversion (source weights, tokenizer files and chat template) that
+persisted document caches are checked against; edits made since to its config, tokenizer files or weights
+(read again when their size or mtime changed) are mixed into it. Conversions of one model take turns under
+`<target>.lock`; missing or damaged weights are a ModelError naming the file and the remedy. Hub ids
+resolve through huggingface_hub into its own cache (downloaded when online, read from the cache when
+HF_HUB_OFFLINE=1); their fingerprint covers the repo id, the resolved commit and the weights' hashes. A
+model already in memory is fingerprinted by its weights.
 """
 
 from __future__ import annotations
@@ -436,7 +439,8 @@ def _conversion_lock(target: Path) -> Iterator[None]:
 
 
 def _needs_conversion(target: Path, remedy: str, repair: bool) -> bool:
-    """Whether `target` is to be converted: not yet converted, or (when repairing) its weights are damaged."""
+    """Whether `target` is to be converted: not yet converted, or (when repairing) its weights are damaged or its
+    tokenizer files are not those it was converted with."""
     if not (target / FINGERPRINT_FILE).is_file():
         return True
     if not repair:
@@ -445,6 +449,14 @@ def _needs_conversion(target: Path, remedy: str, repair: bool) -> bool:
         check_weight_files(target, remedy)
     except ModelError as exc:
         log.warning("%s; converting it again", exc)
+        return True
+    try:
+        recorded = json.loads((target / FINGERPRINT_FILE).read_text())["tokenizer_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is damaged (%s); converting it again", target / FINGERPRINT_FILE, exc)
+        return True
+    if _tokenizer_fingerprint(target) != recorded:
+        log.warning("the tokenizer files in %s changed since its conversion; converting it again", target)
         return True
     return False
 

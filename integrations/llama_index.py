@@ -95,8 +95,10 @@ class InfoKV(CustomLLM):
     """A chat LLM answering from one InfoKV-compressed document (weights and document load on first use).
 
     `metadata.context_window` is what is left for messages and the answer: the model's window minus the
-    document tokens held (at their original positions) by the cache. Per-call kwargs: `document`,
-    `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`, `recall`, `stop`.
+    document tokens held (at their original positions) by the cache and the chat template's own tokens; with no
+    document bound, the window less the template (an upper bound that a call's document lowers). Per-call kwargs:
+    `document`, `document_text`, `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `max_cache_tokens`,
+    `recall`, `stop`.
     """
 
     model: str | None = Field(

@@ -480,6 +480,13 @@ def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(convers
     assert cli.main(["fetch", str(gguf)]) == 0
     assert conversions == [target, target]
     assert InfoKVEngine.from_pretrained(str(gguf), device="cpu").fingerprint == model_fingerprint(target)
+    # Damaged tokenizer files too: the remedy named (fetch) converts the copy again.
+    (target / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelError, match=re.escape(remedy)):
+        InfoKVEngine.from_pretrained(str(gguf), device="cpu")
+    assert cli.main(["fetch", str(gguf)]) == 0
+    assert conversions == [target, target, target]
+    assert cli.main(["fetch", str(gguf)]) == 0 and len(conversions) == 3, "a sound copy is not converted again"
 
 
 def test_concurrent_conversions_of_one_model_take_turns(conversions: list[Path], gguf: Path) -> None:

@@ -37,6 +37,7 @@ from infokv_rag.service.launcher import free_port, read_sse  # noqa: E402
 from infokv_rag.service.ray_app import (  # noqa: E402
     APP_NAME,
     ForwardedRequest,
+    Ingress,
     ResponseStart,
     app_builder,
     build_app,
@@ -207,6 +208,25 @@ def test_a_caller_that_stops_reading_disconnects_the_replica_app() -> None:
         await asyncio.wait_for(disconnected.wait(), 5)
 
     asyncio.run(scenario())
+
+
+def test_the_ingress_refuses_a_body_over_the_limit_as_each_route_does() -> None:
+    """413, and 400 on OpenAI's route (its clients raise BadRequestError for 400 only), before any replica."""
+    from starlette.requests import Request
+
+    ingress = Ingress(workers=None, max_body_bytes=10)  # type: ignore[arg-type]  # never reached
+
+    async def refuse(path: str) -> int:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"x" * 11, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+        response = await ingress(Request(scope, receive))
+        assert json.loads(bytes(response.body))["error"]["code"] == "request_too_large"
+        return response.status_code
+
+    assert asyncio.run(refuse("/v1/documents/doc_x/ask")) == 413
+    assert asyncio.run(refuse("/v1/chat/completions")) == 400
 
 
 def test_serve_ray_refuses_to_start_without_a_store(

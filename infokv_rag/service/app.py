@@ -6,7 +6,10 @@
 `create_app` refuses (ConfigError) settings that would leave the service unprotected, and a data directory
 it cannot write to or that another server holds. The app loads the model at startup (lifespan), reopens
 the data directory (ready documents answer from their saved caches without a prefill; interrupted uploads
-are read again) and starts the model worker.
+are read again, or failed with `invalid_option` when their stored options are not usable here) and starts the
+model worker. `serve()` stops the worker before uvicorn waits for the open requests (`DrainingServer`), so on
+SIGTERM the answers in flight end with 503 `cancelled`; under another ASGI server the worker stops only at the
+lifespan's shutdown.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message
 from ..errors import ConfigError
 from .app import UPLOAD_OVERHEAD, create_app
 from .dependencies import presents_admin_key
-from .errors import error_body
+from .errors import error_body, status_on
 from .registry import valid_document_id
 from .settings import Settings
 
@@ -212,7 +212,8 @@ class Ingress:
         body = await self._body(request)
         if body is None:
             message = f"the request body is larger than this server's limit of {self.max_body_bytes} bytes"
-            return JSONResponse(error_body(413, "request_too_large", message), status_code=413)
+            status = status_on(request.url.path, 413)
+            return JSONResponse(error_body(status, "request_too_large", message), status_code=status)
         forwarded = ForwardedRequest(
             method=request.method,
             path=request.url.path,

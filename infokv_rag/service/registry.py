@@ -11,7 +11,8 @@ Layout (one directory per document; nothing else is ever derived from client inp
 Ids come from `secrets.token_urlsafe` and are checked against `ID_PATTERN` before any filesystem use,
 so a client can neither guess another tenant's ids nor smuggle a path in. After a restart, ready documents
 are answered from their saved caches (loaded lazily, verified, no prefill); documents whose ingestion was
-interrupted are read again from their saved source; deletions that were interrupted are finished.
+interrupted are read again from their saved source (`ModelWorker.read_again`: failed with `invalid_option` when
+their stored options are not usable here); deletions that were interrupted are finished.
 
 Storage failures are never hidden: a write that fails raises `StorageError` (HTTP 507), and a delete
 reports success only once the files are gone.

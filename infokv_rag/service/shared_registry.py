@@ -14,7 +14,8 @@ Every request reads the document's record from the store, so a document that ano
 or deleted is seen as such here. A process that writes a record holds its ingestion lease for
 `lease_seconds`; `LeaseKeeper` renews the leases of the documents this process is reading, and takes over a
 queued or processing document whose lease has run out (its reader died): the document is read again from
-its saved text, never lost. Two processes that take over the same document at once both read it; their
+its saved text, never lost (or failed with `invalid_option` when its stored options are not usable here,
+rather than claimed again every tick). Two processes that take over the same document at once both read it; their
 publishes are atomic, so the cache is whole either way.
 
 A delete can meet a process that is still reading the document (or renewing its lease): that process knows

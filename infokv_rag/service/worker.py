@@ -9,7 +9,9 @@ holds it for one prefill chunk, the decoding thread for a time slice of about th
 an upload is read, answers keep about half of the model's time and wait at most one chunk at a time.
 
 Results reach the HTTP handlers through an asyncio queue per answer; a handler whose client went away
-cancels its answer, and the decoding thread drops it at its next turn.
+cancels its answer, and the decoding thread drops it at its next turn (a waiting answer gives its queue place
+back at once). An answer whose document is deleted ends with a `deleted` event (404), and `stop` ends every
+answer in flight with `cancelled` (503).
 """
 
 from __future__ import annotations
