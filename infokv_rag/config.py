@@ -175,7 +175,8 @@ class CompressionConfig:
         if wanted < document_tokens:
             wanted -= self.summaries  # they take their place in the budget
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
-        return min(document_tokens, max(wanted, protected))
+        # At least one token of the document's own: a budget the summaries took whole would keep none.
+        return min(document_tokens, max(wanted, protected, 1))
 
     def keep_ratio(self, document_tokens: int) -> float:
         """The share of a `document_tokens`-token document a (layer, KV head) keeps on average: `keep` itself, or

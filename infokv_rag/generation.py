@@ -160,7 +160,9 @@ class Usage:
     each layer), counted from its live tensors. The document's entries it reads in place are not counted: they
     are the document's (`DocumentStats.cache_bytes`), shared by every answer."""
     recalled_tokens: int = 0
-    """Cold-tier entries the question recalled, per KV head, summed over layers."""
+    """Entries the question recalled into the layers, per KV head, summed over layers: cold-tier entries and, once a
+    head's cold entries are all in, the head's extras (entries kept beside the layer when heads' budgets differ),
+    which the recall budget counts too."""
 
 
 class Generation:

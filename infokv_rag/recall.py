@@ -69,7 +69,9 @@ def attend_over_cold(
     # what recall adds to a question's time to first token. Logits more than -NEGLIGIBLE below the query's
     # largest are floored there: their share (< 1e-34 each) changes no ranking, and exp of them would be a
     # denormal, which CPUs compute tens of times slower. The hot logits hold each query's own, never -inf.
-    top = torch.stack([logits.amax(dim=2) for logits, _ in seen] + ([cold.amax(dim=2)] if cold.shape[2] else []))
+    # A part with no keys (no cold entry, or a layer that kept none of the document's) has no largest logit.
+    parts = [logits for logits, _ in seen if logits.shape[2]] + ([cold] if cold.shape[2] else [])
+    top = torch.stack([logits.amax(dim=2) for logits in parts])
     top = top.amax(dim=0).unsqueeze(2)
     cold.sub_(top).clamp_min_(NEGLIGIBLE).exp_()
     total = cold.sum(dim=2, keepdim=True)

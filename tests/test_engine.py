@@ -253,6 +253,20 @@ def test_an_answer_reserves_room_as_it_grows(random_engine: InfoKVEngine, monkey
     assert reserved[-1] == reserved[0], "the room reserved follows the start of the answer, not max_new_tokens"
 
 
+def test_a_cache_with_no_protected_tokens_and_a_budget_the_summaries_take_answers(random_engine: InfoKVEngine) -> None:
+    """No sinks, no window, no prompt kept, and a budget no larger than the summaries (or per-head budgets that
+    leave a layer none of its own): every answer reads whatever was kept, and each layer keeps a token at least."""
+    bare = {"window": 0, "sink_tokens": 0, "protect_prompt": False}
+    for config in (
+        CompressionConfig(method="snapkv", keep=10, **bare),
+        CompressionConfig(method="infokv", keep=1, summaries=0, **bare),
+        CompressionConfig(method="infokv", keep=8, recall=4, **bare),
+    ):
+        doc = random_engine.ingest_text(TEXT, config)
+        assert min(doc.stats.kept_tokens_per_layer) >= (1 if config.method == "snapkv" else 0)
+        assert doc.generate([("user", "What?")], _options(max_new_tokens=3)).text() is not None
+
+
 def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     cache = document_cache(doc)
