@@ -256,7 +256,7 @@ def test_an_answer_reserves_room_as_it_grows(random_engine: InfoKVEngine, monkey
 def test_a_cache_with_no_protected_tokens_and_a_budget_the_summaries_take_answers(random_engine: InfoKVEngine) -> None:
     """No sinks, no window, no prompt kept, and a budget no larger than the summaries (or per-head budgets that
     leave a layer none of its own): every answer reads whatever was kept, and each layer keeps a token at least."""
-    bare = {"window": 0, "sink_tokens": 0, "protect_prompt": False}
+    bare: dict[str, Any] = {"window": 0, "sink_tokens": 0, "protect_prompt": False}
     for config in (
         CompressionConfig(method="snapkv", keep=10, **bare),
         CompressionConfig(method="infokv", keep=1, summaries=0, **bare),
