@@ -345,6 +345,16 @@ class Ingestion:
             if self.global_budgets:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
+        if any(bool(layer_scores.isinf().any()) for layer_scores in comparable):
+            # What a scorer counts first in the budgets (+inf: numbers "everywhere") is kept first, and so are the
+            # protected tokens: a head's budget counts both, or its protected tokens take the places sized for
+            # the rest (a head near its protected floor kept few of its numbers).
+            comparable = [
+                layer_scores.masked_fill(
+                    protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window), torch.inf
+                )
+                for layer_scores, layer in zip(comparable, cache.layers, strict=True)
+            ]
         minimum = min(self.sinks + self.config.window, self.budget)
         head_budgets: list[list[int]] | None = None
         if self.config.heads_differ and final:
