@@ -320,3 +320,28 @@ def test_numbers_everywhere_keeps_every_number_in_every_head(
         for layer in range(len(document_cache(scored).layers))
         for positions in scored.cache.kept_positions(layer)
     )
+
+
+@pytest.mark.tiny
+@pytest.mark.parametrize("keep", [0.5, 0.7])
+def test_numbers_everywhere_count_the_protected_tokens_in_each_head_s_budget(
+    tiny_engine: InfoKVEngine, keep: float
+) -> None:
+    """A head's protected tokens (the prompt's head, sinks, window) are kept first: when a head's budget is
+    sized, they count beside its numbers, or they take the places sized for the numbers (a head near its
+    protected floor kept few of them: the real model's heads differ enough to show it, the random one's not)."""
+    text = " ".join(
+        f"The supplier shall deliver all of the ordered goods to the main warehouse of the buyer within {i + 10} "
+        "days of the written notice."
+        for i in range(8)
+    )
+    ids = torch.tensor(tiny_engine.prompt.document_ids(text))
+    config = CompressionConfig(keep=keep)
+    doc = tiny_engine.ingest_text(text, config)
+    words = torch.cumsum(tiny_engine.word_starts[ids].long(), 0)
+    numbers = torch.isin(words, words[tiny_engine.numerals[ids]]).nonzero().flatten()
+    protected = max(tiny_engine.prompt.head_tokens, config.sink_tokens) + config.window
+    assert len(numbers) + protected <= config.budget_for(len(ids), tiny_engine.prompt.head_tokens)
+    for layer in range(len(document_cache(doc).layers)):
+        for head, positions in enumerate(doc.cache.kept_positions(layer)):
+            assert torch.isin(numbers, positions).all(), (layer, head)

@@ -86,9 +86,8 @@ class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
     """A number is every token of a word that holds a digit ("$7,400", "RFC 2373", "1.20.1"): the figures a
     contract's questions ask for, and what a compressed cache loses first. "scored": ranked like any token;
     "first": ranked above every other token of its (layer, KV head), within the budget that head gets anyway;
-    "everywhere": also counted first in the budgets, so every head keeps every number the budget holds (but the
-    sizing leaves out a head's protected tokens, which then take their places first: a head near its protected
-    floor keeps few numbers; a known gap, README "numbers");
+    "everywhere": also counted first in the budgets (beside each head's protected tokens), so every head keeps
+    every number the budget holds;
     "auto": "everywhere" when the cache keeps `NUMBERS_EVERYWHERE_FROM` (half) of the document or more, else
     "scored"."""
 
