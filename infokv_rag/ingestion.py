@@ -345,15 +345,17 @@ class Ingestion:
             if self.global_budgets:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
+        protected = [
+            protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
+            for layer in cache.layers
+        ]
         if any(bool(layer_scores.isinf().any()) for layer_scores in comparable):
             # What a scorer counts first in the budgets (+inf: numbers "everywhere") is kept first, and so are the
             # protected tokens: a head's budget counts both, or its protected tokens take the places sized for
             # the rest (a head near its protected floor kept few of its numbers).
             comparable = [
-                layer_scores.masked_fill(
-                    protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window), torch.inf
-                )
-                for layer_scores, layer in zip(comparable, cache.layers, strict=True)
+                layer_scores.masked_fill(mask, torch.inf)
+                for layer_scores, mask in zip(comparable, protected, strict=True)
             ]
         minimum = min(self.sinks + self.config.window, self.budget)
         head_budgets: list[list[int]] | None = None
@@ -373,20 +375,20 @@ class Ingestion:
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)
         else:
             budgets = [self.budget] * len(scores)
-        for index, (layer, layer_scores, budget) in enumerate(zip(cache.layers, scores, budgets, strict=True)):
+        layers = zip(cache.layers, scores, budgets, protected, strict=True)
+        for index, (layer, layer_scores, budget, layer_protected) in enumerate(layers):
             if final:
                 layer.live("scores").copy_(normalize(layer_scores, "rank"))
-            protected = protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
             held_extra: Tensor | None = None
             if head_budgets is not None:
-                keep, extra = select_per_head(layer_scores, protected, head_budgets[index])
+                keep, extra = select_per_head(layer_scores, layer_protected, head_budgets[index])
                 held_extra = self._hold_extras(layer, keep, extra)
                 if keep.shape[1] == layer.length:  # every head keeps every token
                     continue
             elif layer.length <= budget:
                 continue
             else:
-                keep = select_tokens(layer_scores, protected, budget)
+                keep = select_tokens(layer_scores, layer_protected, budget)
             if self.evicted is None and self.summaries is None:
                 layer.retain(keep)
             else:

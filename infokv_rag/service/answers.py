@@ -40,7 +40,7 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
             f"the document is still being read (status {record.status}{progress}); poll GET /v1/documents/{record.id}",
         )
     if record.status == "failed":
-        raise ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
+        raise _failed(record)
     assert service.engine is not None
     document = service.registry.loaded(record.id)
     if document is not None:
@@ -49,6 +49,10 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
         return await run_in_threadpool(service.registry.load, service.engine, record)
     except CacheStoreError as exc:
         raise _rebuild(service, record, exc) from exc
+
+
+def _failed(record: DocumentRecord) -> ServiceError:
+    return ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
 
 
 def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> ServiceError:
@@ -63,7 +67,7 @@ def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> 
     if record.deleted:  # its files went while it loaded: that is the failure, not a damaged cache
         return document_not_found()
     if record.status == "failed":
-        return ServiceError(409, "document_failed", f"reading the document failed: {record.reason}")
+        return _failed(record)
     return ServiceError(
         409,
         "cache_rebuilding",

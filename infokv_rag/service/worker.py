@@ -166,9 +166,7 @@ class ModelWorker:
     def stop(self, timeout: float = 10.0) -> None:
         """Cancels running work (an interrupted upload is read again after a restart) and joins the threads."""
         with self._cond:
-            self._stopping = True
-            for job in (*self._pending, *self._active):
-                job.cancel()
+            self._stopping = True  # every answer, queued or running, ends at its next step (`_step`)
             self._cond.notify_all()
         for upload in list(self._ingest_jobs.values()):
             upload.cancelled.set()
@@ -250,7 +248,7 @@ class ModelWorker:
 
     def _step(self, job: GenerationJob) -> bool:
         """Advances one answer by one text piece; True when it has ended."""
-        if job.cancelled.is_set() or self._stopping:  # `stop` cancels what it finds queued, not the job in hand
+        if job.cancelled.is_set() or self._stopping:
             self._close(job)
             return self._end(job, Event("cancelled"), "cancelled")
         if job.record.deleted:  # nothing of a deleted document is served, not even the rest of an answer
