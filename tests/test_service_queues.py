@@ -103,6 +103,14 @@ def wait_status(client: httpx.Client, doc_id: str, headers: dict[str, str], stat
         time.sleep(0.02)
 
 
+def wait_queue(client: httpx.Client, **counts: int) -> None:
+    """Wait until /healthz's queue shows at least these counts (`active_generations=1`, ...)."""
+    deadline = time.monotonic() + 60
+    while any(admin_health(client)["queue"][name] < count for name, count in counts.items()):
+        assert time.monotonic() < deadline, (counts, admin_health(client)["queue"])
+        time.sleep(0.02)
+
+
 def in_thread(target: Any) -> threading.Thread:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -130,10 +138,7 @@ def test_deleted_uploads_free_their_places_and_a_refused_upload_is_never_made(cl
 def test_questions_whose_clients_left_free_their_places(client: httpx.Client, server: ServerProcess) -> None:
     doc_id = upload_ready(client, A, "d.txt", text(300, seed=2))
     long = in_thread(lambda: client.post(f"/v1/documents/{doc_id}/ask", json=LONG_ANSWER, headers=A))
-    deadline = time.monotonic() + 60
-    while admin_health(client)["queue"]["active_generations"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_queue(client, active_generations=1)
     for _ in range(2):  # two questions queue behind it, and their clients give up
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{server.url}/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=A, timeout=0.5)
@@ -148,7 +153,7 @@ def test_questions_whose_clients_left_free_their_places(client: httpx.Client, se
 def test_nothing_of_a_deleted_document_is_served_after_its_delete(client: httpx.Client, server: ServerProcess) -> None:
     busy, doomed = (upload_ready(client, A, f"{name}.txt", text(300, seed=3 + i)) for i, name in enumerate("xy"))
     long = in_thread(lambda: client.post(f"/v1/documents/{busy}/ask", json=LONG_ANSWER, headers=A))
-    time.sleep(0.7)
+    wait_queue(client, active_generations=1)
     queued: dict[str, httpx.Response] = {}
 
     def ask_doomed() -> None:
@@ -157,8 +162,7 @@ def test_nothing_of_a_deleted_document_is_served_after_its_delete(client: httpx.
         )
 
     waiting = in_thread(ask_doomed)
-    time.sleep(0.7)
-    assert admin_health(client)["queue"]["queued_generations"] == 1
+    wait_queue(client, queued_generations=1)
     assert client.delete(f"/v1/documents/{doomed}", headers=A).status_code == 200
     waiting.join(60)
     assert_error(queued["answer"], 404, "document_not_found")  # queued before the DELETE, never started
@@ -260,7 +264,8 @@ def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path,
             )
 
         clients = [in_thread(streamed), in_thread(whole)]
-        time.sleep(1.5)
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            wait_queue(client, active_generations=1, queued_generations=1)
     finally:
         server.stop()  # SIGTERM: a graceful stop
     for thread in clients:
