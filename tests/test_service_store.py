@@ -334,3 +334,26 @@ def test_a_store_refuses_cache_sharing_and_an_unusable_store(tmp_path: Path) -> 
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(ConfigError, match="store"):
         create_app(settings_for(tmp_path, f"file://{tmp_path}/file/store"))
+
+
+def test_an_unknown_id_costs_the_store_what_another_tenants_costs(tmp_path: Path, store_url: str) -> None:
+    """The time of a 404 must not tell an id that exists (another tenant's) from one that never did: with a
+    store, that time is the number of requests a lookup makes."""
+    registry = StoreRegistry(open_backend(store_url), tmp_path / "replica", loaded_documents=2, lease_seconds=30)
+    now = time.time()
+    stored = DocumentRecord(new_document_id(), "memo.txt", "ready", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(stored, document_from_text(SECRET.decode()))
+    reads: list[str] = []
+    real_get = registry.backend.get
+
+    def counted_get(key: str, name: str) -> bytes:
+        reads.append(name)
+        return real_get(key, name)
+
+    registry.backend.get = counted_get  # type: ignore[method-assign]
+    costs = []
+    for doc_id in (stored.id, new_document_id()):
+        reads.clear()
+        registry.get(doc_id)
+        costs.append(len(reads))
+    assert costs[0] == costs[1], costs

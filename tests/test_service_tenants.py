@@ -109,6 +109,10 @@ def test_tenants_see_only_their_own_documents(client: TestClient) -> None:
             client.post("/v1/chat/completions", json={**chat, "document_id": doc_a}, headers=headers),
             client.post("/v1/chat/completions", json={**chat, "document_id": UNKNOWN}, headers=headers),
         )
+        _same_answer(  # an id that cannot exist, on the route that takes it in the body
+            client.post("/v1/chat/completions", json={**chat, "document_id": "doc_" + "z" * 80}, headers=headers),
+            client.post("/v1/chat/completions", json={**chat, "document_id": UNKNOWN}, headers=headers),
+        )
         _same_answer(
             client.delete(f"/v1/documents/{doc_a}", headers=headers),
             client.delete(f"/v1/documents/{UNKNOWN}", headers=headers),
@@ -196,8 +200,13 @@ def test_keys_and_tenants_are_validated() -> None:
     assert KEY_BARE not in bare and re.fullmatch(r"key-[0-9a-f]{12}", bare)
     with pytest.raises(ConfigError, match="tenant 'tenantA' is shorter than 8"):
         Settings(api_keys=("tenantA:short",))
-    with pytest.raises(ConfigError, match="tenant name"):
-        Settings(api_keys=("bad tenant!:long-enough-key",))
+    with pytest.raises(ConfigError, match="tenant name") as refused:
+        Settings(api_keys=("s3cr3t!%:long-enough-key",))
+    assert "s3cr3t" not in str(refused.value)  # it may be part of a bare key that holds a colon
+    # In the environment, '#' is part of a key (comments are for keys files); and no key is shown by a repr.
+    hashed = Settings.from_env({"INFOKV_API_KEYS": "tenantA:Pa55word#2024-long"})
+    assert hashed.keyring.find("Pa55word#2024-long") is not None and hashed.keyring.find("Pa55word") is None
+    assert "Pa55word" not in repr(hashed) and ADMIN_KEY not in repr(settings_for(Path("/nonexistent")))
     with pytest.raises(ConfigError, match="the same API key"):
         Settings(api_keys=(f"tenantA:{KEY_A1}", f"tenantB:{KEY_A1}"))
     with pytest.raises(ConfigError, match="the same API key"):
@@ -258,6 +267,14 @@ def test_every_credential_presented_must_be_valid(client: TestClient) -> None:
         assert response.status_code == 401, name
         assert_error(response, 401, code)
         assert response.headers["www-authenticate"].startswith("Bearer")
+    # Every Authorization header is checked, not the first alone (a proxy may add its own).
+    for second, code in (
+        ("Bearer wrong-key-000000", "invalid_api_key"),
+        (f"Basic {KEY_A1}", "invalid_api_key"),
+        (f"Bearer {KEY_B}", "conflicting_api_keys"),
+    ):
+        response = client.get(listing, headers=[("Authorization", f"Bearer {KEY_A1}"), ("Authorization", second)])
+        assert_error(response, 401, code)
 
 
 # Bounds ------------------------------------------------------------------------------------------

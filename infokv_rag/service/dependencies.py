@@ -56,8 +56,7 @@ def _unauthorized(code: str, message: str) -> ServiceError:
 def presented_keys(headers: Headers) -> list[str]:
     """Every credential a request's headers present, whichever header carries it (empty values included)."""
     keys = []
-    authorization = headers.get("authorization")
-    if authorization is not None:
+    for authorization in headers.getlist("authorization"):  # each one: a proxy may have added its own
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _unauthorized("invalid_api_key", "the Authorization header must be 'Bearer <API key>'")

@@ -273,7 +273,8 @@ class ChatCompletionRequest(BaseModel):
 
     model: str = Field(max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    document_id: str = Field(max_length=64, description="The document the conversation is about (extension field).")
+    # No length bound of its own (the body has one): an id that cannot exist is a 404, as on every route.
+    document_id: str = Field(description="The document the conversation is about (extension field).")
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     temperature: Temperature | None = None

@@ -46,8 +46,8 @@ class Settings:
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
     """auto (None: bfloat16 on CUDA, float16 where unsupported; float32 elsewhere), bf16, fp16 or fp32."""
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # a logged or displayed Settings shows no key
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     """Keys whose callers see every tenant's documents, and those persisted before tenants existed."""
     keys_file: Path | None = None
     allow_anonymous: bool = False

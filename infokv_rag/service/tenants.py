@@ -68,7 +68,11 @@ def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEY
     key = key.strip()
     tenant = tenant.strip() or bare_key_tenant(key)
     if not TENANT_PATTERN.fullmatch(tenant):
-        raise ConfigError(f"{where}: tenant name {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        # Not echoed: what precedes a colon may be part of a bare key that holds one.
+        raise ConfigError(
+            f"{where}: an entry's tenant name (what precedes its first ':') must be 1-64 letters, digits, '.', "
+            "'_' or '-'; a key that holds ':' is written 'tenant:key'"
+        )
     if len(key) < MIN_KEY_CHARS:
         # The message names the tenant, never the key.
         raise ConfigError(
@@ -79,12 +83,9 @@ def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEY
 
 
 def split_entries(raw: str) -> list[str]:
-    """Entries of a comma- or newline-separated list; `#` starts a comment in files."""
-    entries: list[str] = []
-    for line in raw.splitlines():
-        line = line.split("#", 1)[0]
-        entries.extend(part.strip() for part in line.split(",") if part.strip())
-    return entries
+    """Entries of a comma- or newline-separated list (an environment variable's: a `#` is part of a key there;
+    comments belong to keys files, `read_keys_file`)."""
+    return [part.strip() for line in raw.splitlines() for part in line.split(",") if part.strip()]
 
 
 def read_keys_file(path: Path) -> tuple[list[str], list[str]]:
