@@ -20,15 +20,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import triton_interpreter_requested
+from .dispatch import triton_interpreter_active
 
 # Triton's interpreter multiplies bf16/fp16 tl.dot operands as their raw integer bit patterns, so
 # interpreted runs upcast tiles to float32 before tl.dot (see _triton_entropy.py).
-_UPCAST_DOT_OPERANDS = triton_interpreter_requested()
+_UPCAST_DOT_OPERANDS = triton_interpreter_active()
 
 _BLOCK_Q = 64
 _BLOCK_K = 64
-_MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
@@ -146,11 +145,9 @@ def _column_sum_kernel(
 
 
 def accumulated_attention_triton(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
-    """(H, n) float32 column sums; queries (H, q, dh), keys (Hkv, n, dh), validated by the caller."""
+    """(H, n) float32 column sums; queries (H, q, dh <= 256), keys (Hkv, n, dh), validated by the caller."""
     heads, q_len, head_dim = queries.shape
     kv_heads, n, _ = keys.shape
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"the Triton attention kernels support head dim <= {_MAX_HEAD_DIM}; got {head_dim}")
     # Logits in base 2 (exp2 is the native instruction): scale once by scaling * log2(e).
     scale_log2 = float(scaling) * _LOG2E
     common = dict(

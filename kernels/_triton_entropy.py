@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import triton_interpreter_requested
+from .dispatch import triton_interpreter_active
 
 # Triton's interpreter multiplies bf16/fp16 tl.dot operands as their raw integer bit patterns, so
 # interpreted runs upcast tiles to float32 before tl.dot. Compiled runs keep half-precision
 # operands on the tensor cores; the products are exact in the float32 accumulator either way.
-_UPCAST_DOT_OPERANDS = triton_interpreter_requested()
+_UPCAST_DOT_OPERANDS = triton_interpreter_active()
 
 _BLOCK_N = 64
 _BLOCK_V = 128
@@ -115,8 +115,10 @@ def _entropy_kernel(
                 take = tile_max > kth
                 weakest = tl.argmin(tl.where(slot_ok, best, float("inf")), axis=1)
                 best = tl.where(take[:, None] & (slots[None, :] == weakest[:, None]), tile_max[:, None], best)
-                # Remove exactly one occurrence, so tied logits each keep their own slot.
-                taken = tl.argmax(z, axis=1)
+                # Remove exactly one occurrence, so tied logits each keep their own slot. Rows that take nothing
+                # are left out of the argmax: an all-NaN row (a NaN hidden state) has none, and the interpreter
+                # fails the whole call on it; its top-k stays -inf and its entropy NaN, as in the reference.
+                taken = tl.argmax(tl.where(take[:, None], z, float("-inf")), axis=1)
                 z = tl.where(take[:, None] & (offs_v[None, :] == taken[:, None]), float("-inf"), z)
                 kth = tl.min(tl.where(slot_ok, best, float("inf")), axis=1)
                 tile_max = tl.max(z, axis=1)

@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dispatch import use_triton
+from .dispatch import get_kernel_backend, use_triton
+
+#: Largest head dim the Triton kernels handle (a query or key row is one register tile).
+TRITON_MAX_HEAD_DIM = 256
 
 # Reference tiles: rows = (query heads of one KV group) x query_block, columns = key_block. For
 # the default model (7 heads per group) a 896 x 4096 float32 logits tile is 14 MiB.
@@ -43,6 +46,7 @@ def _check_inputs(queries: Tensor, keys: Tensor) -> None:
         raise ValueError(f"queries are on {queries.device} but keys are on {keys.device}")
 
 
+@torch.no_grad()
 def accumulated_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
     """Column sums of causal attention probabilities over all queries.
 
@@ -53,15 +57,23 @@ def accumulated_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tens
 
     Returns:
         (H, n) float32; row h sums to q (each query's probabilities sum to 1).
+
+    Runs the Triton kernels or the PyTorch reference as the dispatch switch decides; the Triton kernels
+    support head dims <= TRITON_MAX_HEAD_DIM (larger ones fall back to the reference under "auto").
     """
     _check_inputs(queries, keys)
     if use_triton(queries, keys):
-        from ._triton_attention import accumulated_attention_triton
+        head_dim = queries.shape[2]
+        if head_dim <= TRITON_MAX_HEAD_DIM:
+            from ._triton_attention import accumulated_attention_triton
 
-        return accumulated_attention_triton(queries, keys, scaling)
+            return accumulated_attention_triton(queries, keys, scaling)
+        if get_kernel_backend() == "triton":
+            raise ValueError(f"the Triton attention kernels support head dim <= {TRITON_MAX_HEAD_DIM}; got {head_dim}")
     return accumulated_attention_reference(queries, keys, scaling)
 
 
+@torch.no_grad()
 def accumulated_attention_reference(
     queries: Tensor,
     keys: Tensor,

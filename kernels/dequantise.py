@@ -36,7 +36,12 @@ def _unpack_into(out: Tensor, codes: Tensor, bits: int) -> None:
         out.copy_(codes)
 
 
-def _check(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> None:
+def _check(codes: Tensor, low: Tensor, high: Tensor, bits: int, out: Tensor | None) -> int:
+    """Validates what keys and values share and returns dh, the channels the codes hold.
+
+    The kernel indexes every tensor with these sizes unchecked, so a mismatch would read or write past one: each
+    decoder checks the rest of its shapes before either path runs, and both paths refuse the same inputs.
+    """
     if bits not in (4, 8):
         raise ValueError(f"codes are 4 or 8 bits wide, not {bits}")
     if codes.dtype != torch.uint8 or codes.dim() != 3 or low.dim() != 3 or low.shape != high.shape:
@@ -44,8 +49,17 @@ def _check(codes: Tensor, low: Tensor, high: Tensor, bits: int) -> None:
             f"expected uint8 codes (H, m, bytes) and two equal (H, ranges, width) ranges; got codes "
             f"{tuple(codes.shape)} {codes.dtype}, ranges {tuple(low.shape)} and {tuple(high.shape)}"
         )
+    tensors = (codes, low, high) if out is None else (codes, low, high, out)
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(
+            f"codes, ranges and out must be on one device; got {', '.join(str(t.device) for t in tensors)}"
+        )
+    if low.shape[0] != codes.shape[0]:
+        raise ValueError(f"codes have {codes.shape[0]} heads but ranges have {low.shape[0]}")
+    return codes.shape[2] * 8 // bits
 
 
+@torch.no_grad()
 def dequantise_keys(
     codes: Tensor, low: Tensor, high: Tensor, bits: int, page_tokens: int, out: Tensor | None = None
 ) -> Tensor:
@@ -55,9 +69,15 @@ def dequantise_keys(
     writes all of its first pages * page_tokens entries per channel, the kernel the first m.
     Returns (H, m, dh) float32, channel-major (a transposed view of `out`).
     """
-    _check(codes, low, high, bits)
-    heads, pages, dim = low.shape
+    dim = _check(codes, low, high, bits, out)
+    heads, pages, width = low.shape
     m = codes.shape[1]
+    if width != dim:
+        raise ValueError(f"codes hold {dim} channels ({codes.shape[2]} bytes at {bits} bits) but key ranges {width}")
+    if page_tokens < 1 or m > pages * page_tokens:
+        raise ValueError(f"{m} keys do not fit {pages} pages of ranges, {page_tokens} keys a page")
+    if out is not None and (out.dim() != 3 or out.shape[:2] != (heads, dim) or out.shape[2] < pages * page_tokens):
+        raise ValueError(f"out must be ({heads}, {dim}, at least {pages * page_tokens}); got {tuple(out.shape)}")
     if out is None:
         out = torch.empty(heads, dim, pages * page_tokens, device=codes.device)
     if use_triton(codes, low, high, out):
@@ -72,14 +92,21 @@ def dequantise_keys(
     return keys[:, :, :m].transpose(1, 2)
 
 
+@torch.no_grad()
 def dequantise_values(codes: Tensor, low: Tensor, high: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
     """Values from their codes: codes (H, m, dh * bits // 8) uint8, low / high (H, m, groups) float16.
 
     Returns (H, m, dh) float32, decoded into `out` of that shape when given.
     """
-    _check(codes, low, high, bits)
-    heads, m, groups = low.shape
-    dim = codes.shape[2] * 8 // bits
+    dim = _check(codes, low, high, bits, out)
+    heads, rows, groups = low.shape
+    m = codes.shape[1]
+    if rows != m:
+        raise ValueError(f"{m} values need one range row each; got {rows}")
+    if groups == 0 or dim % groups:
+        raise ValueError(f"{dim} channels do not split into {groups} range groups")
+    if out is not None and out.shape != (heads, m, dim):
+        raise ValueError(f"out must be ({heads}, {m}, {dim}); got {tuple(out.shape)}")
     values = torch.empty(heads, m, dim, device=codes.device) if out is None else out
     if use_triton(codes, low, high, values):
         from ._triton_dequantise import dequantise_triton

@@ -9,8 +9,9 @@ The backend is chosen, highest precedence first, by:
 
 ``auto`` runs Triton when every input lives on CUDA and Triton imports, the PyTorch reference
 otherwise. ``torch`` always runs the reference. ``triton`` always runs Triton; on CPU tensors that is
-only possible in Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernels are first
-used), which is how the tests exercise the kernels on machines without a GPU.
+only possible in Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported:
+Triton reads it then, and some libraries, transformers among them, import triton early), which is how
+the tests exercise the kernels on machines without a GPU.
 
 Triton is imported lazily, only when a Triton kernel is about to run.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -72,9 +74,21 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks Triton to interpret kernels (Triton's own truthy spellings)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "on", "yes"}
+def triton_interpreter_active() -> bool:
+    """Whether Triton runs kernels in its interpreter in this process.
+
+    Triton reads ``TRITON_INTERPRET`` when it decorates a function, and decorates its own triton.language
+    functions when first imported: set any later, the variable makes only later kernels interpreted, and those
+    fail calling the compiled triton.language. So once triton is imported, what counts is how it decorated
+    those; until then, the variable as it is now, which that import will read.
+    """
+    if sys.modules.get("triton") is None:
+        # Triton's own truthy spellings.
+        return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "on", "yes"}
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -90,9 +104,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return on_cuda and triton_available()
     if not triton_available():
         raise RuntimeError("kernel backend 'triton' was forced but the triton package is not installed")
-    if not on_cuda and not triton_interpreter_requested():
+    if not on_cuda and not triton_interpreter_active():
         raise RuntimeError(
-            "kernel backend 'triton' was forced for CPU tensors; Triton runs them only in its "
-            "interpreter: set TRITON_INTERPRET=1 before the first kernel call, or use backend 'auto'/'torch'"
+            "kernel backend 'triton' was forced for CPU tensors; Triton runs them only in its interpreter: "
+            "set TRITON_INTERPRET=1 before triton is first imported, or use backend 'auto'/'torch'"
         )
     return True

@@ -51,6 +51,7 @@ def _effective_top_k(top_k: int, vocab: int) -> int:
     return 0 if top_k >= vocab else top_k
 
 
+@torch.no_grad()
 def predictive_entropy(hidden: Tensor, weight: Tensor, top_k: int = 20) -> Tensor:
     """Entropy of softmax(hidden @ weight.T) per token, over the top-k logits (0 = all).
 
@@ -79,6 +80,7 @@ def predictive_entropy(hidden: Tensor, weight: Tensor, top_k: int = 20) -> Tenso
     return predictive_entropy_reference(hidden, weight, k)
 
 
+@torch.no_grad()
 def predictive_entropy_reference(
     hidden: Tensor,
     weight: Tensor,
@@ -153,6 +155,7 @@ def _top_k_entropy(h: Tensor, weight: Tensor, k: int, vocab_block: int) -> Tenso
     return s.log() - t / s
 
 
+@torch.no_grad()
 def predictive_surprisal(
     hidden: Tensor,
     weight: Tensor,

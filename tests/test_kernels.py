@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import Mock
 
 import torch
 
@@ -36,11 +37,13 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 import pytest  # noqa: E402
 
 from infokv_rag.kernels import (  # noqa: E402
+    TRITON_MAX_HEAD_DIM,
     TRITON_MAX_TOP_K,
     accumulated_attention,
     accumulated_attention_reference,
     dequantise_keys,
     dequantise_values,
+    dispatch,
     get_kernel_backend,
     group_reduce,
     kernel_backend,
@@ -215,11 +218,37 @@ def test_auto_and_torch_choose_the_reference_for_cpu_tensors() -> None:
         assert not use_triton(x)
 
 
+def test_auto_runs_the_reference_on_cuda_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors never ask whether triton is installed, so only tensors that look like CUDA test that
+    "auto" falls back to the reference without it (use_triton reads nothing else of a tensor)."""
+    on_cuda = Mock(spec=torch.Tensor, is_cuda=True)
+    with kernel_backend("auto"):
+        monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+        assert use_triton(on_cuda)
+        monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+        assert not use_triton(on_cuda)
+
+
 @needs_triton
-def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with kernel_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        use_triton(torch.zeros(2, 2))
+def test_forced_triton_on_cpu_needs_the_interpreter_set_before_import() -> None:
+    """Triton reads TRITON_INTERPRET once, when first imported (transformers imports it early): set later, or
+    not at all, the variable must give the dispatcher's error, not one from deep inside Triton."""
+    script = (
+        "import os, torch, triton\n"
+        "from infokv_rag.kernels import kernel_backend, predictive_entropy\n"
+        "for interpret in ('1', '0'):\n"
+        "    os.environ['TRITON_INTERPRET'] = interpret\n"
+        "    try:\n"
+        "        with kernel_backend('triton'):\n"
+        "            predictive_entropy(torch.randn(3, 8), torch.randn(20, 8), 4)\n"
+        "    except RuntimeError as error:\n"
+        "        assert 'before triton is first imported' in str(error), error\n"
+        "    else:\n"
+        "        raise AssertionError(f'TRITON_INTERPRET={interpret} set after import: no RuntimeError')\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_package_imports_without_triton_and_runs_when_it_is_missing() -> None:
@@ -292,6 +321,19 @@ def test_entropy_triton_with_tied_and_large_logits(top_k: int) -> None:
     hidden, weight = tied_large_logits()
     with kernel_backend("triton"):
         assert_close(predictive_entropy(hidden, weight, top_k), dense_entropy(hidden, weight, top_k), "triton")
+
+
+@runs_triton
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_entropy_triton_gives_nan_for_an_all_nan_row(top_k: int) -> None:
+    """A NaN hidden state (an fp16 overflow upstream) spoils its own row only, as in the reference."""
+    hidden, weight = make_lm_head(4, 300, 8, torch.float32)
+    hidden[1] = float("nan")
+    expected = predictive_entropy_reference(hidden, weight, top_k)
+    assert expected.isnan().tolist() == [False, True, False, False]
+    with kernel_backend("triton"):
+        actual = predictive_entropy(hidden, weight, top_k)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=2e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -415,6 +457,22 @@ def test_attention_rejects_bad_inputs() -> None:
         accumulated_attention(queries, keys, 1.0)
     with pytest.raises(ValueError, match="head dim mismatch"):
         window_attention(queries[:, :3], keys[..., :4], 1.0)
+
+
+def test_attention_head_dim_over_the_triton_limit_falls_back_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where "auto" picks Triton (CUDA tensors, simulated), a head dim the kernels cannot hold runs the reference;
+    only a forced Triton refuses it."""
+    monkeypatch.setattr(
+        importlib.import_module("infokv_rag.kernels.accumulated_attention"), "use_triton", lambda *_: True
+    )
+    queries, keys = make_qk(4, 2, 3, 20, TRITON_MAX_HEAD_DIM + 32, torch.float32)
+    scaling = queries.shape[2] ** -0.5
+    with kernel_backend("auto"):
+        assert_close(
+            window_attention(queries, keys, scaling), window_attention_reference(queries, keys, scaling), "auto"
+        )
+    with kernel_backend("triton"), pytest.raises(ValueError, match=f"head dim <= {TRITON_MAX_HEAD_DIM}"):
+        accumulated_attention(queries, keys, scaling)
 
 
 def test_group_reduce() -> None:
@@ -609,3 +667,72 @@ def test_dequantise_rejects_bad_inputs() -> None:
         dequantise_values(codes, low, high, 6)
     with pytest.raises(ValueError, match="uint8 codes"):
         dequantise_values(codes.float(), low, high, 8)
+
+
+# Decodes whose shapes or devices disagree, each with the reason it must be refused for: the kernel indexes with
+# these sizes, so it would read or write past a tensor (a crash, or silently wrong numbers).
+INCONSISTENT_DECODES: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "keys-past-their-pages": (lambda: dequantise_keys(*make_codes(1, 40, 16, 16, 8, 1), 8, PAGE), "pages"),
+    "keys-of-another-head-dim": (
+        lambda: dequantise_keys(make_codes(1, 10, 16, 16, 8, 1)[0], *make_codes(1, 10, 32, 32, 8, 1)[1:], 8, PAGE),
+        "channels",
+    ),
+    "keys-of-another-head-dim-at-4-bits": (
+        lambda: dequantise_keys(make_codes(1, 10, 16, 16, 4, 1)[0], *make_codes(1, 10, 8, 8, 4, 1)[1:], 4, PAGE),
+        "channels",
+    ),
+    "keys-with-ranges-of-fewer-heads": (
+        lambda: dequantise_keys(make_codes(2, 10, 16, 16, 8, 1)[0], *make_codes(1, 10, 16, 16, 8, 1)[1:], 8, PAGE),
+        "heads",
+    ),
+    "keys-into-a-short-out": (
+        lambda: dequantise_keys(*make_codes(1, 40, 16, 16, 8, 2), 8, PAGE, torch.empty(1, 16, 40, device=DEVICE)),
+        "out must be",
+    ),
+    "values-with-ranges-of-other-entries": (lambda: dequantise_values(*make_codes(1, 4, 48, 4, 8, 3), 8), "range row"),
+    "values-in-groups-not-dividing-dh": (lambda: dequantise_values(*make_codes(1, 4, 48, 5, 8, 4), 8), "groups"),
+    "values-into-an-out-of-another-shape": (
+        lambda: dequantise_values(*make_codes(1, 4, 48, 4, 8, 4), 8, torch.empty(1, 4, 32, device=DEVICE)),
+        "out must be",
+    ),
+    "values-into-an-out-on-another-device": (
+        lambda: dequantise_values(*make_codes(1, 4, 8, 1, 8, 4), 8, torch.empty(1, 4, 8, device="meta")),
+        "device",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=runs_triton)])
+@pytest.mark.parametrize("case", INCONSISTENT_DECODES)
+def test_dequantise_rejects_inconsistent_shapes(case: str, backend: str) -> None:
+    decode, reason = INCONSISTENT_DECODES[case]
+    with kernel_backend(backend), pytest.raises(ValueError, match=reason):
+        decode()
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def test_kernels_build_no_autograd_graph() -> None:
+    """Scores and decoded caches are never differentiated. An input that requires grad (an nn.Linear LM head's
+    weight does) must not make the references keep every tile for backward: extra memory O(n x V), not O(tile)."""
+    hidden, weight = make_lm_head(5, 30, 8, torch.float32)
+    targets = torch.arange(5, device=DEVICE)
+    queries, keys = make_qk(4, 2, 3, 9, 8, torch.float32)
+    codes, low, high = make_codes(1, 4, 8, 8, 8, 1)
+    value_codes, value_low, value_high = make_codes(1, 4, 8, 2, 8, 4)
+    for tensor in (weight, queries, keys, low, value_low):
+        tensor.requires_grad_()
+    with kernel_backend("torch"):
+        outputs = {
+            "predictive_entropy": predictive_entropy(hidden, weight, 4),
+            "predictive_entropy_reference": predictive_entropy_reference(hidden, weight, 0),
+            "predictive_surprisal": predictive_surprisal(hidden, weight, targets),
+            "accumulated_attention": accumulated_attention(queries, keys, 0.35),
+            "accumulated_attention_reference": accumulated_attention_reference(queries, keys, 0.35),
+            "window_attention": window_attention(queries, keys, 0.35),
+            "window_attention_reference": window_attention_reference(queries, keys, 0.35),
+            "dequantise_keys": dequantise_keys(codes, low, high, 8, PAGE),
+            "dequantise_values": dequantise_values(value_codes, value_low, value_high, 8),
+        }
+    assert [name for name, out in outputs.items() if out.requires_grad] == []
