@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.quality import progress
-from benchmarks.realdocs import SPLITS, answer_matches, load_realdocs
+from benchmarks.realdocs import SPLITS, load_realdocs
 from benchmarks.realdocs_quality import (
     FULL_ROW,
     NO_DOCUMENT_ROW,
@@ -38,6 +38,7 @@ from benchmarks.realdocs_quality import (
 )
 from infokv_rag import CompressedDocument, InfoKVEngine
 from infokv_rag.documents import Document, load_document
+from infokv_rag.evaluation import answer_matches
 
 
 def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str]) -> list[range]:

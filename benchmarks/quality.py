@@ -106,7 +106,7 @@ def progress(message: str) -> None:
 
 
 def correct(answer: str, expected: tuple[str, ...]) -> bool:
-    return any(answer_matches(answer, alternative) for alternative in expected)
+    return answer_matches(answer, expected)
 
 
 @dataclass(frozen=True)

@@ -45,14 +45,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor
 
 import infokv_rag
+import infokv_rag.kernels
 from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, mean_kl, progress, run_kvpress_peer
-from benchmarks.realdocs import KINDS, SPLITS, RealDoc, answer_matches, load_realdocs
+from benchmarks.realdocs import KINDS, SPLITS, RealDoc, load_realdocs
 from benchmarks.variants import teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.documents import Document, Page, load_document
+from infokv_rag.evaluation import answer_matches
 from infokv_rag.generation import Generation, GenerationOptions
 from infokv_rag.models import cache_root
 from infokv_rag.placement import DTYPES, dtype_name
@@ -327,14 +330,18 @@ def default_cache_dir() -> Path:
 
 
 def code_digest() -> str:
-    """A digest of the installed `infokv_rag` package (sources and shipped data such as the surrogates).
+    """A digest of the code that answers: the installed `infokv_rag` package (sources and shipped data such as
+    the surrogates), its kernels (installed from another directory), this module, and the versions of torch
+    and transformers.
 
     It is stamped on every cached record but kept out of the key: a change anywhere in the package would
     otherwise recompute hours of unrelated rows. A row answered by other code is reported instead."""
-    package = Path(infokv_rag.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(p for p in package.rglob("*") if p.is_file() and p.suffix in {".py", ".safetensors", ".json"}):
-        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for package in (Path(infokv_rag.__file__).parent, Path(infokv_rag.kernels.__file__).parent):
+        files = (p for p in package.rglob("*") if p.is_file() and p.suffix in {".py", ".safetensors", ".json"})
+        for path in sorted(files):
+            digest.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes())
+    digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -421,13 +428,15 @@ class Bench:
         return f"{time.perf_counter() - self.started:.0f}s"
 
     def key(self, document: Document, identity: dict[str, Any]) -> dict[str, Any]:
-        # A float32 run's key names no dtype, as before `--dtype` existed, so that its cached results stay valid.
-        dtype = self.engine.runner.dtype
+        # A float32 CPU run's key names neither dtype nor device, as before `--dtype` existed and GPU runs were
+        # made, so that its cached results stay valid.
+        dtype, device = self.engine.runner.dtype, self.engine.runner.device
         return {
             "benchmark": "realdocs",
             "version": CACHE_VERSION,
             "model": self.engine.fingerprint,
             **({} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}),
+            **({} if device.type == "cpu" else {"device": device.type}),
             "document": document.sha256,
             "max_new_tokens": self.max_new_tokens,
             "row": identity,
@@ -590,6 +599,7 @@ def facts(args: argparse.Namespace, bench: Bench, results: Sequence[DocumentResu
         "model": args.model,
         "model_fingerprint": bench.engine.fingerprint,
         "dtype": str(bench.engine.runner.dtype).removeprefix("torch."),
+        "device": str(bench.engine.runner.device),
         "code": bench.code,
         "rows_by_other_code": sorted(bench.other_code),
         "split": args.split,

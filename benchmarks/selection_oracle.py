@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.quality import mean_kl, progress
-from benchmarks.realdocs import SPLITS, answer_matches, load_realdocs
+from benchmarks.realdocs import SPLITS, load_realdocs
 from benchmarks.realdocs_quality import (
     FULL,
     Bench,
@@ -57,6 +57,7 @@ from benchmarks.variants import Rescorer, compress_variants, teacher_forced_logi
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cache import DocumentCache
 from infokv_rag.documents import load_document
+from infokv_rag.evaluation import answer_matches
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers.base import Scorer
 from infokv_rag.signals import LayerSignals

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import re
+import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -107,11 +109,35 @@ def make_fact_document(seed: int, target_words: int = 1200, facts: int = 4) -> F
     return FactDocument(text=text, facts=tuple(chosen), depths=depths)
 
 
-def answer_matches(answer: str, expected: str) -> bool:
-    """Whether `answer` contains `expected`, ignoring case, spacing and thousands separators, and not as part of
-    a longer number ("14000" does not answer "1400")."""
+def normalize_answer(text: str) -> str:
+    """Lower case, thousands separators dropped ("7,400" -> "7400"), "%" -> " percent ", zero decimals dropped
+    ("265.00" -> "265") and a cents figure's trailing zero too ("2.50" -> "2.5"), letters and digits apart
+    ("RFC2373" -> "rfc 2373"), a number's decimal or version dots and its sign kept with it ("0.5" -> "0p5",
+    "1.20.1" -> "1p20p1", "-10" -> "minus10": none of them contains "5", "1" or "10"), other punctuation ->
+    spaces, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text).lower().replace("%", " percent ")
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
+    text = re.sub(r"(?<![\d.])(\d+)\.0+(?!\d|\.\d)", r"\1", text)
+    text = re.sub(r"(?<![\d.])(\d+\.\d)0(?!\d|\.\d)", r"\1", text)
+    text = re.sub(r"(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", " ", text)
+    text = re.sub(r"(?<=\d)\.(?=\d)", "p", text)
+    text = re.sub(r"(?<![0-9a-z])-(?=\d)", "minus", text)
+    text = re.sub(r"[^0-9a-z]+", " ", text)
+    return " ".join(text.split())
 
-    def canonical(text: str) -> str:
-        return re.sub(r"[\s,.]", "", text.lower())
 
-    return re.search(rf"(?<!\d){re.escape(canonical(expected))}(?!\d)", canonical(answer)) is not None
+_NUMBER_WORD = re.compile(r"(minus)?\d+(p\d+)*")
+
+
+def answer_matches(answer: str, accepted: Sequence[str]) -> bool:
+    """Whether `answer` contains any accepted string, compared as whole normalised words (`normalize_answer`:
+    "basis" does not hold "as is", nor "148213" "48213", nor "Section 5.3" "53").
+
+    An answer that is nothing but several different figures ("100000, 600100000, 65536") lists candidates:
+    it is right only as a whole accepted answer ("1024:524288", "15-20")."""
+    normalised = normalize_answer(answer)
+    targets = [target for target in map(normalize_answer, accepted) if target]
+    words = normalised.split()
+    if len(set(words)) > 1 and all(_NUMBER_WORD.fullmatch(word) for word in words):
+        return normalised in targets
+    return any(f" {target} " in f" {normalised} " for target in targets)

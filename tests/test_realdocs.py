@@ -13,12 +13,10 @@ from benchmarks.realdocs import (
     KINDS,
     QUESTIONS_FILE,
     SPLITS,
-    answer_matches,
     document_text,
     load_realdocs,
-    normalize_answer,
 )
-from infokv_rag.evaluation import answer_matches as fact_answer_matches
+from infokv_rag.evaluation import answer_matches, normalize_answer
 
 MANIFEST: list[dict[str, Any]] = json.loads(QUESTIONS_FILE.read_text(encoding="utf-8"))["documents"]
 COMMITTED = [entry for entry in MANIFEST if "file" in entry["source"]]
@@ -70,16 +68,22 @@ def test_split_is_fixed() -> None:
         ("Pin-Priority: -10", "10", False),
         ("about 2373.5", "2373", False),
         ("14000 cases", "1400", False),
+        ("either party may terminate as set out in Section 5.3.", "53", False),
+        # Whole words: the planted facts' "AS IS" is not in "basis".
+        ("The Licensor provides the Work on a royalty-free basis.", "AS IS", False),
+        ('The Work is provided on an "AS IS" basis.', "AS IS", True),
+        # A cents figure's trailing zero is no part of its value; a version's stays.
+        ("USD 2.5 per pound", "2.50", True),
+        ("6,482,915.4", "6,482,915.40", True),
+        ("dpkg 1.2.1", "1.20.1", False),
+        # Nothing but candidates is no answer; a range or ratio that is the answer is one.
+        ("100000, 600100000, 65536", "65536", False),
+        ("1024:524288", "1024:524288", True),
+        ("10000 messages in 30s.", "10000", True),
     ],
 )
 def test_the_checker_takes_a_number_whole(answer: str, accepted: str, right: bool) -> None:
     assert answer_matches(answer, [accepted]) is right
-
-
-def test_the_planted_fact_checker_takes_a_number_whole() -> None:
-    assert fact_answer_matches("The code is 48,213.", "48213")
-    assert not fact_answer_matches("The code is 148213.", "48213")
-    assert not fact_answer_matches("14000", "1400")
 
 
 @pytest.mark.parametrize("entry", COMMITTED, ids=[entry["id"] for entry in COMMITTED])

@@ -35,14 +35,12 @@ from xml.sax.saxutils import escape
 __all__ = [
     "RealDoc",
     "RealDocsError",
-    "answer_matches",
     "clean_license_text",
     "default_cache_dir",
     "document_text",
     "fold_text",
     "load_realdocs",
     "main",
-    "normalize_answer",
     "render_pdf",
     "text_blocks",
 ]
@@ -150,30 +148,6 @@ def document_text(doc_id: str, cache_dir: Path | None = None) -> str:
         if entry["id"] == doc_id:
             return _entry_text(entry, cache)
     raise KeyError(f"no document {doc_id!r} in {QUESTIONS_FILE}")
-
-
-# --- answers ----------------------------------------------------------------------------------
-
-
-def normalize_answer(text: str) -> str:
-    """Lower case, thousands separators dropped ("7,400" -> "7400"), "%" -> " percent ", zero decimals dropped
-    ("265.00" -> "265"), letters and digits apart ("RFC2373" -> "rfc 2373"), a number's decimal or version dots
-    and its sign kept with it ("0.5" -> "0p5", "1.20.1" -> "1p20p1", "-10" -> "minus10": none of them contains
-    "5", "1" or "10"), other punctuation -> spaces, whitespace collapsed."""
-    text = unicodedata.normalize("NFKC", text).lower().replace("%", " percent ")
-    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
-    text = re.sub(r"(?<![\d.])(\d+)\.0+(?!\d|\.\d)", r"\1", text)
-    text = re.sub(r"(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", " ", text)
-    text = re.sub(r"(?<=\d)\.(?=\d)", "p", text)
-    text = re.sub(r"(?<![0-9a-z])-(?=\d)", "minus", text)
-    text = re.sub(r"[^0-9a-z]+", " ", text)
-    return " ".join(text.split())
-
-
-def answer_matches(answer: str, accepted: Sequence[str]) -> bool:
-    """Whether `answer` contains any accepted string, compared as whole normalised words."""
-    haystack = f" {normalize_answer(answer)} "
-    return any(f" {normalize_answer(a)} " in haystack for a in accepted if normalize_answer(a))
 
 
 # --- manifest and texts -----------------------------------------------------------------------
@@ -463,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.list = True
 
     from infokv_rag.documents import load_document
+    from infokv_rag.evaluation import answer_matches
 
     docs = load_realdocs(args.split, args.cache_dir)
     tokenizer = None
@@ -480,9 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for doc in docs:
         extracted = load_document(doc.pdf_path)
         if args.check:
-            haystack = f" {normalize_answer(extracted.text)} "
             for question, answers in doc.questions:
-                if not any(f" {normalize_answer(a)} " in haystack for a in answers):
+                if not answer_matches(extracted.text, answers):
                     failures += 1
                     print(f"MISSING {doc.doc_id}: {question} -> {answers}")
         if args.list:
