@@ -260,6 +260,15 @@ class ResidentCache(ABC):
             length + round(int(count.sum()) / len(count)) for length, count in zip(self.lengths, counts, strict=True)
         ]
 
+    @property
+    def mean_kept_tokens(self) -> float:
+        """Tokens kept over all layers per KV head, unrounded: the layers' lengths plus the mean over KV heads of
+        all their extras (`kept_per_layer` rounds each layer, so its sum may be off by a token per two layers)."""
+        extras = self.extra_positions()
+        if extras is None:
+            return float(sum(self.lengths))
+        return sum(self.lengths) + sum(int(count.sum()) for _, count in extras) / len(extras[0][1])
+
     def beside_tokens(self, summaries: bool = True) -> int:
         """The most entries a question attends beside any layer's own (per KV head): the extras, and the
         summaries if `summaries`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,24 +70,57 @@ def recall_tokens(recall: float | int, document_tokens: int) -> int:
     return round(recall * document_tokens) if isinstance(recall, float) else min(recall, document_tokens)
 
 
+def matches(value: object, hint: Any) -> bool:
+    """Whether `value` is of the type annotation `hint`, strictly: only a bool is a bool ("false" would read as
+    True), a bool is no int, a float is no int, an int is a float; `X | None` also takes None; a `Literal` takes
+    its choices."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches(value, member) for member in typing.get_args(hint))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def described(hint: Any) -> str:
+    """What `matches(value, hint)` takes, in words, for an error message."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return f"one of {typing.get_args(hint)}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(described(member) for member in typing.get_args(hint))
+    return {bool: "True or False", int: "a whole number", float: "a number", type(None): "None"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
+
+
 @dataclass(frozen=True)
 class MethodSettings:
     """Base of a method's own settings: a frozen dataclass whose fields all have defaults.
 
-    Fields typed `Literal[...]` are checked against their choices on construction; a subclass checks
-    anything else in `validate`.
+    Every field is checked against its annotation on construction (`matches`); a subclass checks anything
+    else in `validate`.
     """
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for item in dataclasses.fields(self):
             hint, value = hints[item.name], getattr(self, item.name)
-            if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
-                raise ConfigError(f"{item.name} must be one of {typing.get_args(hint)}, got {value!r}")
+            if not matches(value, hint):
+                raise ConfigError(f"{item.name} must be {described(hint)}, got {value!r}")
         self.validate()
 
     def validate(self) -> None:
         """Raises `ConfigError` for values that the field types do not rule out."""
+
+    def unread(self) -> frozenset[str]:
+        """The settings that these values leave unread, whatever the scorer (`Scorer.unread_settings` adds what
+        the scorer's configuration leaves unread)."""
+        return frozenset()
 
 
 @dataclass(frozen=True)
@@ -107,9 +141,12 @@ class CompressionConfig:
     window: int = 32
     """The observation window: the last `window` document tokens, always kept; their attention is a signal."""
     chunk_size: int = 2048
+    """Tokens prefilled between compressions (at least `window`); a last remainder shorter than `window` joins the
+    chunk before it, so that every compression's observation window holds `window` queries."""
     adaptive_budget: bool = False
     """Redistribute the total budget across layers: more where scores are flat (per-layer lengths differ)."""
     seed: int = 0
+    """Seeds the random choices (the `random` method, the summaries' k-means); a signed 64-bit integer."""
     recall: float | int = 0
     """Keep what compression evicts in a cold tier and, per question, recall this much of it: a ratio of the
     document's tokens or a token count per (layer, KV head); 0: no cold tier. Each ask may change it."""
@@ -134,6 +171,9 @@ class CompressionConfig:
         for name, smallest in (("sink_tokens", 0), ("window", 0), ("chunk_size", 1), ("summaries", 0)):
             check_count(name, getattr(self, name), smallest)
         check_count("seed", self.seed, None)
+        if not -(2**63) <= self.seed < 2**63:
+            # Seeds derived from it (per layer, per summary) must still fit torch's 64-bit generator seed.
+            raise ConfigError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         for name in ("protect_prompt", "adaptive_budget"):
             if not isinstance(getattr(self, name), bool):  # "no" would read as True
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -152,6 +192,7 @@ class CompressionConfig:
         if not method.compresses:
             object.__setattr__(self, "summaries", 0)  # nothing is evicted, so nothing to stand in for
         object.__setattr__(self, "settings", method.settings_from(self.settings))
+        method.build(self.settings, self.window)  # refuses settings its scorer never reads, and a missing window
         layer_budgets = getattr(self.settings, "layer_budgets", "uniform")
         if self.adaptive_budget and layer_budgets != "uniform":
             # Budgets over layers (and heads) are then the method's own: adaptive_budget would be ignored.

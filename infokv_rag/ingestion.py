@@ -4,11 +4,12 @@ Per chunk: the forward pass captures attention and layer change (`SignalCapture`
 states give the information signal, the surrogate predicts reconstruction importance from each layer's
 input (when the method reads it), a reconstruction pass (when the method reads it) scores the chunk's
 tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
-(always after the last chunk) every layer is scored by the method's scorer and cut to its budget. So a
-layer never holds more than budget + chunk tokens; with global layer budgets the layers together never
-hold more than layers x (budget + chunk). What each compression drops is folded into the layer's summaries
-(`infokv_rag.summaries`) when the config keeps them. A config that keeps a cold tier holds every entry
-until the end, and is compressed once, after the last chunk.
+(always after the last chunk) every layer is scored by the method's scorer and cut to its budget. A last
+remainder shorter than the observation window joins the chunk before it (`chunk_bounds`). So a layer never
+holds more than budget + chunk tokens (a chunk: at most chunk_size + window - 1); with global layer budgets
+the layers together never hold more than layers x (budget + chunk). What each compression drops is folded
+into the layer's summaries (`infokv_rag.summaries`) when the config keeps them. A config that keeps a cold
+tier holds every entry until the end, and is compressed once, after the last chunk.
 """
 
 from __future__ import annotations
@@ -74,10 +75,16 @@ class DocumentStats:
     """Most tokens held over all layers (per KV head) at any time during ingestion."""
     cold_bytes: int = 0
     """Bytes of the cold tier (evicted entries, quantised), when one is kept; `cache_bytes` is the hot cache."""
+    mean_kept_tokens: float | None = None
+    """Tokens kept over all layers per KV head, unrounded (`ResidentCache.mean_kept_tokens`); None in stats saved
+    before it was recorded."""
 
     @property
     def kept_tokens(self) -> int:
-        return sum(self.kept_tokens_per_layer)
+        """Tokens kept over all layers per KV head, rounded once (each of `kept_tokens_per_layer` is rounded)."""
+        if self.mean_kept_tokens is None:
+            return sum(self.kept_tokens_per_layer)
+        return round(self.mean_kept_tokens)
 
     @property
     def compression_ratio(self) -> float:
@@ -97,6 +104,17 @@ class IngestionResult:
     """(n,) the sorted information values of the document tokens, when the method computed them."""
     cold_tier: ColdTier | None
     """The evicted entries, when the config keeps a cold tier."""
+
+
+def chunk_bounds(tokens: int, chunk_size: int, window: int) -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk of a `tokens`-token document: `chunk_size` tokens each, but a last
+    remainder shorter than `window` joins the chunk before it (up to chunk_size + window - 1 tokens). The
+    observation window is the last `window` queries of the chunk just read, so every compression then ranks by
+    `window` queries; only a document shorter than the window is read with fewer."""
+    starts = list(range(0, tokens, chunk_size))
+    if len(starts) > 1 and tokens - starts[-1] < window:
+        starts.pop()
+    return list(zip(starts, [*starts[1:], tokens], strict=True))
 
 
 def signal_capture(engine: InfoKVEngine, window: int, signals: frozenset[str]) -> SignalCapture:
@@ -172,9 +190,7 @@ class Ingestion:
     @torch.inference_mode()
     def run(self, progress: ProgressCallback | None) -> IngestionResult:
         cache = self.runner.new_cache()
-        chunk = self.config.chunk_size
-        for start in range(0, self.n, chunk):
-            end = min(self.n, start + chunk)
+        for start, end in chunk_bounds(self.n, self.config.chunk_size, self.config.window):
             with self.engine.lock:  # answers about other documents may run between chunks
                 capture = signal_capture(self.engine, self.config.window, self.scorer.signals)
                 hidden = self.forward_chunk(cache, capture, start, end)
@@ -219,6 +235,7 @@ class Ingestion:
             keep=self.config.keep,
             peak_resident_tokens=self.peak_resident,
             cold_bytes=cold.nbytes if cold is not None else 0,
+            mean_kept_tokens=frozen.mean_kept_tokens,
         )
         information = self.information.sort().values if self.information is not None else None
         return IngestionResult(held, stats, information, cold)

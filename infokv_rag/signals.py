@@ -66,8 +66,9 @@ class InformationSettings(MethodSettings):
     information: Information = "surprisal"
     """"entropy", the predictive entropy H(p(. | x_<t)) over the top-k probabilities (INFOKV.md), or
     "surprisal", -log p(x_t | x_<t), the information the token itself carried. Both come from the same
-    LM-head pass."""
+    LM-head pass. Read, like `entropy_vocabulary`, only where the method computes the information signal."""
     entropy_top_k: int = 20
+    """The k of the top-k entropy (0: every probability); read only with `information="entropy"`."""
     entropy_vocabulary: int = 16384
     """0: the information signal over the whole vocabulary; N: over the N lowest token ids (BPE's most
     frequent merges) plus every token of the document, a cheaper estimate (on CPU, surprisal over the
@@ -79,6 +80,9 @@ class InformationSettings(MethodSettings):
         for name in ("entropy_top_k", "entropy_vocabulary"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def unread(self) -> frozenset[str]:
+        return super().unread() | ({"entropy_top_k"} if self.information != "entropy" else set())
 
 
 LayerBudgets = Literal["uniform", "global", "neediest_head", "per_head"]
@@ -105,7 +109,7 @@ class LayerBudgetSettings(MethodSettings):
     layer_floor: float = 0.0
     """With layers that differ: every layer (with "per_head", every layer's KV head) keeps at least this share
     of the mean layer budget (the budget of `keep`), the difference taken from the layers above that floor in
-    proportion to how far above they are.
+    proportion to how far above they are; read only when layers differ (`layer_budgets` not "uniform").
     One threshold leaves a third of the default model's layers at sinks + window on real documents; 0 (off)
     because a 0.5 floor, which kept more dev answers, kept fewer held-out ones (README, "The layer floor on
     held-out documents")."""
@@ -114,6 +118,9 @@ class LayerBudgetSettings(MethodSettings):
         super().validate()
         if not 0.0 <= self.layer_floor <= 1.0:
             raise ConfigError(f"layer_floor must be in [0, 1], got {self.layer_floor}")
+
+    def unread(self) -> frozenset[str]:
+        return super().unread() | ({"layer_floor"} if self.layer_budgets == "uniform" else set())
 
 
 class ForwardCapture(Protocol):
@@ -136,6 +143,8 @@ class SignalCapture:
     def __init__(self, window: int, signals: frozenset[str], predictor: ReconstructionPredictor | None = None) -> None:
         if PREDICTED_RECONSTRUCTION in signals and predictor is None:
             raise ValueError(f"{PREDICTED_RECONSTRUCTION} needs a predictor")
+        if WINDOW_ATTENTION in signals and window < 1:
+            raise ValueError(f"{WINDOW_ATTENTION} needs a window of at least one query, got {window}")
         self.window = window
         self.signals = signals
         self.predictor = predictor

@@ -11,6 +11,7 @@ import torch
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
 from infokv_rag.errors import DocumentError
 from infokv_rag.generation import GenerationOptions
+from infokv_rag.ingestion import chunk_bounds
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 
@@ -164,6 +165,26 @@ def test_a_full_layer_floor_makes_layer_budgets_uniform(random_engine: InfoKVEng
         CompressionConfig(settings={"layer_floor": 1.5})
 
 
+def test_chunk_bounds_join_a_remainder_shorter_than_the_window_to_the_chunk_before() -> None:
+    assert chunk_bounds(100, 32, 8) == [(0, 32), (32, 64), (64, 100)]
+    assert chunk_bounds(100, 30, 8) == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert chunk_bounds(96, 32, 8) == [(0, 32), (32, 64), (64, 96)]
+    assert chunk_bounds(5, 32, 32) == [(0, 5)], "a document shorter than the window is read whole"
+
+
+def test_a_short_last_chunk_ranks_by_a_full_observation_window(random_engine: InfoKVEngine) -> None:
+    n = len(random_engine.prompt.document_ids(TEXT))
+
+    def kept(chunk_size: int) -> list[torch.Tensor]:
+        # A cold tier holds every entry until one compression after the last chunk: only its window differs.
+        config = CompressionConfig(method="snapkv", keep=0.25, chunk_size=chunk_size, recall=0.1)
+        return [layer.positions for layer in document_cache(random_engine.ingest_text(TEXT, config)).layers]
+
+    whole = kept(n)
+    for chunk_size in (n - 1, n - 31):
+        assert all(torch.equal(a, b) for a, b in zip(whole, kept(chunk_size), strict=True)), chunk_size
+
+
 def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> None:
     one_shot = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     chunked = random_engine.ingest_text(TEXT, CompressionConfig(method="full", chunk_size=64))
@@ -258,12 +279,12 @@ def test_a_cache_with_no_protected_tokens_and_a_budget_the_summaries_take_answer
     leave a layer none of its own): every answer reads whatever was kept, and each layer keeps a token at least."""
     bare: dict[str, Any] = {"window": 0, "sink_tokens": 0, "protect_prompt": False}
     for config in (
-        CompressionConfig(method="snapkv", keep=10, **bare),
+        CompressionConfig(method="tova", keep=10, **bare),  # snapkv ranks by the window: it refuses window 0
         CompressionConfig(method="infokv", keep=1, summaries=0, **bare),
         CompressionConfig(method="infokv", keep=8, recall=4, **bare),
     ):
         doc = random_engine.ingest_text(TEXT, config)
-        assert min(doc.stats.kept_tokens_per_layer) >= (1 if config.method == "snapkv" else 0)
+        assert min(doc.stats.kept_tokens_per_layer) >= (1 if config.method == "tova" else 0)
         assert doc.generate([("user", "What?")], _options(max_new_tokens=3)).text() is not None
 
 

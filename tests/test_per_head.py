@@ -19,6 +19,7 @@ from infokv_rag.quantisation import TENSOR_NAMES, QuantisedEntries
 from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import COLD, MANIFEST, TENSORS, _manifest_checksum, _sha256
 
+from .conftest import CORPUS
 from .helpers import document_cache
 from .test_cold_tier import TEXT
 
@@ -48,7 +49,7 @@ def test_each_head_keeps_exactly_its_own_budget_of_the_documents_entries(
     # The total is shared by every (layer, KV head): a head may keep more than another overall.
     assert sum(map(sum, kept)) == budget * layers * kv_heads, kept
     assert any(len(set(row)) > 1 for row in kept), "the heads of some layer keep different numbers"
-    assert abs(doc.stats.kept_tokens - budget * layers) <= layers, "per layer, the mean over its heads"
+    assert doc.stats.kept_tokens == budget * layers, "over all layers, the mean over the heads, rounded once"
     entry_bytes = 2 * random_engine.runner.head_dim * document_cache(doc).layers[0].keys.element_size()
     assert doc.stats.cache_bytes == budget * layers * kv_heads * entry_bytes + layers * kv_heads * 8, "no padding"
     # Read in one chunk, every key is the full cache's (chunked, later chunks attend to a compressed cache).
@@ -109,6 +110,19 @@ def _rewrite_tensors(
     manifest["format_version"] = format_version or manifest["format_version"]
     manifest["checksum"] = _manifest_checksum(manifest)
     (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("keep", [100, 0.3])
+def test_kept_tokens_are_the_entries_held_per_kv_head_rounded_once(
+    random_engine: InfoKVEngine, tmp_path: Path, keep: float
+) -> None:
+    doc = random_engine.ingest_text(" ".join(CORPUS * 12), CompressionConfig(method="kvzip", keep=keep))
+    layers, kv_heads = len(doc.cache.lengths), random_engine.runner.kv_heads
+    held = sum(len(positions) for layer in range(layers) for positions in doc.cache.kept_positions(layer))
+    assert doc.stats.kept_tokens == round(held / kv_heads)
+    # Each layer's figure is its own mean, rounded: their sum is off here (it is what this test is about).
+    assert sum(doc.stats.kept_tokens_per_layer) != doc.stats.kept_tokens
+    assert random_engine.load(doc.save(tmp_path / "doc")).stats.kept_tokens == doc.stats.kept_tokens
 
 
 def test_a_per_head_cache_round_trips_and_malformed_extras_are_refused(

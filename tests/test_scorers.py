@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError
-from infokv_rag.config import SETTINGS_ADDED
+from infokv_rag.config import SETTINGS_ADDED, described, matches
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer
-from infokv_rag.scorers.infokv import InfoKVScorer
+from infokv_rag.scorers.infokv import InfoKVScorer, InfoKVSettings
 from infokv_rag.selection import protected_mask, select_tokens
 from infokv_rag.signals import (
     ACCUMULATED_ATTENTION,
@@ -33,6 +33,7 @@ from infokv_rag.signals import (
     WINDOW_ATTENTION,
     LayerBudgetSettings,
     LayerSignals,
+    SignalCapture,
 )
 
 EXPECTED_SIGNALS: dict[str, frozenset[str]] = {
@@ -212,7 +213,7 @@ def test_infokv_reads_only_the_signals_its_weights_use() -> None:
         ACCUMULATED_ATTENTION,
     }
     assert scorer_of("infokv", tau=0.5, **window).signals == {INFORMATION, EVOLUTION, WINDOW_ATTENTION}
-    assert scorer_of("infokv", tau=0.0, lam=0.0, **window).signals == {EVOLUTION}
+    assert scorer_of("infokv", tau=0.0, lam=0.0, layer_budgets="uniform").signals == {EVOLUTION}
     # Global layer budgets read the predicted attention even when A has no weight.
     assert scorer_of("infokv", lam=0.0).signals == {INFORMATION, PREDICTED_RECONSTRUCTION}
 
@@ -259,9 +260,9 @@ def test_the_ablations_score_like_infokv_with_fixed_weights() -> None:
     ):
         signals = synthetic_signals(SIGNALS)
         same_signals = dataclasses.asdict(scorer_of(name).settings)
-        assert torch.equal(
-            scorer_of(name).score(signals), scorer_of("infokv", **{**same_signals, **weights}).score(signals)
-        )
+        # Built directly: with lam=0, infokv would refuse the ablations' window attention (it reads none).
+        infokv = InfoKVScorer(InfoKVSettings(**{**same_signals, **weights}))
+        assert torch.equal(scorer_of(name).score(signals), infokv.score(signals))
 
 
 def test_random_depends_on_seed_and_layer() -> None:
@@ -359,3 +360,95 @@ def test_default_numbers_go_everywhere_from_half_the_cache(name: str, keep: floa
     assert isinstance(default, InfoKVScorer) and default.numbers(signals) == resolved
     assert torch.equal(default.score(signals), explicit.score(signals))
     assert torch.equal(default.comparable_scores(signals), explicit.comparable_scores(signals))
+
+
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [
+        ("infokv", {"value_weighting": "false"}),  # a truthy string would turn it on
+        ("infokv", {"accumulated_attention": "no"}),
+        ("snapkv", {"pooling_kernel": 5.0}),
+        ("infokv", {"entropy_top_k": 20.0, "information": "entropy"}),
+        ("infokv", {"entropy_vocabulary": 100.5}),
+        ("infokv", {"entropy_vocabulary": True}),
+        ("infokv", {"tau": "0.5"}),
+        ("infokv", {"layer_floor": None}),
+        ("kvzip", {"layer_floor": False}),
+    ],
+)
+def test_settings_are_checked_against_their_types_on_construction(name: str, settings: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=f"^{next(iter(settings))} must be "):
+        CompressionConfig(method=name, settings=settings)
+
+
+def test_a_float_setting_takes_an_int_and_an_optional_one_takes_none() -> None:
+    assert CompressionConfig(settings={"tau": 1, "lam": 0.7, "layer_floor": 0}).settings == CompressionConfig().settings
+    assert matches(None, int | None) and matches(3, int | None) and not matches(3.0, int | None)
+    assert described(int | None) == "a whole number or None"
+
+
+def test_random_takes_any_64_bit_seed_and_draws_as_before_for_small_ones() -> None:
+    scorer = scorer_of("random")
+    for seed in (2**40, 2**62, -(2**63)):
+        assert scorer.score(synthetic_signals(frozenset(), seed=seed)).shape == (KV_HEADS, 70)
+    # The seed torch took before folding (it reads a negative one modulo 2**64): the same draws.
+    before = torch.Generator().manual_seed(-3 * 1_000_003 + 1 * 7919 + TOKENS_READ)
+    expected = torch.rand((KV_HEADS, 70), generator=before)
+    assert torch.equal(scorer.score(synthetic_signals(frozenset(), seed=-3)), expected)
+    with pytest.raises(ConfigError, match="seed must fit in a signed 64-bit integer"):
+        CompressionConfig(method="random", seed=2**63)
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "unread"),
+    [
+        ("infokv", {"pooling_kernel": 31}, "pooling_kernel"),  # the predicted attention is not pooled
+        ("infokv", {"head_reduction": "max"}, "head_reduction"),  # nor reduced over a group's query heads
+        ("infokv", {"evolution": "mean"}, "evolution"),  # tau=1: no evolution term
+        ("infokv", {"entropy_top_k": 1}, "entropy_top_k"),  # surprisal
+        ("infokv", {"lam": 1.0, "tau": 0.5}, "tau"),
+        ("infokv", {"lam": 1.0, "aggregation": "sentence"}, "aggregation"),
+        ("infokv", {"lam": 0.0, "accumulated_attention": True}, "accumulated_attention"),
+        ("infokv", {"lam": 0.0, "layer_budgets": "uniform", "attention": "reconstruction"}, "attention"),
+        ("infokv", {"layer_budgets": "uniform", "layer_floor": 0.5}, "layer_floor"),
+        ("kvzip", {"layer_budgets": "uniform", "layer_floor": 0.5}, "layer_floor"),
+        ("infokv_information", {"accumulated_attention": True}, "accumulated_attention"),
+        ("infokv_information", {"pooling_kernel": 31}, "pooling_kernel"),
+        ("infokv_evolution", {"information": "entropy"}, "information"),
+        ("infokv_evolution", {"attribution": "outgoing"}, "attribution"),
+    ],
+)
+def test_a_setting_the_configuration_never_reads_is_refused(name: str, settings: dict[str, Any], unread: str) -> None:
+    with pytest.raises(ConfigError, match=f"method '{name}' never reads {unread}="):
+        CompressionConfig(method=name, settings=settings)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"attention": "window", "layer_budgets": "uniform", "pooling_kernel": 3, "head_reduction": "max"},
+        {"information": "entropy", "entropy_top_k": 5},
+        {"tau": 0.75, "evolution": "mean"},
+        {"lam": 0.0, "layer_budgets": "global"},  # the attention still sets the layers' budgets
+    ],
+)
+def test_settings_the_configuration_reads_are_accepted(settings: dict[str, Any]) -> None:
+    assert CompressionConfig(method="infokv", settings=settings).settings != CompressionConfig().settings
+
+
+def test_every_published_quality_ablation_is_still_accepted() -> None:
+    from benchmarks.quality import ABLATIONS
+
+    for change in ABLATIONS.values():
+        CompressionConfig(method="infokv", **change)
+
+
+@pytest.mark.parametrize(("name", "settings"), [("snapkv", {}), ("infokv", {"attention": "window", "lam": 0.5})])
+def test_window_0_is_refused_where_the_window_s_attention_is_read(name: str, settings: dict[str, Any]) -> None:
+    window = {"layer_budgets": "uniform"} if name == "infokv" else {}
+    with pytest.raises(ConfigError, match="ranks by the observation window.s attention: window must be >= 1"):
+        CompressionConfig(method=name, window=0, settings={**settings, **window})
+    for other in ("infokv", "tova", "h2o", "knorm", "streaming_llm", "random"):
+        assert CompressionConfig(method=other, window=0).window == 0, "no window attention, no window needed"
+    with pytest.raises(ValueError, match="needs a window of at least one query"):
+        SignalCapture(0, frozenset({WINDOW_ATTENTION}))

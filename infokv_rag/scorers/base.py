@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..config import MethodSettings
 from ..errors import ConfigError
-from ..signals import SIGNALS, LayerSignals
+from ..signals import SIGNALS, WINDOW_ATTENTION, LayerSignals
 
 S = TypeVar("S", bound=MethodSettings)
 
@@ -46,6 +46,10 @@ class Scorer(Generic[S]):
         """
         raise NotImplementedError(f"{type(self).__name__} has no scores comparable across layers")
 
+    def unread_settings(self) -> frozenset[str]:
+        """Names of the settings this configuration never reads, so that their values change nothing."""
+        return self.settings.unread()
+
 
 @dataclass(frozen=True)
 class Method(Generic[S]):
@@ -76,11 +80,27 @@ class Method(Generic[S]):
             raise ConfigError(f"method {self.name!r} has no setting {', '.join(unknown)}; it takes {takes}")
         return self.settings(**given)
 
-    def build(self, settings: MethodSettings | Mapping[str, Any]) -> Scorer[Any]:
-        scorer = self.scorer(self.settings_from(settings))
+    def build(self, settings: MethodSettings | Mapping[str, Any], window: int | None = None) -> Scorer[Any]:
+        """The method's scorer for `settings`. Refuses (`ConfigError`) a setting given a value other than its
+        default that the scorer never reads (it would change nothing), and, when the config's observation
+        `window` is given, a window of 0 for a scorer that reads its attention (`queries[:, -0:]` is every query)."""
+        own = self.settings_from(settings)
+        scorer = self.scorer(own)
         unknown = scorer.signals - SIGNALS
         if unknown:
             raise ConfigError(f"method {self.name!r} needs signals nobody produces: {sorted(unknown)}")
+        defaults, unread = self.settings(), scorer.unread_settings()
+        ignored = [
+            name for name in self.setting_names if name in unread and getattr(own, name) != getattr(defaults, name)
+        ]
+        if ignored:
+            given = ", ".join(f"{name}={getattr(own, name)!r}" for name in ignored)
+            raise ConfigError(
+                f"method {self.name!r} never reads {given} with the other settings given (each setting says when "
+                "it is read): leave it at its default"
+            )
+        if window == 0 and WINDOW_ATTENTION in scorer.signals:
+            raise ConfigError(f"method {self.name!r} ranks by the observation window's attention: window must be >= 1")
         return scorer
 
 
@@ -122,5 +142,8 @@ def recency(signals: LayerSignals) -> Tensor:
 
 def seeded_uniform(signals: LayerSignals) -> Tensor:
     """(kv_heads, length) uniform noise, a function of the seed, the layer and the tokens read."""
-    generator = torch.Generator().manual_seed(signals.seed * 1_000_003 + signals.layer * 7919 + signals.tokens_read)
+    # Folded into the generator's unsigned 64-bit seed (a large config seed would overflow it); every value it
+    # took before maps to the same seed, for torch reads a negative one modulo 2**64 too.
+    combined = signals.seed * 1_000_003 + signals.layer * 7919 + signals.tokens_read
+    generator = torch.Generator().manual_seed(combined % 2**64)
     return torch.rand(signals.positions.shape, generator=generator).to(signals.positions.device)

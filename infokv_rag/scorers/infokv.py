@@ -55,23 +55,33 @@ numbers (5-33% of a document's tokens) take 20-100% of the budget and crowd out 
 
 @dataclass(frozen=True)
 class InfoKVSignalSettings(InformationSettings, LayerBudgetSettings):
-    """Every InfoKV knob but the two weights, which the single-signal ablations fix."""
+    """Every InfoKV knob but the two weights, which the single-signal ablations fix.
+
+    A setting says when it is read; one given a value other than its default where the weights and the other
+    settings leave it unread is refused (`InfoKVScorer.unread_settings`). The
+    information settings are read where the information term is: lam < 1 and tau > 0.
+    """
 
     attention: Attention = "window"
     """Where A comes from: "window", the observation window's attention (pooled with `pooling_kernel`), or
     "reconstruction", the most attention each token received while the model repeated the document (about
     one more forward pass per chunk), or "predicted", the same predicted by the model's surrogate
     (`infokv_rag.surrogate`) at no extra pass; `layer_budgets="global"` needs "reconstruction" or
-    "predicted", whose scale is shared by all layers."""
+    "predicted", whose scale is shared by all layers. Read when lam > 0 or layers differ (`layer_budgets`)."""
     attribution: Attribution = "incoming"
+    """Read with the information term (lam < 1, tau > 0)."""
     evolution: EvolutionMode = "per_layer"
+    """R of this layer or the mean over layers; read with the evolution term (lam < 1, tau < 1)."""
     normalization: Normalization = "minmax"
     head_reduction: HeadReduction = "mean"
+    """Over the query heads of a KV group: read only with `attention="window"` and lam > 0."""
     pooling_kernel: int = 5
+    """Read only with `attention="window"` and lam > 0."""
     accumulated_attention: bool = False
+    """Averages H2O's accumulated attention into A; read when lam > 0."""
     aggregation: Aggregation = "sentence"
     """"sentence": the information and evolution terms score each token by its sentence's mean, so the
-    facts a question needs are kept with their sentence."""
+    facts a question needs are kept with their sentence. Read when lam < 1."""
     value_weighting: bool = False
     """Multiplies the score, and the scores compared across layers, by each token's value norm (L2) over its
     (layer, KV head)'s mean (with units, taken per unit as the score is): attention to a token with a small value
@@ -117,6 +127,7 @@ class InfoKVSettings(InfoKVSignalSettings):
     units: Units = "word"
     numbers: Numbers = "auto"
     tau: float = 1.0
+    """The information term's weight against the evolution term's; read when lam < 1."""
     lam: float = 0.7
 
     def validate(self) -> None:
@@ -139,6 +150,24 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
         if settings.lam > 0 and settings.accumulated_attention:
             needs |= {ACCUMULATED_ATTENTION}
         self.signals = frozenset(needs)
+
+    def unread_settings(self) -> frozenset[str]:
+        """The settings' own (`unread`), and what the weights and the attention leave unread."""
+        settings = self.settings
+        unread = set(super().unread_settings())
+        if INFORMATION not in self.signals:
+            unread |= {"information", "entropy_top_k", "entropy_vocabulary", "attribution"}
+        if EVOLUTION not in self.signals:
+            unread.add("evolution")
+        if ATTENTION_SIGNALS[settings.attention] not in self.signals:
+            unread.add("attention")
+        if settings.lam == 1:
+            unread |= {"tau", "aggregation"}
+        if settings.lam == 0:
+            unread.add("accumulated_attention")
+        if settings.lam == 0 or settings.attention != "window":
+            unread |= {"pooling_kernel", "head_reduction"}
+        return frozenset(unread)
 
     def attention_term(self, signals: LayerSignals) -> Tensor:
         settings = self.settings
