@@ -10,8 +10,10 @@ from pathlib import Path
 
 from infokv_rag.cli import ratio_or_count
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
-from infokv_rag.errors import ConfigError
+from infokv_rag.documents import load_document
+from infokv_rag.errors import ConfigError, InfoKVError
 from infokv_rag.scorers import method_names
+from infokv_rag.store import MANIFEST
 
 SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
 SAMPLE_QUESTIONS = [
@@ -22,8 +24,10 @@ SAMPLE_QUESTIONS = [
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The examples' options; `questions` holds the -q questions, else the sample questions, and `compression`
-    the checked `CompressionConfig` (a wrong value stops here, before the model loads)."""
+    """The examples' options; `questions` holds the -q questions, else the sample questions, `compression` the
+    checked `CompressionConfig` and `source` the loaded `Document` (None for a saved cache directory). A wrong
+    value, or a document that cannot be read (damaged, encrypted without the right --password, not a document),
+    stops here, before the model loads."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
@@ -36,12 +40,19 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         help="kept in the cache: ratio (0.25) or token count (512)",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
+    parser.add_argument("--password", default=None, help="opens an encrypted PDF")
     args = parser.parse_args(argv)
     args.questions = args.question or SAMPLE_QUESTIONS
-    if not Path(args.document).exists():
-        parser.error(f"--document: no such file or directory: {args.document}")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     try:
         args.compression = CompressionConfig(method=args.method, keep=args.keep)
     except ConfigError as error:
         parser.error(str(error))
+    args.source = None  # a saved cache directory is verified when it loads
+    if not (Path(args.document) / MANIFEST).is_file():
+        try:
+            args.source = load_document(args.document, password=args.password)
+        except (InfoKVError, OSError) as error:
+            parser.error(f"--document: {error}")
     return args

@@ -5,11 +5,12 @@
 The sample is the Apache License 2.0 (examples/sample/apache-license-2.0.pdf); the questions and the
 text a right answer contains come from examples/sample/QUESTIONS.md. The compressed cache goes into
 the cache store ($INFOKV_CACHE_DIR/documents, default ~/.cache/infokv-rag/documents), so a second run
-(and `infokv-rag ask examples/sample/apache-license-2.0.pdf -q ...`) reuses it instead of reading
-the document again.
+(and `infokv-rag ask examples/sample/apache-license-2.0.pdf --recall 0.1 -q ...`, with the demo's --keep and
+--recall: they are part of the cache's key) reuses it instead of reading the document again.
 
 What it prints: each answer, from the compressed cache alone and with recall from its cold tier
-(`--recall`, default 0.1; 0 for none), and whether it contains the expected text; the compressed
+(`--recall`, default 0.1; 0 for none), and whether it contains the expected text (as whole words:
+`infokv_rag.evaluation.answer_matches`); the compressed
 cache's size against the full cache's; and the time to the first token of a question answered from the cache
 against the time to re-read the document. The re-read is measured, not estimated: the document is
 prefilled again without compression (method "full"), then the same question is asked; re-reading
@@ -22,12 +23,14 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar, ratio_or_count
 from infokv_rag.documents import load_document
-from infokv_rag.errors import ConfigError
+from infokv_rag.errors import InfoKVError
+from infokv_rag.evaluation import answer_matches
 from infokv_rag.models import cache_root
 from infokv_rag.scorers import method_names
 
@@ -63,11 +66,24 @@ def ask_timed(
     return answer.strip(), generation.usage.time_to_first_token or total, total
 
 
+def ask_checked(
+    doc: CompressedDocument, question: str, expected: Sequence[str], max_new_tokens: int, recall: float | None = None
+) -> tuple[str, bool, float, float]:
+    """`ask_timed`'s (answer, time to first token, total seconds), with whether the answer holds an expected text
+    as whole words ("150%" does not hold "50%")."""
+    answer, ttft, total = ask_timed(doc, question, max_new_tokens, recall)
+    return answer, answer_matches(answer, expected), ttft, total
+
+
+# What each way of answering reads.
+SOURCES = {"compressed": "the compressed cache alone", "recalled": "the compressed cache with recall"}
+
+
 def megabytes(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument(
@@ -96,10 +112,13 @@ def main() -> int:
     parser.add_argument("--store", default=None, help="cache store (default: $INFOKV_CACHE_DIR/documents)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when an answer lacks the expected text")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     try:
         config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
-    except ConfigError as error:
+        document = load_document(PDF)  # before the model loads: a document that cannot be read fails in seconds
+    except (InfoKVError, OSError) as error:
         parser.error(str(error))
     if args.threads:
         import torch
@@ -111,7 +130,6 @@ def main() -> int:
     source = engine.model_dir.name if engine.model_dir is not None else "in memory"
     print(f"model: {args.model} ({source}), loaded in {time.perf_counter() - started:.1f} s")
 
-    document = load_document(PDF)
     print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")
     store = CacheStore(args.store or cache_root() / "documents")
     progress = ProgressBar(f"reading {PDF.name}", enabled=True)
@@ -147,16 +165,14 @@ def main() -> int:
 
     print()
     correct = {"compressed": 0, "recalled": 0}
-    timings = []
     questions = read_questions(QUESTIONS)
     ways = {"compressed": 0.0, "recalled": None} if doc.cold_tier is not None else {"compressed": None}
     for number, (question, expected) in enumerate(questions, start=1):
         print(f"Q{number}: {question}")
         for way, recall in ways.items():
-            answer, ttft, total = ask_timed(doc, question, args.max_new_tokens, recall)
-            ok = any(e.lower() in answer.lower() for e in expected)
+            answer, ok, ttft, total = ask_checked(doc, question, expected, args.max_new_tokens, recall)
             correct[way] += ok
-            timings.append((ttft, total))
+            last = (way, ttft, total)
             label = f"A{number} ({way})" if len(ways) > 1 else f"A{number}"
             print(f"{label}: {answer}")
             print(
@@ -164,8 +180,7 @@ def main() -> int:
                 f"   (first token {ttft:.2f} s, answer {total:.1f} s)"
             )
     for way in ways:
-        source = "the compressed cache alone" if way == "compressed" else "the compressed cache with recall"
-        print(f"\n{correct[way]}/{len(questions)} answers from {source} contain the expected text", end="")
+        print(f"\n{correct[way]}/{len(questions)} answers from {SOURCES[way]} contain the expected text", end="")
     print()
     final = correct["recalled" if len(ways) > 1 else "compressed"]
 
@@ -175,9 +190,10 @@ def main() -> int:
     follow_up = questions[-1][0]
     _, full_ttft, _ = ask_timed(full, follow_up, 1)
     reread = full.stats.prefill_seconds + full_ttft
-    ttft, total = timings[-1]
+    # The last answer: the follow-up's, asked the last way (with recall where there is a cold tier).
+    way, ttft, total = last
     print(
-        f"follow-up question (Q{len(questions)}) from the compressed cache: first token after {ttft:.2f} s, "
+        f"follow-up question (Q{len(questions)}) from {SOURCES[way]}: first token after {ttft:.2f} s, "
         f"whole answer {total:.1f} s"
     )
     print(
@@ -191,8 +207,7 @@ def main() -> int:
     print("\nthe same questions against the full (uncompressed) cache, for reference:")
     full_correct = 0
     for number, (question, expected) in enumerate(questions, start=1):
-        answer, _, _ = ask_timed(full, question, args.max_new_tokens)
-        ok = any(e.lower() in answer.lower() for e in expected)
+        answer, ok, _, _ = ask_checked(full, question, expected, args.max_new_tokens)
         full_correct += ok
         print(f"A{number} (full cache): {answer}   [{'yes' if ok else 'NO'}]")
     recalled = f", {correct['recalled']}/{len(questions)} with recall" if len(ways) > 1 else ""

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     chat = ChatInfoKV(
         model=args.model,
-        document=args.document,
+        document=args.source or args.document,  # the file as read (and decrypted) by parse_args, or a cache dir
         compression=args.compression,
         max_tokens=args.max_tokens,
     )

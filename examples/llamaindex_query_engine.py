@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         args.document,
         model=args.model,
         compression=args.compression,
+        password=args.password,
         max_tokens=args.max_tokens,
     )
     stats = engine.document.stats  # reads the document once; every query below reuses its cache

@@ -7,53 +7,69 @@ matching the answer (and the question) against each page's text.
 from __future__ import annotations
 
 import math
-import re
 
 from .documents import Document
+from .evaluation import normalize_answer
 
 __all__ = ["supporting_pages"]
 
-_WORD = re.compile(r"\w+", re.UNICODE)
 _STOPWORDS = frozenset(
     "the a an and or of to in on at by for with from is are was were be been this that these those it its "
     "as any all not no shall may will which who whom what when where how per such than then there their".split()
 )
 
 
-def _terms(text: str) -> set[str]:
-    return {
-        w
-        for w in (m.group().lower() for m in _WORD.finditer(text))
-        if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())
-    }
+def _terms(words: str) -> set[str]:
+    """The content words of normalised text (`normalize_answer`)."""
+    return {w for w in words.split() if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())}
+
+
+def _verbatim_pages(pages: list[str], needle: str) -> set[int]:
+    """Indices of the pages that hold `needle` as whole words, both pages of a pair that hold it across the page
+    break between them. `pages` and `needle` are normalised (`normalize_answer`: words joined by single spaces)."""
+    found = {index for index, page in enumerate(pages) if f" {needle} " in f" {page} "}
+    for index in range(len(pages) - 1):
+        joined = f" {pages[index]} {pages[index + 1]} "
+        boundary = len(pages[index]) + 1  # the space between the two pages
+        start = joined.find(f" {needle} ")
+        while start != -1:
+            if start < boundary < start + len(needle) + 1:  # the break falls inside the answer
+                found.update((index, index + 1))
+                break
+            start = joined.find(f" {needle} ", start + 1)
+    return found
 
 
 def supporting_pages(document: Document, answer: str, question: str = "", limit: int = 3) -> list[tuple[int, float]]:
     """(index in `document.pages`, score) of the pages that best support an answer, best first (an index, not
     a page number: pages gathered from several files may share numbers).
 
-    A page holding the whole answer verbatim scores highest; otherwise pages are ranked by the
-    rarity-weighted share of the answer's words they contain (the question's words count half).
+    A page holding the whole answer verbatim, as whole words (`normalize_answer`'s: "ten" is not in "tenant",
+    nor "50%" in "150%"), scores highest, and so do both pages of an answer split across a page break; otherwise
+    pages are ranked by the rarity-weighted share of the answer's words they contain (the question's words count
+    half).
     """
     pages = document.pages
     if not pages:
         return []
-    page_terms = [_terms(page.text) for page in pages]
+    page_words = [normalize_answer(page.text) for page in pages]
+    page_terms = [_terms(words) for words in page_words]
     frequency: dict[str, int] = {}
     for terms in page_terms:
         for term in terms:
             frequency[term] = frequency.get(term, 0) + 1
     weight = {term: math.log(1 + len(pages) / count) for term, count in frequency.items()}
-    answer_terms, question_terms = _terms(answer), _terms(question) - _terms(answer)
+    needle = normalize_answer(answer)
+    answer_terms = _terms(needle)
+    question_terms = _terms(normalize_answer(question)) - answer_terms
     total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
-    needle = " ".join(answer.split()).lower().rstrip(".")
+    # A needle of one or two characters ("5", "no") would be found on most pages.
+    verbatim = _verbatim_pages(page_words, needle) if len(needle) >= 3 else set()
     scored: list[tuple[int, float]] = []
-    for page, terms in zip(pages, page_terms, strict=True):
+    for index, terms in enumerate(page_terms):
         hit = sum(weight[t] for t in answer_terms & terms) + 0.5 * sum(weight[t] for t in question_terms & terms)
         score = hit / total if total else 0.0
-        if len(needle) >= 3 and needle in " ".join(page.text.split()).lower():
-            score += 1.0
-        scored.append((len(scored), score))
+        scored.append((index, score + 1.0 if index in verbatim else score))
     scored.sort(key=lambda item: -item[1])
     best = scored[0][1]
     if best <= 0:

@@ -4,11 +4,13 @@ typed, actionable errors."""
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import io
 import logging
 import os
 import re
+import stat
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pypdf import PasswordType, PdfReader
+from pypdf import PageObject, PasswordType, PdfReader
 from pypdf.errors import DependencyError, FileNotDecryptedError
 
 from .errors import (
@@ -27,6 +29,7 @@ from .errors import (
     NoExtractableTextError,
     UnsupportedFormatError,
 )
+from .files import open_regular
 
 __all__ = [
     "Document",
@@ -36,6 +39,7 @@ __all__ = [
     "document_from_pages",
     "document_from_text",
     "load_document",
+    "repair_extracted_text",
 ]
 
 PAGE_SEPARATOR = "\n\n"
@@ -56,7 +60,8 @@ logging.getLogger("pypdf").addHandler(logging.NullHandler())
 
 
 class PageExtractionWarning(UserWarning):
-    """Some PDF pages failed to extract and were skipped; the rest of the document was loaded."""
+    """Some PDF pages were skipped, their text failing to extract or the page holding only images (a scan with
+    no text layer); the rest of the document was loaded. `pages` are their numbers."""
 
     def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -65,10 +70,17 @@ class PageExtractionWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Page:
-    """One page's text. `number` is the 1-based page number in the source file."""
+    """One page's text. `number` is the 1-based page number in the source file; `label` the source's own label
+    for the page where it is not that number (a framework reader's page label "iv" or "A-1"), or None."""
 
     number: int
     text: str
+    label: str | None = None
+
+    @property
+    def cited_as(self) -> str:
+        """What a citation calls the page: its label, else its number."""
+        return self.label if self.label is not None else str(self.number)
 
 
 @dataclass(frozen=True)
@@ -77,7 +89,8 @@ class Document:
 
     `text` is the page texts joined by `PAGE_SEPARATOR`; plain text is one page numbered 1.
     `sha256` is the hex digest of the raw file bytes (or of the UTF-8 text given in memory).
-    `skipped_pages` lists the PDF pages that failed extraction and are absent from `pages`.
+    `skipped_pages` lists the PDF pages absent from `pages` although they have content: their text failed to
+    extract, or they hold only images (scanned: they need OCR). Blank pages are absent from both.
     """
 
     text: str
@@ -92,11 +105,14 @@ class Document:
             raise ValueError("Document.text must equal the page texts joined by PAGE_SEPARATOR")
 
     def layout(self) -> dict[str, Any]:
-        """Everything but the text, JSON-ready: page numbers and lengths, source, sha256, skipped pages."""
+        """Everything but the text, JSON-ready: page numbers, labels and lengths, source, sha256, skipped pages.
+
+        A page's "label" is written only when it has one, so a document without labels has the layout (and the
+        cache keys made from it) that it had before pages had labels."""
         return {
             "sha256": self.sha256,
             "source": self.source,
-            "pages": [{"number": page.number, "chars": len(page.text)} for page in self.pages],
+            "pages": [_page_layout(page) for page in self.pages],
             "skipped_pages": list(self.skipped_pages),
         }
 
@@ -105,7 +121,9 @@ class Document:
         """The document whose `text` and `layout()` these are."""
         pages, offset = [], 0
         for page in layout["pages"]:
-            pages.append(Page(number=page["number"], text=text[offset : offset + page["chars"]]))
+            pages.append(
+                Page(number=page["number"], text=text[offset : offset + page["chars"]], label=page.get("label"))
+            )
             offset += page["chars"] + len(PAGE_SEPARATOR)
         return cls(
             text=text,
@@ -144,6 +162,13 @@ class Document:
         return self.pages[index].number
 
 
+def _page_layout(page: Page) -> dict[str, Any]:
+    layout: dict[str, Any] = {"number": page.number, "chars": len(page.text)}
+    if page.label is not None:
+        layout["label"] = page.label
+    return layout
+
+
 def unpaired_surrogate(text: str) -> int | None:
     """Where `text` holds a lone UTF-16 surrogate (no character of Unicode text, and no tokenizer takes it),
     or None."""
@@ -180,14 +205,20 @@ def document_from_text(text: str, source: str | None = None) -> Document:
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
 
 
-def document_from_pages(pages: Sequence[tuple[int, str]], source: str | None = None) -> Document:
-    """A Document from (page number, text) pairs, e.g. one per page of a framework's PDF reader; pages with no
-    text are left out, line endings normalised to LF. `sha256` is that of the joined text."""
+def document_from_pages(
+    pages: Sequence[tuple[int, str]], source: str | None = None, labels: Sequence[str | None] | None = None
+) -> Document:
+    """A Document from (page number, text) pairs, e.g. one per page of a framework's PDF reader, and each page's
+    `Page.label` (None: none). The text is repaired as `load_document` repairs a PDF's (`repair_extracted_text`)
+    but not re-spaced (a page may be markdown); pages with no text are left out. `sha256` is that of the joined
+    text."""
+    if labels is not None and len(labels) != len(pages):
+        raise ValueError(f"{len(labels)} labels for {len(pages)} pages")
     kept = []
-    for number, text in pages:
-        body = _normalize_newlines(_check_text(text, f"page {number} of {source or 'the documents'}")).strip()
+    for (number, text), label in zip(pages, labels or [None] * len(pages), strict=True):
+        body = repair_extracted_text(_check_text(text, f"page {number} of {source or 'the documents'}")).strip()
         if body:
-            kept.append(Page(number, body))
+            kept.append(Page(number, body, label))
     if not kept:
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
     text = PAGE_SEPARATOR.join(page.text for page in kept)
@@ -213,7 +244,16 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
         raise FileNotFoundError(f"No such file: {name}")
     if p.is_dir():
         raise IsADirectoryError(f"{name} is a directory; give the path of a PDF or text file")
-    data = p.read_bytes()
+    try:
+        with open_regular(p) as handle:
+            data = handle.read()
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # open_regular's refusal; any other error is the system's own
+            raise
+        raise UnsupportedFormatError(
+            f"{name} is {_file_kind(p)}, not a regular file, so it cannot be read as a document "
+            "(a pipe blocks its reader, a device may read without end). Save its content to a file and load that."
+        ) from exc
     if not data:
         raise EmptyDocumentError(f"{name} is empty (0 bytes). Check that you picked the right file.")
     sha = hashlib.sha256(data).hexdigest()
@@ -253,6 +293,20 @@ def _normalize_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _file_kind(path: Path) -> str:
+    """What kind of file that is not a regular one `path` is, phrased to follow 'is'."""
+    mode = os.stat(path).st_mode
+    for test, kind in (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
 def _decode_text(data: bytes) -> str | None:
     """Decode text bytes, or None when they are binary."""
     if data.startswith(b"\xef\xbb\xbf"):
@@ -267,17 +321,25 @@ def _decode_text(data: bytes) -> str | None:
         return None
     # Not UTF-8. A legacy Western file is the common case: cp1252 turns 0x80-0x9f into the quotes and
     # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1. But any byte
-    # string decodes as cp1252, so it is taken only when the result reads like Western text; otherwise
-    # (GB18030, Shift-JIS, cp1251, ...) the encoding is detected, or the file refused: never garbled.
+    # string decodes as cp1252, so it is taken only when the result reads like Western text, and holds none
+    # of the letters where Turkish cp1254 differs; otherwise (GB18030, Shift-JIS, cp1251, cp1254, ...) the
+    # encoding is detected, or the file refused: never garbled.
     for encoding in ("cp1252", "latin-1"):
         text = _text_or_none(data, encoding)
         if text is not None:
-            return text if _reads_as_western(text) else _detect_legacy_encoding(data)
+            if not _CP1254_IN_CP1252.isdisjoint(text):
+                return _detect_legacy_encoding(data)
+            return text if _reads_as_western(text) else _detect_legacy_encoding(data, western=text)
     return _detect_legacy_encoding(data)
 
 
+# cp1254 (Turkish) is cp1252 but for these six bytes: cp1252's Icelandic letters are cp1254's Ğ İ Ş ğ ı ş. Only
+# the words around them can tell an Icelandic text from a Turkish one.
+_CP1254_IN_CP1252 = frozenset("\u00d0\u00dd\u00de\u00f0\u00fd\u00fe")
+
+
 def _reads_as_western(text: str) -> bool:
-    """Accented letters in Western text stand mostly alone between ASCII letters ("préavis", "Größe");
+    """Accented letters in Western text stand mostly alone between ASCII letters ("préavis", "Straße");
     the bytes of a multi-byte or Cyrillic text, read as cp1252, come in runs ("Í¨Öª")."""
     non_ascii = adjacent = 0
     previous_non_ascii = False
@@ -289,16 +351,37 @@ def _reads_as_western(text: str) -> bool:
     return adjacent <= 0.3 * non_ascii
 
 
-def _detect_legacy_encoding(data: bytes) -> str | None:
-    """The text of a non-UTF-8, non-Western file when its encoding can be told; None (refused) otherwise."""
+# How much mojibake (charset-normalizer's chaos, 0-1) a reading may hold, and how much more coherent (its
+# letters' fit to a language, 0-1; 0 where too few letters to tell) the best reading must be than any other
+# that reads the bytes as different text.
+_MAX_CHAOS = 0.1
+_COHERENCE_MARGIN = 0.1
+
+
+def _detect_legacy_encoding(data: bytes, western: str | None = None) -> str | None:
+    """The text of a non-UTF-8 file when its encoding can be told; None (refused) otherwise.
+
+    Told means that one reading stands out, or that `western` (the cp1252 reading, when it may be one) is among
+    the readings that do best: a short text decodes cleanly in several encodings, equally (in)coherent
+    ("Срок: 30 дней." in cp1251 reads as Korean in johab), and taking the first would garble it; when
+    "Größe: 5 m" reads as well in cp1250 (the same text) as in mac_iceland, the Western reading is the common case.
+    """
     try:
         from charset_normalizer import from_bytes
     except ImportError:  # pragma: no cover - a dependency; without it such files are refused, not guessed
         return None
-    match = from_bytes(data).best()
-    if match is None or match.chaos > 0.1:
+    readings = from_bytes(data)
+    best = readings.best()
+    if best is None or best.chaos > _MAX_CHAOS:
         return None
-    return _text_or_none(data, match.encoding)
+    contenders = {
+        str(reading)
+        for reading in readings
+        if reading.chaos <= _MAX_CHAOS and best.coherence - reading.coherence < _COHERENCE_MARGIN
+    }
+    if len(contenders) > 1:
+        return western if western in contenders else None
+    return _text_or_none(data, best.encoding)
 
 
 def _text_or_none(data: bytes, encoding: str) -> str | None:
@@ -345,11 +428,37 @@ def _describe(data: bytes) -> str:
     head = data[:512].lstrip().lower()
     if head.startswith((b"<!doctype html", b"<html")):
         return "looks like an HTML page (often a failed or blocked download)"
+    if b"\x00" in data:  # no text holds NUL bytes, so they say what went wrong
+        nuls = _describe_nuls(data)
+        if nuls is not None:
+            return nuls
     if _decode_text(data) is not None:
         return "is plain text"
     if _text_or_none(data, "latin-1") is not None:
         return "looks like text in an encoding that could not be determined (not UTF-8); save it as UTF-8"
     return "looks like binary data of an unknown format"
+
+
+def _describe_nuls(data: bytes) -> str | None:
+    """What the NUL bytes in `data` say, phrased to follow 'it'; None when it is no text with or without them."""
+    count = data.count(b"\x00")
+    # UTF-16 holds a NUL beside each ASCII character: at odd offsets in little-endian, even in big-endian.
+    odd = data[1::2].count(b"\x00")
+    for encoding, on_parity in (("utf-16-le", odd), ("utf-16-be", count - odd)):
+        if on_parity >= max(1, len(data) // 4) and _text_or_none(data[: len(data) // 2 * 2], encoding) is not None:
+            return (
+                f"looks like UTF-16 without a byte-order mark ({encoding[-2:].upper()}), which cannot be told "
+                "from binary data for sure: save it as UTF-8 (or as UTF-16 with a byte-order mark)"
+            )
+    rest = data.replace(b"\x00", b"")
+    if rest.strip() and _decode_text(rest) is not None:
+        plural = "byte" if count == 1 else "bytes"
+        first = data.index(b"\x00")
+        return (
+            f"is text except for {count} NUL {plural} (the first at byte offset {first}), which "
+            "no text holds: remove them (e.g. `tr -d '\\000' < in.txt > out.txt`) or save the file again as UTF-8"
+        )
+    return None
 
 
 # --- PDF -------------------------------------------------------------------------------------
@@ -362,10 +471,16 @@ _HSPACE = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\f\v]+")
 _MANY_NEWLINES = re.compile(r"\n{3,}")
 
 
+def repair_extracted_text(text: str) -> str:
+    """Text as PDF extraction leaves it, repaired: line endings as LF, NULs and soft hyphens dropped, ligatures
+    spelt out ("\ufb01" -> "fi"), so that the model (and citation matching) reads the words themselves."""
+    return _normalize_newlines(text).replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
+
+
 def _clean_page_text(text: str) -> str:
-    """Collapse runs of spaces and blank lines; paragraph breaks survive as one blank line."""
-    text = _normalize_newlines(text).replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
-    lines = [_HSPACE.sub(" ", line).strip() for line in text.split("\n")]
+    """Repair (`repair_extracted_text`), then collapse runs of spaces and blank lines; paragraph breaks survive
+    as one blank line."""
+    lines = [_HSPACE.sub(" ", line).strip() for line in repair_extracted_text(text).split("\n")]
     return _MANY_NEWLINES.sub("\n\n", "\n".join(lines)).strip()
 
 
@@ -461,10 +576,12 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
 
     pages: list[Page] = []
     failed: list[int] = []
+    scanned: list[int] = []
     first_error: BaseException | None = None
     for index in range(page_count):
         try:
-            raw = reader.pages[index].extract_text()
+            page = reader.pages[index]
+            raw = page.extract_text()
         except MemoryError:
             raise
         except Exception as exc:
@@ -475,6 +592,8 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         text = _clean_page_text(raw or "")
         if text:
             pages.append(Page(index + 1, text))
+        elif _draws_images(page):
+            scanned.append(index + 1)
 
     if not pages:
         if failed:
@@ -483,10 +602,9 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 f"{name} is damaged: text extraction failed on {_page_list(failed)} "
                 f"({_pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
             )
-        ocr_out = Path(name).with_name(Path(name).stem + "-ocr.pdf")
         raise NoExtractableTextError(
             f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "
-            f"so it needs OCR first, e.g. `ocrmypdf {name} {ocr_out}`, then load the OCR'd file."
+            f"so it needs OCR first, e.g. `{_ocr_command(name)}`, then load the OCR'd file."
         )
     if failed:
         assert first_error is not None
@@ -499,8 +617,36 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
             ),
             stacklevel=3,
         )
+    if scanned:
+        warnings.warn(
+            PageExtractionWarning(
+                f"{name}: skipped {_page_list(scanned)} of {page_count}: they hold only images, no text layer "
+                "(scanned). The other pages were loaded; to answer questions about the skipped ones too, OCR the "
+                f"file first, e.g. `{_ocr_command(name, '--skip-text')}`, and load the OCR'd file.",
+                tuple(scanned),
+            ),
+            stacklevel=3,
+        )
     text = PAGE_SEPARATOR.join(page.text for page in pages)
-    return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=tuple(failed))
+    skipped = tuple(sorted(failed + scanned))
+    return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped)
+
+
+def _draws_images(page: PageObject) -> bool:
+    """Whether a page without text draws images, as a scan does; a blank page draws none."""
+    try:
+        return len(page.images) > 0
+    except MemoryError:
+        raise
+    except Exception:  # images pypdf cannot even list: not known to be a scan
+        return False
+
+
+def _ocr_command(name: str, *options: str) -> str:
+    """An ocrmypdf command line that writes an OCR'd copy of `name` beside it (`--skip-text`: OCR only the pages
+    without text, which ocrmypdf otherwise refuses)."""
+    out = Path(name).with_name(Path(name).stem + "-ocr.pdf")
+    return " ".join(["ocrmypdf", *options, name, str(out)])
 
 
 def _page_list(numbers: list[int]) -> str:

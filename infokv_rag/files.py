@@ -10,18 +10,21 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch dtype names, not dtypes: torch is imported where tensors are made, so that reading a document
+# (documents.py opens files through open_regular) does not load it.
 SAFETENSORS_DTYPES = {
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
+    "U8": "uint8",
+    "I8": "int8",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
 }
 
 
@@ -109,12 +112,14 @@ def safetensors_views(buffer: Any) -> dict[str, torch.Tensor]:
 
     Raises ValueError, KeyError or struct.error when the file is malformed.
     """
+    import torch
+
     header, start = safetensors_header(buffer)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        dtype = getattr(torch, SAFETENSORS_DTYPES[info["dtype"]])
         begin, end = (start + offset for offset in info["data_offsets"])
         count = (end - begin) // dtype.itemsize
         if count != int(torch.Size(info["shape"]).numel()) or end > len(buffer):

@@ -131,12 +131,14 @@ def open_document(
     config: CompressionConfig | dict[str, Any] | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    password: str | None = None,
 ) -> CompressedDocument:
     """The compressed document for a source, ingested (or loaded) once per model and config.
 
     `model` None means the source's own model for a `CompressedDocument`, else `DEFAULT_MODEL`.
     Asking for another model than the one a `CompressedDocument` was read with is an error: its
-    cache belongs to that model.
+    cache belongs to that model. `password` opens an encrypted PDF file; it is no part of the key (a file read
+    once is shared in the process, as its text is).
     """
     if isinstance(source, CompressedDocument) and text is None:
         if model is not None and model != source.engine.name:
@@ -163,7 +165,7 @@ def open_document(
             return engine.ingest_document(source, config)
         if kind == "cache":
             return engine.load(identity[0])
-        return engine.ingest(identity[0], config)
+        return engine.ingest(identity[0], config, password=password)
 
     return _DOCUMENTS.get_or_load(key, ingest)
 
@@ -198,9 +200,11 @@ DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
 """The call kwargs that choose another document than the adapter's own."""
 
 
-def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> CompressedDocument:
+def open_call_document(
+    adapter: AdapterFields, kwargs: dict[str, Any], password: str | None = None
+) -> CompressedDocument:
     """The document of one call: the call's `DOCUMENT_OPTIONS` over the adapter's fields (a per-call
-    `document` replaces the adapter's `document_text`)."""
+    `document` replaces the adapter's `document_text`); `password` opens an encrypted PDF."""
     text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
     return open_document(
         kwargs.get("document", adapter.document),
@@ -209,6 +213,7 @@ def open_call_document(adapter: AdapterFields, kwargs: dict[str, Any]) -> Compre
         config=kwargs.get("compression", adapter.compression),
         device=adapter.device,
         dtype=adapter.dtype,
+        password=password,
     )
 
 

@@ -41,7 +41,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
-from infokv_rag.documents import document_from_pages
+from infokv_rag.documents import Document, document_from_pages, repair_extracted_text
 from infokv_rag.generation import Generation
 from infokv_rag.prompt import Turn, question_turns
 
@@ -120,6 +120,9 @@ class InfoKV(CustomLLM):
     recall: float | int | None = Field(
         default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
     )
+    password: str | None = Field(
+        default=None, exclude=True, repr=False, description="opens `document` when it is an encrypted PDF file"
+    )
 
     _opened: CompressedDocument | None = PrivateAttr(default=None)
     """The document of the latest call that used the fields' own (for `to_payload`, which must not read one)."""
@@ -146,7 +149,7 @@ class InfoKV(CustomLLM):
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The compressed document this LLM answers from: read on first use, then shared while the fields (or
         the call's kwargs) that choose it stay the same; a field changed later chooses another."""
-        document = open_call_document(self, kwargs)
+        document = open_call_document(self, kwargs, self.password)
         if not any(key in kwargs for key in DOCUMENT_OPTIONS):
             self._opened = document
         return document
@@ -290,14 +293,26 @@ class InfoKV(CustomLLM):
         return responses()
 
 
-def _page_number(metadata: dict[str, Any], default: int) -> int:
+def _page_number(metadata: dict[str, Any], position: int) -> tuple[int, str | None]:
+    """A page's (number, label) from a reader's metadata: the first of `page_label`, `page` and `page_number`
+    that is a whole number, else `position` (1-based, within its file); the label is `page_label` where it is
+    not that number ("iv", "A-1")."""
+    number = position
     for key in ("page_label", "page", "page_number"):
-        value = metadata.get(key)
         try:
-            return int(str(value).strip())
-        except (TypeError, ValueError):
+            number = int(str(metadata.get(key)).strip())
+            break
+        except ValueError:
             continue
-    return default
+    label = str(metadata.get("page_label", "")).strip() or None
+    return number, (label if label != str(number) else None)
+
+
+def _check_llm_kwargs(llm_kwargs: dict[str, Any]) -> None:
+    """TypeError for a keyword no `InfoKV` field takes (pydantic would drop it unseen, e.g. a misspelt option)."""
+    unknown = sorted(set(llm_kwargs) - set(InfoKV.model_fields))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}: not a field of InfoKV")
 
 
 class DocumentQueryEngine(CustomQueryEngine):
@@ -321,13 +336,20 @@ class DocumentQueryEngine(CustomQueryEngine):
         *,
         model: str | None = None,
         compression: CompressionConfig | dict[str, Any] | None = None,
+        password: str | None = None,
         **llm_kwargs: Any,
     ) -> DocumentQueryEngine:
         """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache
-        directory."""
-        return cls(
-            llm=InfoKV(model=model, document=os.fspath(path), compression=optional_config(compression), **llm_kwargs)
+        directory; `password` opens an encrypted PDF. `llm_kwargs` are `InfoKV` fields."""
+        _check_llm_kwargs(llm_kwargs)
+        llm = InfoKV(
+            model=model,
+            document=os.fspath(path),
+            compression=optional_config(compression),
+            password=password,
+            **llm_kwargs,
         )
+        return cls(llm=llm)
 
     @classmethod
     def from_documents(
@@ -340,16 +362,26 @@ class DocumentQueryEngine(CustomQueryEngine):
     ) -> DocumentQueryEngine:
         """LlamaIndex `Document`s (e.g. from `SimpleDirectoryReader`), in order, as the pages of one document.
 
-        A document's page number comes from its `page_label` / `page` metadata (as set by PDF readers),
-        else from its position (1, 2, ...).
+        A document's page number comes from its `page_label` / `page` metadata (as set by PDF readers), else from
+        its position within its file (`file_name` / `file_path`; 1, 2, ...); a `page_label` that is not a number
+        ("iv") is kept and cited as it is. `llm_kwargs` are `InfoKV` fields.
         """
         if not documents:
             raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
-        pages = [(_page_number(doc.metadata, index + 1), doc.get_content()) for index, doc in enumerate(documents)]
-        names = [str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "") for doc in documents]
-        names = [name for name, (_, text) in zip(names, pages, strict=True) if text.strip()]  # the pages kept
+        _check_llm_kwargs(llm_kwargs)
+        pages, labels, names = [], [], []
+        positions: dict[str, int] = {}
+        for doc in documents:
+            name = str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "")
+            positions[name] = positions.get(name, 0) + 1  # blank pages count: they are pages of the file
+            text = doc.get_content()
+            if repair_extracted_text(text).strip():  # the pages document_from_pages keeps
+                number, label = _page_number(doc.metadata, positions[name])
+                pages.append((number, text))
+                labels.append(label)
+                names.append(name)
         source = names[0] if names and names[0] and all(name == names[0] for name in names) else None
-        document = document_from_pages(pages, source=source)
+        document = document_from_pages(pages, source=source, labels=labels)
         llm = InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs)
         return cls(llm=llm, page_files=names if source is None and any(names) else None)
 
@@ -361,19 +393,23 @@ class DocumentQueryEngine(CustomQueryEngine):
         system = [("system", self.llm.system_prompt)] if self.llm.system_prompt else []
         return self.llm._start([*system, *question_turns(query_str)], {})
 
-    def _response(self, query_str: str, text: str, generation: Generation, document: CompressedDocument) -> Response:
-        answer = text.strip()
-        source = document.document.source
+    def _source_nodes(self, document: Document, answer: str, query_str: str) -> list[NodeWithScore]:
+        """The pages of `document` that support `answer`, as LlamaIndex source nodes (best first)."""
         nodes = []
-        for index, score in supporting_pages(document.document, answer, query_str, limit=self.max_sources):
-            page = document.document.pages[index]
-            metadata: dict[str, Any] = {"page_label": str(page.number), "page": page.number}
-            name = self.page_files[index] if self.page_files else source
+        for index, score in supporting_pages(document, answer, query_str, limit=self.max_sources):
+            page = document.pages[index]
+            metadata: dict[str, Any] = {"page_label": page.cited_as, "page": page.number}
+            name = self.page_files[index] if self.page_files else document.source
             if name:
                 metadata["file_name"] = os.path.basename(name)
             # By position: pages of several files may share numbers.
-            node = TextNode(id_=f"{document.document.sha256[:16]}-page-{index + 1}", text=page.text, metadata=metadata)
+            node = TextNode(id_=f"{document.sha256[:16]}-page-{index + 1}", text=page.text, metadata=metadata)
             nodes.append(NodeWithScore(node=node, score=score))
+        return nodes
+
+    def _response(self, query_str: str, text: str, generation: Generation, document: CompressedDocument) -> Response:
+        answer = text.strip()
+        nodes = self._source_nodes(document.document, answer, query_str)
         info = answer_info(document, generation.usage)
         return Response(response=answer, source_nodes=nodes, metadata=InfoKV._extra(info))
 

@@ -19,13 +19,17 @@ def text_pdf_bytes(pages: Sequence[str]) -> bytes:
     # invariant=1 drops the creation date and random ID, so equal input gives equal bytes.
     pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
     for page_text in pages:
-        y = A4[1] - 72
-        for line in page_text.split("\n"):
-            pdf.drawString(72, y, line)
-            y -= 14
+        _draw_lines(pdf, page_text)
         pdf.showPage()
     pdf.save()
     return buf.getvalue()
+
+
+def _draw_lines(pdf: canvas.Canvas, page_text: str) -> None:
+    y = A4[1] - 72
+    for line in page_text.split("\n"):
+        pdf.drawString(72, y, line)
+        y -= 14
 
 
 def text_pdf(path: Path, pages: Sequence[str]) -> Path:
@@ -45,6 +49,12 @@ def encrypted_pdf(path: Path, pages: Sequence[str], user_password: str, owner_pa
 
 def image_only_pdf(path: Path, n_pages: int = 2) -> Path:
     """A 'scanned' PDF: each page holds only an image, no text layer."""
+    return mixed_pdf(path, [None] * n_pages)
+
+
+def mixed_pdf(path: Path, pages: Sequence[str | None]) -> Path:
+    """A PDF with one page per item: a string is a text page (newlines start new lines), None a page holding only
+    an image of text (a scan with no text layer)."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (200, 80), "white")
@@ -52,8 +62,11 @@ def image_only_pdf(path: Path, n_pages: int = 2) -> Path:
     ImageDraw.Draw(image).text((10, 30), "SCANNED TEXT", fill="black")
     buf = io.BytesIO()
     pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
-    for _ in range(n_pages):
-        pdf.drawImage(ImageReader(image), 72, 600, width=400, height=160)
+    for page_text in pages:
+        if page_text is None:
+            pdf.drawImage(ImageReader(image), 72, 600, width=400, height=160)
+        else:
+            _draw_lines(pdf, page_text)
         pdf.showPage()
     pdf.save()
     path.write_bytes(buf.getvalue())

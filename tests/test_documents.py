@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -222,6 +224,19 @@ def test_page_that_fails_alone_is_skipped_with_warning(tmp_path: Path, kind: str
     assert "partly.pdf" in str(warning.message) and "pages 2, 4 of 4" in str(warning.message)
 
 
+def test_an_image_only_page_among_text_pages_is_reported(tmp_path: Path) -> None:
+    # A scanned page (an image, no text layer) in a PDF that otherwise has text: skipped, listed and warned about.
+    path = pdfs.mixed_pdf(tmp_path / "signed.pdf", [PAGES[0], None, PAGES[2], None])
+    with pytest.warns(PageExtractionWarning) as record:
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [1, 3] and doc.skipped_pages == (2, 4)
+    [warning] = record.list
+    assert warning.filename == __file__
+    assert isinstance(warning.message, PageExtractionWarning) and warning.message.pages == (2, 4)
+    message = str(warning.message)
+    assert "signed.pdf" in message and "pages 2, 4 of 4" in message and "OCR" in message and "ocrmypdf" in message
+
+
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.broken_page_pdf(tmp_path / "allbad.pdf", ["one", "two"], broken=[1, 2])
     message = _refusal(CorruptPDFError, path)
@@ -308,6 +323,12 @@ def test_document_from_pages_checks_each_page_as_text() -> None:
         document_from_pages([(1, " "), (2, "")], source="scan")
 
 
+def test_document_from_pages_repairs_what_pdf_readers_leave() -> None:
+    # Ligatures, soft hyphens and NULs as a framework's PDF reader passes them on: cleaned as load_document does.
+    doc = document_from_pages([(1, "the \ufb01nal notice\u00ad period\x00 is   sixty days\r\n")])
+    assert doc.text == "the final notice period is   sixty days"
+
+
 def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
     with pytest.raises(ValueError):
         Document(text="x", pages=(Page(1, "y"),), source=None, sha256="0" * 64)
@@ -372,6 +393,39 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         load_document(tmp_path)
 
 
+def test_special_files_are_refused_by_kind(tmp_path: Path) -> None:
+    fifo = tmp_path / "contract.txt"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_document(fifo)
+        except BaseException as exc:  # noqa: BLE001 - whatever it raises is checked below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)  # a FIFO without a writer would block it for good
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "load_document blocked on a FIFO"
+    [error] = outcome
+    assert isinstance(error, UnsupportedFormatError) and "contract.txt is a named pipe (FIFO)" in str(error)
+    device = tmp_path / "device.txt"
+    device.symlink_to("/dev/null")  # as /dev/zero, which would read without end, but harmless if it is read
+    message = _refusal(UnsupportedFormatError, device)
+    assert "device.txt is a character device" in message
+
+
+def test_nul_bytes_in_text_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "lease.txt"
+    path.write_bytes(b"The notice period is ninety days. " * 50 + b"\x00End.")
+    message = _refusal(UnsupportedFormatError, path)
+    assert "1 NUL byte" in message and "offset 1700" in message and "binary" not in message
+    path.write_bytes("Notice: the notice period is ninety days.".encode("utf-16-le"))
+    message = _refusal(UnsupportedFormatError, path)
+    assert "UTF-16 without a byte-order mark" in message and "UTF-8" in message
+
+
 def test_a_loaded_document_instead_of_a_path_names_the_call_to_use() -> None:
     document = document_from_text("The notice period is 30 days.")
     with pytest.raises(TypeError, match="got Document.*ingest_document"):
@@ -388,6 +442,11 @@ _LEGACY_TEXTS = {
     "big5": "本合約的通知期限為九十天。如果供應商延遲交貨，每天罰款五百歐元。",
     "shift_jis": "この契約の通知期間は九十日です。供給者が納品を遅らせた場合、一日五百ユーロの罰金。",
     "cp1251": "Срок уведомления по настоящему договору составляет девяносто дней. Штраф пятьсот евро.",
+    "koi8_r": "Срок уведомления составляет тридцать дней. " * 4,
+    "cp1253": "Η περίοδος ειδοποίησης είναι τριάντα ημέρες. " * 4,
+    "cp1250": "Okres wypowiedzenia wynosi trzydzieści dni. Zażółć gęślą jaźń. " * 3,
+    # Turkish: cp1254's letters where cp1252 has Icelandic ones (Ş as Þ, ı as ý) must not be read as cp1252.
+    "cp1254": "Bildirim süresi otuz gündür. Şirket ığdır çalışanları. " * 4,
 }
 
 
@@ -400,8 +459,15 @@ def test_legacy_encodings_are_detected_not_garbled(tmp_path: Path, encoding: str
     assert load_document(path).text == text
 
 
-def test_western_legacy_text_stays_cp1252(tmp_path: Path) -> None:
-    text = "Le délai de préavis est de quatre-vingt-dix jours; as condições não são negociáveis. Größe: 5 €."
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Le délai de préavis est de quatre-vingt-dix jours; as condições não são negociáveis. Größe: 5 €.",
+        "Größe: 5 m",  # short, and two accented letters in a row: still Western
+        "Kündigungsfrist: drei Monate. Größe: 500 m.",
+    ],
+)
+def test_western_legacy_text_stays_cp1252(tmp_path: Path, text: str) -> None:
     path = tmp_path / "avis.txt"
     path.write_bytes(text.encode("cp1252"))
     assert load_document(path).text == text
@@ -413,3 +479,19 @@ def test_text_of_an_undeterminable_encoding_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"Notice: " + bytes([0xC3, 0x80, 0xFE, 0xA1, 0x81, 0x30, 0xE9, 0xFF]) * 3 + b" end.")
     message = _refusal(UnsupportedFormatError, path)
     assert "UTF-8" in message
+
+
+@pytest.mark.parametrize(
+    ("encoding", "text"),
+    [
+        ("cp1251", "Срок: 30 дней.\n"),
+        ("cp1251", "Привет\n"),
+        ("cp1254", "Şirket çalışanları bildirim süresi otuz gündür.\n"),
+    ],
+)
+def test_short_legacy_text_is_refused_not_garbled(tmp_path: Path, encoding: str, text: str) -> None:
+    # Too little text for its encoding to be told (several read as plausible text): refused, not guessed.
+    path = tmp_path / "short.txt"
+    path.write_bytes(text.encode(encoding))
+    message = _refusal(UnsupportedFormatError, path)
+    assert "short.txt" in message and "save it as UTF-8" in message

@@ -1,12 +1,23 @@
-"""The small shared helpers: the document cache of the service and the integrations, the page map."""
+"""The small shared helpers: the document cache of the service and the integrations, the page map, the examples'
+command lines."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
 
 from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
 from infokv_rag.loaded import LoadOnceCache
+
+from . import pdf_factory as pdfs
 
 
 def test_concurrent_callers_of_one_key_share_one_load() -> None:
@@ -56,3 +67,64 @@ def test_the_page_map_rebuilds_the_document() -> None:
     text = PAGE_SEPARATOR.join(page.text for page in pages)
     document = Document(text=text, pages=pages, source="a.pdf", sha256="0" * 64, skipped_pages=(2,))
     assert Document.from_layout(text, document.layout()) == document
+
+
+# The examples' command lines: what they refuse before a model loads ---------------------------------------
+
+
+def _example(name: str) -> ModuleType:
+    """examples/<name>.py as a module (the examples import their `_common` from their own folder)."""
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", folder / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(folder))
+
+
+def _refused(main: Callable[[list[str]], object], argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2  # argparse's usage error, before any model loads
+    return capsys.readouterr().err
+
+
+def test_the_examples_check_the_document_and_options_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parse_args = _example("_common").parse_args
+
+    def main(argv: list[str]) -> object:
+        return parse_args("example", ["--model", "no-such-model", *argv])
+
+    assert "is a directory" in _refused(main, ["--document", str(tmp_path)], capsys)
+    assert "damaged" in _refused(main, ["--document", str(pdfs.corrupt_pdf(tmp_path / "bad.pdf"))], capsys)
+    locked = pdfs.encrypted_pdf(tmp_path / "locked.pdf", ["The fee is 40 EUR."], "pw")
+    assert "--password" in _refused(main, ["--document", str(locked)], capsys)
+    assert "--max-tokens must be at least 1" in _refused(main, ["--max-tokens", "0"], capsys)
+    args = main(["--document", str(locked), "--password", "pw"])
+    assert isinstance(args, argparse.Namespace) and "40 EUR" in args.source.text
+
+
+def test_the_demo_checks_its_options_first_and_answers_by_whole_words(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = _example("demo")
+    refusal = _refused(demo.main, ["--model", "no-such-model", "--max-new-tokens", "0"], capsys)
+    assert "--max-new-tokens must be at least 1" in refusal
+
+    class Answered:
+        """A document whose every answer is `text`: what the demo's check credits."""
+
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def generate(self, turns: object, options: object) -> SimpleNamespace:
+            return SimpleNamespace(text=lambda: self.text, usage=SimpleNamespace(time_to_first_token=0.1))
+
+    def right(answer: str, expected: list[str]) -> bool:
+        return demo.ask_checked(Answered(answer), "Q?", expected, 8)[1]
+
+    assert not right("Ownership of 150% of the shares.", ["50%", "fifty percent"])
+    assert not right("The Licensor has issued the Work under the License.", ["AS IS"])
+    assert right("On an AS IS basis.", ["AS IS"]) and right("Fifty percent (50%).", ["50%"])

@@ -16,7 +16,8 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.schema import Document as LlamaDocument
 
 from infokv_rag.citations import supporting_pages
-from infokv_rag.documents import document_from_pages, document_from_text
+from infokv_rag.documents import Document, document_from_pages, document_from_text
+from infokv_rag.errors import EncryptedPDFError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations._common import get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
@@ -24,7 +25,7 @@ from infokv_rag.prompt import question_turns
 
 from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
-from .pdf_factory import text_pdf
+from .pdf_factory import encrypted_pdf, text_pdf
 
 # Without weights -----------------------------------------------------------------------------------
 
@@ -53,6 +54,82 @@ def test_supporting_pages_prefer_the_page_holding_the_answer() -> None:
     assert supporting_pages(document, "zzz qqq") == []
     single = document_from_text("Only one page here.")
     assert supporting_pages(single, "nothing related") == [(0, 0.0)]
+
+
+def test_citations_match_whole_words() -> None:
+    # "ten" is in "tenant" and "often", "50%" in "150%", as letters but not as words: those pages are not cited.
+    lease = document_from_pages(
+        [
+            (1, "The landlord and the tenant agree as follows."),
+            (2, "Either party may end this lease by giving ten days notice in writing."),
+            (3, "The tenant keeps the premises in repair; rent is often reviewed."),
+        ]
+    )
+    assert [index for index, _ in supporting_pages(lease, "ten", "How many days of notice end the lease?")] == [1]
+    shares = document_from_pages(
+        [
+            (1, "Control means ownership of fifty percent (50%) or more of the outstanding shares."),
+            (2, "Late payments accrue interest at 150% of the base rate, compounded on outstanding amounts."),
+        ]
+    )
+    assert [index for index, _ in supporting_pages(shares, "50%", "What share of the shares is control?")] == [0]
+
+
+def test_an_answer_across_a_page_break_cites_both_pages() -> None:
+    document = document_from_pages(
+        [
+            (1, "Intro words.\nThe notice period for termination of this agreement is"),
+            (2, "ninety days from the date of the written notice.\nPayment terms follow."),
+            (3, "Termination for cause: notice period not applicable; ninety percent refunded."),
+        ]
+    )
+    answer = "The notice period for termination of this agreement is ninety days."
+    cited = supporting_pages(document, answer, "What is the notice period?")
+    assert sorted(index for index, _ in cited) == [0, 1] and all(score > 1 for _, score in cited)
+
+
+def test_from_documents_cites_each_files_own_page_labels() -> None:
+    manual = {"file_name": "m.pdf"}
+    documents = [
+        LlamaDocument(text="Preface. This manual covers pump P-301.", metadata={"page_label": "i", **manual}),
+        LlamaDocument(text="Contents. Valves, filters.", metadata={"page_label": "ii", **manual}),
+        LlamaDocument(text="Chapter 1. Valve V-2 relieves pressure.", metadata={"page_label": "1", **manual}),
+        LlamaDocument(text="Annex. Torques.", metadata={"page_label": "A-1", "page": 9, **manual}),
+        # Text files as SimpleDirectoryReader reads them: no page metadata, one page each.
+        LlamaDocument(text="Lease A. The notice period is thirty days.", metadata={"file_name": "a.txt"}),
+        LlamaDocument(text="Lease B. The deposit is two months of rent.", metadata={"file_name": "b.txt"}),
+    ]
+    engine = DocumentQueryEngine.from_documents(documents, model="no-such-model")
+    document = engine.llm.document
+    assert isinstance(document, Document)
+    assert [(page.number, page.label) for page in document.pages] == [
+        (1, "i"), (2, "ii"), (1, None), (9, "A-1"), (1, None), (1, None)
+    ]  # fmt: skip
+    assert Document.from_layout(document.text, document.layout()) == document  # labels persist
+
+    def cited(answer: str, question: str) -> dict[str, Any]:
+        return engine._source_nodes(document, answer, question)[0].node.metadata
+
+    assert cited("This manual covers pump P-301.", "What does this manual cover?") == {
+        "page_label": "i", "page": 1, "file_name": "m.pdf"
+    }  # fmt: skip
+    assert cited("Torques.", "What does the annex hold?") == {"page_label": "A-1", "page": 9, "file_name": "m.pdf"}
+    assert cited("The deposit is two months of rent.", "What is the deposit?") == {
+        "page_label": "1", "page": 1, "file_name": "b.txt"
+    }  # fmt: skip
+
+
+def test_from_file_opens_an_encrypted_pdf_with_its_password(random_model_dir: Path, tmp_path: Path) -> None:
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    with pytest.raises(EncryptedPDFError, match="password="):
+        _ = DocumentQueryEngine.from_file(path, model=str(random_model_dir)).document
+    engine = DocumentQueryEngine.from_file(path, model=str(random_model_dir), password="s3cret", max_tokens=2)
+    assert "Lindqvist" in engine.document.document.text
+    assert "s3cret" not in repr(engine.llm) and "s3cret" not in engine.llm.to_json()
+    with pytest.raises(TypeError, match="pasword"):
+        DocumentQueryEngine.from_file(path, model=str(random_model_dir), pasword="s3cret")
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        DocumentQueryEngine.from_documents([LlamaDocument(text="x")], max_new_tokens=2)
 
 
 def test_llm_loads_nothing_until_used() -> None:
