@@ -68,6 +68,9 @@ def _entropy_kernel(
         slots = tl.arange(0, K_PAD)
         slot_ok = slots[None, :] < TOP_K
         best = tl.full((BLOCK_N, K_PAD), float("-inf"), tl.float32)
+        # The running max skips NaN where the reference's topk takes it as the largest logit: counted apart, a
+        # NaN logit makes its row's entropy NaN in both paths.
+        nan_logits = tl.zeros((BLOCK_N,), tl.int32)
 
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + offs_v
@@ -109,6 +112,7 @@ def _entropy_kernel(
             # Move tile values into the running top-k one per row per step, largest first, while
             # some row's tile max beats its current k-th best. Past the first tiles few values
             # qualify, so this usually takes a step or two per tile rather than TOP_K.
+            nan_logits += tl.sum((z != z).to(tl.int32), axis=1)
             kth = tl.min(tl.where(slot_ok, best, float("inf")), axis=1)
             tile_max = tl.max(z, axis=1)
             while tl.max((tile_max > kth).to(tl.int32), axis=0) > 0:
@@ -131,7 +135,7 @@ def _entropy_kernel(
         e = tl.where(slot_ok, tl.exp(zc), 0.0)
         s = tl.sum(e, axis=1)
         t = tl.sum(e * zc, axis=1)
-        entropy = tl.log(s) - t / s
+        entropy = tl.where(nan_logits > 0, float("nan"), tl.log(s) - t / s)
     tl.store(out_ptr + rows, entropy, mask=row_ok)
 
 

@@ -336,6 +336,20 @@ def test_entropy_triton_gives_nan_for_an_all_nan_row(top_k: int) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=2e-5, equal_nan=True)
 
 
+@runs_triton
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_entropy_triton_gives_nan_where_one_logit_is_nan(top_k: int) -> None:
+    """A NaN row of the LM head (corrupt weights) spoils every token's entropy, in both paths: a kernel that skipped
+    the NaN logit would rank tokens by a distribution the model does not have."""
+    hidden, weight = make_lm_head(4, 300, 8, torch.float32)
+    weight[123] = float("nan")
+    expected = predictive_entropy_reference(hidden, weight, top_k)
+    assert bool(expected.isnan().all())
+    with kernel_backend("triton"):
+        actual = predictive_entropy(hidden, weight, top_k)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logit_std", [3.0, 100.0])
 def test_surprisal_matches_dense(dtype: torch.dtype, logit_std: float) -> None:
