@@ -57,6 +57,18 @@ def check_config(config: Any, source: str, class_name: str | None = None) -> Non
         )
 
 
+def context_window(config: Any) -> int:
+    """The positions a model reads: `max_position_embeddings`, or under YaRN rope scaling `factor` times the
+    pretraining length. Qwen2.5's recipe for long documents adds YaRN to config.json and leaves
+    max_position_embeddings at the pretraining length. Other scalings keep max_position_embeddings: dynamic NTK
+    re-scales the rotary frequencies once positions pass it, which keys already cached would not follow."""
+    positions = int(config.max_position_embeddings)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn" and rope.get("factor"):
+        return max(positions, int(rope["factor"] * int(rope.get("original_max_position_embeddings") or positions)))
+    return positions
+
+
 def check_tokenizer(tokenizer: Any, source: str) -> None:
     """Refuses a tokenizer without a chat template: questions are asked as chat turns."""
     if not getattr(tokenizer, "chat_template", None):

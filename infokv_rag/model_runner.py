@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .architectures import context_window
 from .cache import EvictedSummary, KVCache
 from .recall import Recall, attend_over_cold
 from .signals import ForwardCapture
@@ -96,7 +97,7 @@ class ModelRunner:
         self.kv_heads = int(config.num_key_value_heads)
         self.heads = int(config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        self.max_positions = int(config.max_position_embeddings)
+        self.max_positions = context_window(config)
         model.set_attn_implementation(ATTENTION_NAME)
 
     @property

@@ -580,6 +580,48 @@ def test_supported_architectures_run_exactly_through_the_hook_and_ragged_cache(m
     assert isinstance(doc.ask(QUESTION, max_new_tokens=4), str)
 
 
+def test_yarn_rope_scaling_widens_the_context_window() -> None:
+    """Qwen2.5's recipe for long documents adds YaRN to config.json and leaves max_position_embeddings at the
+    pretraining length: the window is factor times that, and the runner reads past it exactly as the model does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from infokv_rag.architectures import context_window
+
+    tokenizer = build_tokenizer()
+    shape = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    plain = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), max_position_embeddings=64, **shape)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    scaled = AutoConfig.for_model(
+        "qwen2", vocab_size=len(tokenizer), max_position_embeddings=64, rope_scaling=yarn, **shape
+    )
+    dynamic = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        rope_scaling={"type": "dynamic", "factor": 4.0},
+        **shape,
+    )
+    assert (context_window(plain), context_window(scaled), context_window(dynamic)) == (64, 256, 64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(scaled).eval().requires_grad_(False)
+    ids = torch.randint(2, len(tokenizer), (200,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids[None]).logits[0]
+    engine = InfoKVEngine.from_model(model, tokenizer)
+    assert engine.context_window == 256
+    runner, cache = engine.runner, engine.runner.new_cache()
+    with torch.inference_mode():
+        first = runner.logits(runner.forward(ids[:100], torch.arange(100), cache))
+        rest = runner.logits(runner.forward(ids[100:], torch.arange(100, 200), cache))
+    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_sliding_window_variants_are_refused() -> None:
     from transformers import AutoConfig
 
