@@ -33,6 +33,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from infokv_rag.cli import main as cli_main  # noqa: E402
+from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.launcher import free_port, read_sse  # noqa: E402
 from infokv_rag.service.ray_app import (  # noqa: E402
     APP_NAME,
@@ -93,6 +94,7 @@ def _settings(tmp: Path, store: str) -> Settings:
         default_max_tokens=8,
         max_active_generations=1,  # small queues, for the backpressure test to fill
         max_queued_generations=1,
+        max_generations_per_tenant=2,  # the whole queue: one tenant fills it, as the backpressure test does
         # Short enough for the kill test to see a takeover soon, long enough for renewals (S3 PUTs to moto in
         # this process, every lease/3 s) to survive a loaded machine: at 3 s, under load, the other replica
         # once read a live document again, most likely after a renewal came late (not proven).
@@ -259,6 +261,20 @@ def test_serve_run_arguments_override_the_environment(monkeypatch: pytest.Monkey
     assert built == {"replicas": 3, "replica_cpus": 0.5, "replica_gpus": 0.0}
     assert (settings.model, settings.store, settings.max_queued_generations) == ("tiny", "file:///env", 5)
     assert settings.keyring
+
+
+def test_serve_run_takes_the_tenant_shares_and_refuses_one_over_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tenants' shares reach the replicas' settings (`serve run` arguments, INFOKV_* variables) like any
+    other setting; a share above its queue is refused before the application is built."""
+    built: list[Settings] = []
+    monkeypatch.setattr("infokv_rag.service.ray_app.build_app", lambda settings, *_: built.append(settings))
+    for name, value in {"API_KEYS": f"tenantA:{KEY_A}", "STORE": "file:///env"}.items():
+        monkeypatch.setenv(f"INFOKV_{name}", value)
+    app_builder({"max_queued_uploads": "4", "max_queued_uploads_per_tenant": "3", "max_generations_per_tenant": "5"})
+    assert (built[0].upload_share, built[0].generation_share) == (3, 5)
+    with pytest.raises(ConfigError, match="max_queued_uploads_per_tenant is 5, more than the 4"):
+        app_builder({"max_queued_uploads": "4", "max_queued_uploads_per_tenant": "5"})
+    assert len(built) == 1
 
 
 def test_another_replica_answers_from_the_store_without_a_prefill(ingress: str) -> None:

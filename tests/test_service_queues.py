@@ -1,11 +1,14 @@
 """The service's queues and lifecycle, on a live server (the random model): a place in a queue is held only by
-work someone still waits for, nothing of a deleted document is served after its DELETE returned, and a
-graceful stop answers the requests in flight with 503 `cancelled`.
+work someone still waits for, one tenant cannot take more than its share of a queue (429 `tenant_queue_full`,
+while the others still find places; 503 `busy` only when the queue as a whole is full), nothing of a deleted
+document is served after its DELETE returned, and a graceful stop answers the requests in flight with 503
+`cancelled`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -26,7 +29,7 @@ from infokv_rag.service.dependencies import Service  # noqa: E402
 from infokv_rag.service.errors import ServiceError  # noqa: E402
 from infokv_rag.service.launcher import ServerProcess, read_sse  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
-from infokv_rag.service.worker import ModelWorker  # noqa: E402
+from infokv_rag.service.worker import ModelWorker, QueueFull, TenantShareFull  # noqa: E402
 
 from .service_helpers import (  # noqa: E402
     ADMIN_ENTRY,
@@ -38,12 +41,13 @@ from .service_helpers import (  # noqa: E402
     upload_ready,
 )
 
-KEY_A, KEY_B = "queues-key-tenant-a", "queues-key-tenant-b"
-A, B = bearer(KEY_A), bearer(KEY_B)
+KEY_A, KEY_B, KEY_C = "queues-key-tenant-a", "queues-key-tenant-b", "queues-key-tenant-c"
+A, B, C = bearer(KEY_A), bearer(KEY_B), bearer(KEY_C)
 SETTINGS = {
     "warmup": False,
     "default_method": "snapkv",
     "ingest_chunk_size": 32,  # a long upload stays in "processing" for many seconds
+    # The tenants' shares are the defaults, half of each queue: 1 upload waiting, 2 answers in flight.
     "max_queued_uploads": 2,
     "max_active_generations": 1,
     "max_queued_generations": 2,
@@ -66,7 +70,7 @@ def start_server(model_dir: Path, root: Path) -> ServerProcess:
     server = ServerProcess(
         str(model_dir),
         root / "data",
-        api_keys=[f"tenantA:{KEY_A}", f"tenantB:{KEY_B}"],
+        api_keys=[f"tenantA:{KEY_A}", f"tenantB:{KEY_B}", f"tenantC:{KEY_C}"],
         admin_keys=[ADMIN_ENTRY],
         settings=SETTINGS,
         log_path=root / "server.log",
@@ -87,7 +91,7 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
         # Every test leaves the server idle for the next: its documents deleted, no answer running.
-        for headers in (A, B):
+        for headers in (A, B, C):
             for document in client.get("/v1/documents", headers=headers).json()["data"]:
                 client.delete(f"/v1/documents/{document['id']}", headers=headers)
         deadline = time.monotonic() + 120
@@ -120,33 +124,38 @@ def in_thread(target: Any) -> threading.Thread:
 def test_deleted_uploads_free_their_places_and_a_refused_upload_is_never_made(client: httpx.Client) -> None:
     big = upload(client, A, "big.txt", text(1600, seed=1)).json()["id"]
     wait_status(client, big, A, "processing")
-    queued = [upload(client, A, f"q{i}.txt", text(60, seed=10 + i)).json()["id"] for i in range(2)]
+    # Two tenants fill the queue, each with its share of one place.
+    queued = [upload(client, headers, "q.txt", text(60, seed=10)).json() for headers in (A, B)]
     # The queue is full: refused before the upload is parsed (a corrupt PDF is not even looked at) or listed.
-    assert_error(upload(client, B, "b.txt", text(60, seed=20)), 503, "busy")
-    assert_error(upload(client, B, "broken.pdf", b"%PDF-1.7 not really"), 503, "busy")
-    assert client.get("/v1/documents", headers=B).json()["data"] == []
-    for doc_id in queued:
-        assert client.delete(f"/v1/documents/{doc_id}", headers=A).status_code == 200
+    assert_error(upload(client, C, "c.txt", text(60, seed=20)), 503, "busy")
+    assert_error(upload(client, C, "broken.pdf", b"%PDF-1.7 not really"), 503, "busy")
+    assert client.get("/v1/documents", headers=C).json()["data"] == []
+    for document, headers in zip(queued, (A, B), strict=True):
+        assert client.delete(f"/v1/documents/{document['id']}", headers=headers).status_code == 200
     health = admin_health(client)
     assert health["queue"]["queued_uploads"] == 0 and health["documents"]["queued"] == 0, health
-    accepted = upload(client, B, "b.txt", text(60, seed=20))
+    accepted = upload(client, C, "c.txt", text(60, seed=20))
     assert accepted.status_code == 202, accepted.text
     # What this test is about: the places freed while the long upload was still being read.
     assert client.get(f"/v1/documents/{big}", headers=A).json()["status"] == "processing"
 
 
 def test_questions_whose_clients_left_free_their_places(client: httpx.Client, server: ServerProcess) -> None:
-    doc_id = upload_ready(client, A, "d.txt", text(300, seed=2))
+    doc_id, doc_b = (upload_ready(client, h, "d.txt", text(300, seed=2)) for h in (A, B))
     long = in_thread(lambda: client.post(f"/v1/documents/{doc_id}/ask", json=LONG_ANSWER, headers=A))
     wait_queue(client, active_generations=1)
-    for _ in range(2):  # two questions queue behind it, and their clients give up
+    # Two questions (one of each tenant: each tenant's share is 2 answers in flight) fill the queue behind it,
+    # and their clients give up.
+    for document, headers in ((doc_id, A), (doc_b, B)):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{server.url}/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=A, timeout=0.5)
+            url = f"{server.url}/v1/documents/{document}/ask"
+            httpx.post(url, json={"question": "Q?"}, headers=headers, timeout=0.5)
     time.sleep(1.5)  # the server looks for a closed connection every half second
     assert admin_health(client)["queue"]["queued_generations"] == 0
     assert client.post(f"/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=B).status_code == 404
     answer = client.post(f"/v1/documents/{doc_id}/ask", json={"question": "Q?"}, headers=A)
-    assert answer.status_code == 200, answer.text  # waited behind the long answer instead of a 503
+    # Waited behind the long answer instead of a 503 or a 429: the place in the queue and in A's share are free.
+    assert answer.status_code == 200, answer.text
     long.join()
 
 
@@ -184,6 +193,72 @@ def test_nothing_of_a_deleted_document_is_served_after_its_delete(client: httpx.
     # Pieces made while the DELETE was under way still arrive; then the answer stops (it had 2,048 tokens to go).
     assert events_after_delete[-1] == "error" and len(events_after_delete) < 500, len(events_after_delete)
     assert '"document_not_found"' in last
+
+
+def documents_on_disk(server: ServerProcess) -> set[str]:
+    """Ids of the documents with a directory in the server's data directory (a deletion in progress aside)."""
+    return {path.name for path in (server.data_dir / "documents").iterdir() if not path.name.startswith(".")}
+
+
+def test_a_tenant_over_its_upload_share_is_refused_and_others_still_upload(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    big = upload(client, A, "big.txt", text(1600, seed=30)).json()["id"]
+    wait_status(client, big, A, "processing")  # being read: it no longer waits, and holds no place
+    queued = upload(client, A, "q.txt", text(60, seed=31)).json()["id"]
+    # A holds its share (one upload waiting): refused before the upload is parsed (a corrupt PDF is not even
+    # looked at), stored or listed; the queue itself still has a place.
+    for name, data in (("more.txt", text(60, seed=32)), ("broken.pdf", b"%PDF-1.7 not really")):
+        response = upload(client, A, name, data)
+        error = assert_error(response, 429, "tenant_queue_full")
+        assert response.headers["retry-after"] == "10" and "share" in error["message"], error
+    assert {d["id"] for d in client.get("/v1/documents", headers=A).json()["data"]} == {big, queued}
+    assert documents_on_disk(server) == {big, queued}
+    assert list((server.data_dir / "uploads").iterdir()) == []
+    # Another tenant still finds the place that is left.
+    other = upload(client, B, "b.txt", text(60, seed=33))
+    assert other.status_code == 202, other.text
+    assert documents_on_disk(server) == {big, queued, other.json()["id"]}
+    # A's share is free again once its waiting upload is gone.
+    assert client.delete(f"/v1/documents/{queued}", headers=A).status_code == 200
+    accepted = upload(client, A, "more.txt", text(60, seed=32))
+    assert accepted.status_code == 202, accepted.text
+
+
+def test_a_tenant_over_its_answer_share_is_refused_and_others_still_ask(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    doc_a, doc_b = (upload_ready(client, h, "d.txt", text(300, seed=40)) for h in (A, B))
+    answers: dict[str, httpx.Response] = {}
+
+    def ask(name: str, document: str, headers: dict[str, str], question: dict[str, Any]) -> threading.Thread:
+        def post() -> None:
+            answers[name] = httpx.post(
+                f"{server.url}/v1/documents/{document}/ask", json=question, headers=headers, timeout=120
+            )
+
+        return in_thread(post)
+
+    asked = [ask("long", doc_a, A, LONG_ANSWER)]
+    wait_queue(client, active_generations=1)
+    asked.append(ask("a", doc_a, A, {"question": "Q?"}))
+    wait_queue(client, queued_generations=1)
+    # A has its share (2 answers in flight) while the queue has a place: A is refused, on every route.
+    response = client.post(f"/v1/documents/{doc_a}/ask", json={"question": "Q?"}, headers=A)
+    error = assert_error(response, 429, "tenant_queue_full")
+    assert response.headers["retry-after"] == "2" and "share" in error["message"], error
+    model = client.get("/v1/models", headers=A).json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "Q?"}], "document_id": doc_a, "max_tokens": 2}
+    assert_error(client.post("/v1/chat/completions", json=chat, headers=A), 429, "tenant_queue_full")
+    # B takes the place that is left; once the queue is full, B (under its share) is told the server is busy.
+    asked.append(ask("b", doc_b, B, {"question": "Q?"}))
+    wait_queue(client, queued_generations=2)
+    response = client.post(f"/v1/documents/{doc_b}/ask", json={"question": "Q?"}, headers=B)
+    assert_error(response, 503, "busy")
+    assert response.headers["retry-after"] == "2"
+    for thread in asked:
+        thread.join(120)
+    assert {name: answer.status_code for name, answer in answers.items()} == {"long": 200, "a": 200, "b": 200}
 
 
 @pytest.fixture()
@@ -275,6 +350,43 @@ def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path,
     assert name == "error" and '"cancelled"' in data, outcomes["stream"]
     log = server.log_tail(20000)
     assert "Application shutdown complete" in log and "Exception in ASGI application" not in log, log
+
+
+def test_documents_read_again_are_never_refused_but_hold_their_tenants_share(
+    random_engine: Any, tmp_path: Path
+) -> None:
+    """Documents read again (after a restart, a takeover or a lost cache) are already listed: they take their
+    places even beyond the share and the queue, and then count against their owner's share like any upload. An
+    open service's caller (no tenant) has no share, only the queue."""
+    settings = random_model_settings(tmp_path / "data", (f"tenantA:{KEY_A}",), max_queued_uploads=4)
+    assert settings.upload_share == 2
+    # Not started: what is queued stays queued (and, read again from nothing, no registry file is needed).
+    worker = ModelWorker(random_engine, Registry(settings.data_dir, settings.loaded_documents), settings)
+    with contextlib.ExitStack() as slots:
+        for _ in range(settings.max_queued_uploads):  # the whole queue, twice the share of a tenant
+            slots.enter_context(worker.upload_slot(None))
+        with pytest.raises(QueueFull) as refused, worker.upload_slot(None):
+            pass
+        assert type(refused.value) is QueueFull  # the queue is full: 503 busy, not a share of it
+    for number in range(3):
+        record = DocumentRecord(
+            id=new_document_id(),
+            filename=f"{number}.txt",
+            status="queued",
+            owner="tenantA",
+            method="snapkv",
+            keep=0.5,
+            created_at=0,
+            updated_at=0,
+        )
+        assert worker.read_again(record)
+    assert worker.queue_state()["queued_uploads"] == 3
+    with pytest.raises(TenantShareFull), worker.upload_slot("tenantA"):
+        pass
+    with worker.upload_slot("tenantB"):  # another tenant takes the place that is left
+        with pytest.raises(QueueFull) as refused, worker.upload_slot("tenantC"):
+            pass
+        assert type(refused.value) is QueueFull
 
 
 def test_a_restart_fails_an_interrupted_upload_whose_options_it_cannot_use(random_engine: Any, tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ def test_fuzzed_uploads_get_typed_answers_and_the_server_stays_healthy(random_en
         warmup=False,
         max_pages=20,
         max_upload_bytes=4 << 20,
-        max_queued_uploads=len(cases),
+        max_queued_uploads=len(cases),  # one tenant sends them all, as fast as it can: no queue may refuse one
+        max_queued_uploads_per_tenant=len(cases),
         default_method="snapkv",
         max_new_tokens=4,
         default_max_tokens=2,

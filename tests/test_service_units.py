@@ -51,6 +51,26 @@ def test_settings_from_env_and_refusal_without_keys(tmp_path: Path) -> None:
         Settings.from_env({"INFOKV_MAX_PAGES": "many"})
 
 
+def test_tenant_shares_default_to_half_of_each_queue_and_never_exceed_it() -> None:
+    defaults = Settings()
+    assert (defaults.upload_share, defaults.generation_share) == (8, 36)  # 16 uploads; 8 active + 64 queued
+    # Unset, a share follows its queue (rounded up: a queue of one place still takes one).
+    assert Settings(max_queued_uploads=5).upload_share == 3 and defaults.with_(max_queued_uploads=1).upload_share == 1
+    env = {"INFOKV_MAX_QUEUED_UPLOADS_PER_TENANT": "3", "INFOKV_MAX_GENERATIONS_PER_TENANT": ""}
+    settings = Settings.from_env(env)
+    assert (settings.upload_share, settings.max_generations_per_tenant, settings.generation_share) == (3, None, 36)
+    # Equal to the queue: no share. Above it: refused, saying what the whole server holds.
+    assert Settings(max_generations_per_tenant=72).generation_share == 72
+    with pytest.raises(ConfigError, match=r"max_generations_per_tenant is 73, more than the 72 the whole server"):
+        Settings(max_generations_per_tenant=73)
+    with pytest.raises(ConfigError, match=r"max_queued_uploads_per_tenant is 5, more than the 4 .*max_queued_uploads"):
+        Settings.from_env({"INFOKV_MAX_QUEUED_UPLOADS": "4", "INFOKV_MAX_QUEUED_UPLOADS_PER_TENANT": "5"})
+    with pytest.raises(ConfigError, match="max_queued_uploads_per_tenant must be positive"):
+        Settings(max_queued_uploads_per_tenant=0)
+    with pytest.raises(ConfigError, match="INFOKV_MAX_GENERATIONS_PER_TENANT must be an integer"):
+        Settings.from_env({"INFOKV_MAX_GENERATIONS_PER_TENANT": "half"})
+
+
 def test_create_app_refuses_to_start_unprotected(tmp_path: Path) -> None:
     from infokv_rag.service.app import create_app
 

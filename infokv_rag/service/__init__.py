@@ -13,8 +13,9 @@ with uvicorn (`infokv-rag serve`). The core package knows nothing of HTTP: every
 
 Settings (`Settings`, or `INFOKV_<FIELD>` environment variables): API keys, each of a tenant (required
 unless INFOKV_ALLOW_ANONYMOUS=1; see `tenants`), limits (upload bytes, pages, characters, question
-characters, max tokens), queue sizes, the prefill chunk of uploads, and how many compressed caches stay
-in memory. Run one process per data directory (it is locked): the model worker in it owns the model.
+characters, max tokens), queue sizes and each tenant's share of them, the prefill chunk of uploads, and how
+many compressed caches stay in memory. Run one process per data directory (it is locked): the model worker in
+it owns the model.
 """
 
 from typing import Any

@@ -17,6 +17,7 @@ from ..generation import GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
 from .registry import DocumentRecord
+from .tenants import Principal
 from .worker import Event, GenerationJob, QueueFull
 
 if TYPE_CHECKING:
@@ -128,12 +129,14 @@ def generation_options(
 
 async def start_answer(
     service: Service,
+    caller: Principal,
     record: DocumentRecord,
     document: CompressedDocument,
     turns: list[Turn],
     options: GenerationOptions,
 ) -> GenerationJob:
-    """Tokenises and checks the conversation, then queues it with the model worker."""
+    """Tokenises and checks the conversation, then queues it with the model worker as the caller's tenant's (the
+    one that asks holds a share of the answers, whoever owns the document: an admin asks as its own tenant)."""
     assert service.worker is not None
     try:
         generation = await run_in_threadpool(document.generate, turns, options)
@@ -144,11 +147,9 @@ async def start_answer(
     except InfoKVError as exc:
         raise from_core(exc) from exc
     try:
-        return service.worker.submit_generation(generation, asyncio.get_running_loop(), record)
+        return service.worker.submit_generation(generation, asyncio.get_running_loop(), record, caller.tenant)
     except QueueFull as exc:
-        raise ServiceError(
-            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "2"}
-        ) from exc
+        raise exc.refusal(retry_after=2) from exc
 
 
 def event_error(event: Event) -> ServiceError:

@@ -263,13 +263,10 @@ def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0, repl
     if replicas < 1:
         raise ConfigError(f"replicas must be positive, got {replicas}")
     # Ray admits this many requests to a replica at once: enough for its own queues to fill, so that the
-    # replica's backpressure (503 busy) answers as in the single-process service, not Ray's queue.
-    per_replica = (
-        settings.max_active_generations
-        + settings.max_queued_generations
-        + settings.max_queued_uploads
-        + CONTROL_REQUESTS
-    )
+    # replica's backpressure (503 busy, and 429 tenant_queue_full for a tenant over its share) answers as in the
+    # single-process service, not Ray's queue. Sized by the whole queues, not by a tenant's share: the replica
+    # enforces the shares itself, and one tenant's requests must never fill Ray's admission ahead of the others'.
+    per_replica = settings.generations_held + settings.max_queued_uploads + CONTROL_REQUESTS
     workers = (
         _deployment(ModelWorkerReplica)
         .options(

@@ -61,6 +61,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Upload, page count, document or question too large",
         415: "Not a PDF or text file",
         422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
+        429: "The caller's tenant holds its whole share of the queue (`tenant_queue_full`); retry later (see "
+        "Retry-After)",
         503: "Busy: too many queued requests; retry later (see Retry-After)",
         507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
     }
@@ -71,7 +73,7 @@ def answer_responses(description: str) -> dict[int | str, dict[str, Any]]:
     """Responses of an endpoint that answers as JSON, or as Server-Sent Events (`description`) with
     `stream: true`; answering fails the same ways on every such endpoint."""
     return {
-        **error_responses(400, 401, 404, 409, 413, 422, 503, 507),
+        **error_responses(400, 401, 404, 409, 413, 422, 429, 503, 507),
         200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}},
     }
 

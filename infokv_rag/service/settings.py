@@ -71,6 +71,19 @@ class Settings:
     """Answers decoded in round-robin at once; later ones wait in FIFO order."""
     max_queued_generations: int = 64
     max_queued_uploads: int = 16
+    max_generations_per_tenant: int | None = None
+    """Answers one tenant may have in flight at once, decoding or queued (beyond it: 429 `tenant_queue_full`),
+    so that one tenant cannot take every place of the server's and starve the others. None: half of what the
+    server holds (`max_active_generations + max_queued_generations`, rounded up: 36 by default), which always
+    leaves the other tenants at least the other half, and lets a single tenant still use about half of a queue
+    that is rarely full. At most the server's own total (refused above it: a share larger than the server can
+    hold would never apply, and a setting that does nothing is a mistake to report, not to round away); equal
+    to it turns the share off."""
+    max_queued_uploads_per_tenant: int | None = None
+    """Uploads of one tenant waiting to be read at once, queued or being saved (beyond it: 429
+    `tenant_queue_full`). None: half of `max_queued_uploads`, rounded up (8 by default), for the same reasons as
+    `max_generations_per_tenant`. At most `max_queued_uploads` (refused above it); equal to it turns the share
+    off. Documents read again after a restart or a takeover count toward it but are never refused."""
     ingest_chunk_size: int = 256
     """Prefill chunk of uploads: an answer waits at most about one chunk's forward pass at a time."""
     loaded_documents: int = 8
@@ -96,13 +109,39 @@ class Settings:
             keys += from_file
             admins += admins_from_file
         object.__setattr__(self, "keyring", KeyRing.from_entries(keys, admins))
-        for name in _INT_FIELDS:  # every count is positive
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):  # every count is positive
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        for share, held, what in (
+            ("max_generations_per_tenant", self.generations_held, "max_active_generations + max_queued_generations"),
+            ("max_queued_uploads_per_tenant", self.max_queued_uploads, "max_queued_uploads"),
+        ):
+            value = getattr(self, share)
+            if value is not None and value > held:
+                raise ConfigError(
+                    f"{share} is {value}, more than the {held} the whole server holds ({what}): a "
+                    f"tenant's share must not exceed it (set it to {held} to give every tenant the whole queue)"
+                )
         if self.store is not None and self.share_caches:
             raise ConfigError("share_caches is not available with a shared store (INFOKV_STORE)")
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError("default_max_tokens must not exceed max_new_tokens")
+
+    @property
+    def generations_held(self) -> int:
+        """Answers the server holds at once, decoding or queued; one more is refused with 503 `busy`."""
+        return self.max_active_generations + self.max_queued_generations
+
+    @property
+    def generation_share(self) -> int:
+        """Answers one tenant may have in flight (`max_generations_per_tenant`, resolved)."""
+        return _share(self.max_generations_per_tenant, self.generations_held)
+
+    @property
+    def upload_share(self) -> int:
+        """Uploads of one tenant that may wait to be read (`max_queued_uploads_per_tenant`, resolved)."""
+        return _share(self.max_queued_uploads_per_tenant, self.max_queued_uploads)
 
     @property
     def auth_required(self) -> bool:
@@ -152,6 +191,14 @@ _INT_FIELDS = (
     "loaded_documents",
     "lease_seconds",
 )
+_OPTIONAL_INT_FIELDS = ("max_generations_per_tenant", "max_queued_uploads_per_tenant")
+"""Counts that may be left unset (None; an empty variable): each then follows the setting it is a share of."""
+
+
+def _share(configured: int | None, whole: int) -> int:
+    """A tenant's share of a queue that holds `whole`: as configured, else half of it rounded up (so that a
+    queue of one place still takes one)."""
+    return configured if configured is not None else (whole + 1) // 2
 
 
 def _parse(name: str, raw: str) -> Any:
@@ -167,7 +214,9 @@ def _parse(name: str, raw: str) -> Any:
         if value in _FALSE:
             return False
         raise ConfigError(f"{variable} must be 1/true/yes or 0/false/no, got {raw!r}")
-    if name in _INT_FIELDS:
+    if name in _OPTIONAL_INT_FIELDS and not raw.strip():
+        return None
+    if name in _INT_FIELDS or name in _OPTIONAL_INT_FIELDS:
         try:
             return int(raw)
         except ValueError:

@@ -12,6 +12,10 @@ Results reach the HTTP handlers through an asyncio queue per answer; a handler w
 cancels its answer, and the decoding thread drops it at its next turn (a waiting answer gives its queue place
 back at once). An answer whose document is deleted ends with a `deleted` event (404), and `stop` ends every
 answer in flight with `cancelled` (503).
+
+Each queue is shared by every tenant, so each tenant may hold only its share of it (`Settings.generation_share`,
+`Settings.upload_share`): a tenant over its share is refused (`TenantShareFull`, 429) while the others still find
+places; only when the queue as a whole is full is everyone refused (`QueueFull`, 503).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +48,27 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The worker's queue is full: the client should retry later (HTTP 503)."""
+    """The worker's queue is full: the client should retry later (HTTP 503 `busy`)."""
+
+    def refusal(self, retry_after: int) -> ServiceError:
+        """The error the client receives, with `retry_after` seconds to wait before it tries again."""
+        return ServiceError(
+            503, "busy", f"the server is busy ({self}); retry shortly", headers={"Retry-After": str(retry_after)}
+        )
+
+
+class TenantShareFull(QueueFull):
+    """The caller's tenant already holds its whole share of a queue (HTTP 429 `tenant_queue_full`): the server
+    may have room for others, but not for more of this tenant's work until some of it is done. A 429, not a
+    503, because the cause is the caller's own load, and OpenAI clients back off and retry it on their own."""
+
+    def refusal(self, retry_after: int) -> ServiceError:
+        return ServiceError(
+            429,
+            "tenant_queue_full",
+            f"{self}; retry once some of it is done (other tenants' work is not held back by yours)",
+            headers={"Retry-After": str(retry_after)},
+        )
 
 
 class _Cancelled(Exception):
@@ -65,6 +89,8 @@ class GenerationJob:
     generation: Generation
     loop: asyncio.AbstractEventLoop
     record: DocumentRecord
+    tenant: str | None = None
+    """The caller's tenant, whose share of the answers this one holds (None: an open service's caller, no share)."""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -112,6 +138,13 @@ class GenerationJob:
                 self.cancel()
 
 
+def _check_share(what: str, mine: int, share: int) -> None:
+    """Refuses a tenant that holds `mine` of a queue's `what` when that is its whole `share` (`TenantShareFull`).
+    Checked before the queue as a whole: a tenant at its share is told that its own load is the cause."""
+    if mine >= share:
+        raise TenantShareFull(f"your tenant has {mine} {what} already, its whole share of {share}")
+
+
 def _round(value: float) -> float:
     return round(value, 4)
 
@@ -136,11 +169,12 @@ class ModelWorker:
         self._cond = threading.Condition()
         self._pending: deque[GenerationJob] = deque()
         self._active: deque[GenerationJob] = deque()
-        self._stepping = 0  # 1 while the decoding thread advances a job it took off _active
+        self._stepping: GenerationJob | None = None  # the job the decoding thread took off _active to advance
         self._uploads: queue.Queue[IngestJob | None] = queue.Queue()
         self._ingest_jobs: dict[str, IngestJob] = {}
-        self._waiting_uploads: set[str] = set()  # queued, not cancelled, not yet taken by the ingestion thread
-        self._upload_slots = 0  # places held by uploads being saved (`upload_slot`)
+        # Queued, not cancelled, not yet taken by the ingestion thread: id -> its owner (whose share it holds).
+        self._waiting_uploads: dict[str, str | None] = {}
+        self._upload_slots: Counter[str | None] = Counter()  # places held by uploads being saved, by tenant
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self.counters: dict[str, int] = {
@@ -180,7 +214,7 @@ class ModelWorker:
         with self._cond:
             self._drop_cancelled_pending()
             return {
-                "active_generations": len(self._active) + self._stepping,
+                "active_generations": len(self._active) + (self._stepping is not None),
                 "queued_generations": len(self._pending),
                 "queued_uploads": len(self._waiting_uploads),
             }
@@ -188,13 +222,19 @@ class ModelWorker:
     # Answers -------------------------------------------------------------------------------------
 
     def submit_generation(
-        self, generation: Generation, loop: asyncio.AbstractEventLoop, record: DocumentRecord
+        self, generation: Generation, loop: asyncio.AbstractEventLoop, record: DocumentRecord, tenant: str | None
     ) -> GenerationJob:
-        job = GenerationJob(generation, loop, record)
+        """Queues an answer for `tenant` (the caller's): `TenantShareFull` when that tenant has its whole share
+        of answers in flight, `QueueFull` when the queue is full."""
+        job = GenerationJob(generation, loop, record, tenant)
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             self._drop_cancelled_pending()
+            if tenant is not None:
+                stepping = [self._stepping] if self._stepping is not None else []
+                mine = sum(other.tenant == tenant for other in (*self._pending, *self._active, *stepping))
+                _check_share("answers in flight", mine, self.settings.generation_share)
             if len(self._pending) >= self.settings.max_queued_generations:
                 raise QueueFull(f"{len(self._pending)} questions are waiting already")
             self._pending.append(job)
@@ -226,7 +266,7 @@ class ModelWorker:
                         break
                     ended = self._step(job)
                     with self._cond:
-                        self._stepping = 0
+                        self._stepping = None
                         if not ended:
                             self._active.append(job)
                     if self.lock.waiting:
@@ -243,8 +283,8 @@ class ModelWorker:
                 self._active.append(self._pending.popleft())
             if not self._active:
                 return None
-            self._stepping = 1
-            return self._active.popleft()
+            self._stepping = self._active.popleft()
+            return self._stepping
 
     def _step(self, job: GenerationJob) -> bool:
         """Advances one answer by one text piece; True when it has ended."""
@@ -303,28 +343,32 @@ class ModelWorker:
     # Uploads -------------------------------------------------------------------------------------
 
     @contextmanager
-    def upload_slot(self) -> Iterator[None]:
-        """Holds a place in the upload queue while an upload is saved, before anyone can see it (QueueFull when
-        none is left); `submit_ingestion` inside takes the place, leaving without it gives the place back."""
+    def upload_slot(self, tenant: str | None) -> Iterator[None]:
+        """Holds a place in the upload queue for `tenant` (the uploader's) while an upload is saved, before anyone
+        can see it: `TenantShareFull` when that tenant holds its whole share of the queue, `QueueFull` when none is
+        left. `submit_ingestion` inside takes the place, leaving without it gives the place back."""
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            waiting = len(self._waiting_uploads) + self._upload_slots
+            if tenant is not None:
+                mine = sum(owner == tenant for owner in self._waiting_uploads.values()) + self._upload_slots[tenant]
+                _check_share("uploads waiting to be read", mine, self.settings.upload_share)
+            waiting = len(self._waiting_uploads) + self._upload_slots.total()
             if waiting >= self.settings.max_queued_uploads:
                 raise QueueFull(f"{waiting} uploads are waiting to be read already")
-            self._upload_slots += 1
+            self._upload_slots[tenant] += 1
         try:
             yield
         finally:
             with self._cond:
-                self._upload_slots -= 1
+                self._upload_slots[tenant] -= 1
 
     def submit_ingestion(self, job: IngestJob) -> None:
         """Queues a document to be read: an upload inside its `upload_slot`, or a document read again (after a
         restart, a takeover or a lost cache: never refused, it is already listed)."""
         with self._cond:
             self._ingest_jobs[job.record.id] = job
-            self._waiting_uploads.add(job.record.id)
+            self._waiting_uploads[job.record.id] = job.record.owner
         self._uploads.put(job)
 
     def read_again(self, record: DocumentRecord) -> bool:
@@ -347,7 +391,7 @@ class ModelWorker:
     def cancel_ingestion(self, doc_id: str) -> None:
         with self._cond:
             job = self._ingest_jobs.get(doc_id)
-            self._waiting_uploads.discard(doc_id)
+            self._waiting_uploads.pop(doc_id, None)
         if job is not None:
             job.cancelled.set()
 
@@ -357,7 +401,7 @@ class ModelWorker:
             if job is None or self._stopping:
                 return
             with self._cond:
-                self._waiting_uploads.discard(job.record.id)
+                self._waiting_uploads.pop(job.record.id, None)
             try:
                 self._ingest(job)
             except Exception:  # noqa: BLE001 - the loop must survive anything

@@ -22,7 +22,6 @@ from ..answers import (
     start_answer,
 )
 from ..dependencies import CallerDep, ServiceDep, authenticate, find_document, visible_documents
-from ..errors import ServiceError
 from ..registry import DocumentRecord, new_document_id
 from ..schemas import (
     AskRequest,
@@ -89,7 +88,7 @@ _UPLOAD_BODY = {
     status_code=202,
     response_model=DocumentInfo,
     summary="Upload a document (PDF or text); it is read and compressed in the background",
-    responses=error_responses(400, 401, 413, 415, 422, 503, 507),
+    responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
     openapi_extra={"requestBody": _UPLOAD_BODY},
 )
 async def upload_document(request: Request, response: Response, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
@@ -106,7 +105,7 @@ async def upload_document(request: Request, response: Response, service: Service
             )
         )
         # The queue's place is taken before the upload is parsed or saved: a refused upload is never listed.
-        with service.worker.upload_slot():
+        with service.worker.upload_slot(caller.tenant):
             document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
             now = time.time()
             record = DocumentRecord(
@@ -131,9 +130,7 @@ async def upload_document(request: Request, response: Response, service: Service
             await run_in_threadpool(service.registry.create, record, document)
             service.worker.submit_ingestion(IngestJob(record, config, document))
     except QueueFull as exc:
-        raise ServiceError(
-            503, "busy", f"the server is busy ({exc}); retry shortly", headers={"Retry-After": "10"}
-        ) from exc
+        raise exc.refusal(retry_after=10) from exc
     finally:
         await run_in_threadpool(staged.discard)
     response.headers["Location"] = f"/v1/documents/{record.id}"
@@ -212,7 +209,7 @@ async def ask(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, record, document, question_turns(body.question), options)
+    job = await start_answer(service, caller, record, document, question_turns(body.question), options)
     answer_id = "ans_" + secrets.token_urlsafe(12)
     if not body.stream:
         answer = await collect(job, request)

@@ -171,7 +171,7 @@ async def chat_completions(
         body.recall,
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, record, document, turns, options)
+    job = await start_answer(service, caller, record, document, turns, options)
     completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
     created = int(time.time())
     if not body.stream:
