@@ -36,6 +36,7 @@ __all__ = [
     "Page",
     "PageExtractionWarning",
     "PAGE_SEPARATOR",
+    "StrayBytesWarning",
     "document_from_pages",
     "document_from_text",
     "load_document",
@@ -66,6 +67,16 @@ class PageExtractionWarning(UserWarning):
     def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.pages = pages
+
+
+class StrayBytesWarning(UserWarning):
+    """A UTF-8 text file held a few bytes that are not UTF-8, each standing alone (a quote, dash or letter pasted
+    from a Windows-1252 source); they were read as Windows-1252 characters and the rest as UTF-8. `offsets` are
+    their byte offsets in the file."""
+
+    def __init__(self, message: str, offsets: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.offsets = offsets
 
 
 @dataclass(frozen=True)
@@ -231,7 +242,8 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
     """Read a PDF or text/markdown file into a Document.
 
     A file starting with `%PDF-` is a PDF whatever its name; any other file that decodes as text
-    is text. `password` opens encrypted PDFs and is ignored otherwise.
+    is text. `password` opens encrypted PDFs and is ignored otherwise. A UTF-8 file with a few stray
+    Windows-1252 bytes is read with a `StrayBytesWarning` (see `_MAX_STRAY_BYTES`).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
@@ -268,7 +280,7 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
             f"{name} is named .pdf but is not a PDF (no %PDF- header): it {_describe(data)}. "
             "Download or export the PDF again."
         )
-    text = _decode_text(data)
+    text, strays = _read_text(data)
     if text is None or data.startswith(b"{\\rtf"):
         named = f" is named {suffix} but" if suffix in TEXT_SUFFIXES else ""
         raise UnsupportedFormatError(
@@ -283,6 +295,8 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
             f"{name} contains only whitespace: there is no text to answer questions from. "
             "Check that you picked the right file."
         )
+    if strays:
+        warnings.warn(_stray_bytes_warning(name, data, strays), stacklevel=2)
     return Document(text=body, pages=(Page(1, body),), source=name, sha256=sha)
 
 
@@ -309,16 +323,109 @@ def _file_kind(path: Path) -> str:
 
 def _decode_text(data: bytes) -> str | None:
     """Decode text bytes, or None when they are binary."""
+    return _read_text(data)[0]
+
+
+def _read_text(data: bytes) -> tuple[str | None, tuple[int, ...]]:
+    """Decoded text bytes (None when they are binary or their encoding cannot be told), and the byte offsets of
+    the stray Windows-1252 bytes read within UTF-8 text (`_utf8_with_stray_bytes`; usually none)."""
     if data.startswith(b"\xef\xbb\xbf"):
-        return _text_or_none(data[3:], "utf-8")
+        text = _text_or_none(data[3:], "utf-8")
+        if text is None:  # the byte-order mark says UTF-8: a few stray bytes are read as in a file without one
+            stray = _utf8_with_stray_bytes(data, marked=True)
+            if stray is not None:
+                return stray[0].removeprefix("\ufeff"), stray[1]
+        return text, ()
     # Windows editors save "Unicode" text as UTF-16 with a BOM; without a BOM we do not guess.
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return _text_or_none(data, "utf-16")
+        return _text_or_none(data, "utf-16"), ()
     text = _text_or_none(data, "utf-8")
     if text is not None:
-        return text
+        return text, ()
     if b"\x00" in data:
+        return None, ()
+    stray = _utf8_with_stray_bytes(data)
+    if stray is not None:
+        return stray
+    return _decode_legacy(data), ()
+
+
+# A UTF-8 file may hold a character that came from a Windows-1252 source (a smart quote 0x92 or an en dash 0x96
+# pasted from a Windows application, an "é" typed in an editor set to cp1252): a byte that is not UTF-8 among valid
+# UTF-8. Such a file is read as UTF-8 with those bytes read as cp1252 (and a StrayBytesWarning naming them) when
+#  - each byte that is not UTF-8 stands alone: no two side by side. A word in a legacy encoding (cp1251, cp1250,
+#    GB18030, ...) puts its high bytes in runs, and a UTF-8 character that lost a byte leaves the others together;
+#  - each is a character of cp1252 (not one of the five bytes it leaves undefined, 0x81 0x8d 0x8f 0x90 0x9d);
+#  - there are at most _MAX_STRAY_BYTES of them: a slip is a character or two pasted, and 8 allows a few slips in
+#    one file. More, and a passage or the whole file is in another encoding, where reading it as cp1252 would be a
+#    guess about that passage, not a slip repaired: the file is refused, the message counting the bytes and giving
+#    the first one's offset, so that it can be saved as UTF-8;
+#  - the file is UTF-8 by majority: it holds more multi-byte UTF-8 characters than such bytes (or starts with a
+#    UTF-8 byte-order mark). A Western cp1252 file has accented letters that stand alone too, and two of its bytes
+#    may happen to form a UTF-8 character ("ß“" is U+07D3); it has more of the former. A tie is not taken. Read byte
+#    by byte, a file that is UTF-8 by majority never reads as Western text (`_reads_as_western`: every multi-byte
+#    character is a run of 2-4 high bytes), so no file that was read as cp1252 reads otherwise.
+_MAX_STRAY_BYTES = 8
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as errors="surrogateescape" decodes it
+
+
+def _utf8_with_escapes(data: bytes) -> tuple[str, list[int], int]:
+    """`data` decoded as UTF-8 with each byte that is not UTF-8 as a lone surrogate U+DC80..U+DCFF (no valid UTF-8
+    decodes to one), where those stand in the text, and how many multi-byte UTF-8 characters it holds."""
+    text = data.decode("utf-8", errors="surrogateescape")
+    escaped = [match.start() for match in _ESCAPED_BYTE.finditer(text)]
+    return text, escaped, len(text) - len(text.encode("ascii", errors="ignore")) - len(escaped)
+
+
+def _byte_offset(text: str, position: int) -> int:
+    """The offset in the file of `text[position]`, for text decoded with errors="surrogateescape"."""
+    return len(text[:position].encode("utf-8", errors="surrogateescape"))
+
+
+def _utf8_with_stray_bytes(data: bytes, marked: bool = False) -> tuple[str, tuple[int, ...]] | None:
+    """The text of UTF-8 bytes with a few stray Windows-1252 bytes (the rules above), and those bytes' offsets;
+    None when the bytes are no such text. `marked`: `data` starts with a UTF-8 byte-order mark."""
+    text, escaped, multibyte = _utf8_with_escapes(data)
+    if not 0 < len(escaped) <= _MAX_STRAY_BYTES or any(b - a == 1 for a, b in zip(escaped, escaped[1:], strict=False)):
         return None
+    if not marked and multibyte <= len(escaped):
+        return None
+    try:
+        replacements = bytes(ord(text[i]) - 0xDC00 for i in escaped).decode("cp1252")
+    except UnicodeDecodeError:
+        return None
+    pieces, start = [], 0
+    for position, replacement in zip(escaped, replacements, strict=True):
+        pieces += [text[start:position], replacement]
+        start = position + 1
+    decoded = "".join([*pieces, text[start:]])
+    if not _looks_like_text(decoded):
+        return None
+    return decoded, tuple(_byte_offset(text, position) for position in escaped)
+
+
+def _stray_bytes_warning(name: str, data: bytes, offsets: tuple[int, ...]) -> StrayBytesWarning:
+    count = len(offsets)
+    read = ", ".join(f"0x{data[at]:02x} at {at} as {bytes([data[at]]).decode('cp1252')!r}" for at in offsets)
+    return StrayBytesWarning(
+        f"{name} is UTF-8 but for {count} stray byte{'s' if count > 1 else ''} that {'are' if count > 1 else 'is'} "
+        f"not UTF-8 (the first at byte offset {offsets[0]}), read as Windows-1252, which a character pasted from "
+        f"a Windows application often is: {read}. Check the text there; saving the file as UTF-8 ends this warning.",
+        offsets,
+    )
+
+
+def _mostly_utf8(data: bytes) -> tuple[int, int] | None:
+    """(how many bytes are not UTF-8, the offset of the first) for bytes that are UTF-8 text by majority (more
+    multi-byte UTF-8 characters than bytes that are not UTF-8) but hold some; None for other bytes."""
+    text, escaped, multibyte = _utf8_with_escapes(data)
+    if not escaped or multibyte <= len(escaped) or not _looks_like_text(_ESCAPED_BYTE.sub("", text)):
+        return None
+    return len(escaped), _byte_offset(text, escaped[0])
+
+
+def _decode_legacy(data: bytes) -> str | None:
+    """The text of bytes that are not UTF-8 (nor hold NULs) in a legacy encoding that can be told; None otherwise."""
     # Not UTF-8. A legacy Western file is the common case: cp1252 turns 0x80-0x9f into the quotes and
     # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1. But any byte
     # string decodes as cp1252, so it is taken only when the result reads like Western text, and holds none
@@ -434,6 +541,15 @@ def _describe(data: bytes) -> str:
             return nuls
     if _decode_text(data) is not None:
         return "is plain text"
+    mostly_utf8 = _mostly_utf8(data)
+    if mostly_utf8 is not None:
+        count, first = mostly_utf8
+        bytes_are = "1 byte that is" if count == 1 else f"{count} bytes that are"
+        return (
+            f"is UTF-8 text except for {bytes_are} not UTF-8 (the first at byte offset {first}), which cannot be "
+            f"read as a few stray Windows-1252 characters (at most {_MAX_STRAY_BYTES}, each standing alone, each a "
+            "Windows-1252 character): save it as UTF-8, converting those bytes from the encoding they came in"
+        )
     if _text_or_none(data, "latin-1") is not None:
         return "looks like text in an encoding that could not be determined (not UTF-8); save it as UTF-8"
     return "looks like binary data of an unknown format"
@@ -549,8 +665,8 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
 
 def _needs_password(name: str) -> EncryptedPDFError:
     return EncryptedPDFError(
-        f"{name} is encrypted and needs a password. Pass it with password=... "
-        "(e.g. load_document(path, password=...)) or on the command line with --password."
+        f"{name} is encrypted and needs a password. Pass it with password=... (load_document, "
+        "InfoKVEngine.ingest and the LangChain and LlamaIndex adapters take it) or on the command line with --password."
     )
 
 

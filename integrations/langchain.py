@@ -6,6 +6,7 @@ chat = ChatInfoKV(model="default", document="contract.pdf")   # weights load on 
 chain = ChatPromptTemplate.from_messages([("human", "{question}")]) | chat | StrOutputParser()
 chain.invoke({"question": "What is the notice period?"})
 chat.bind(document="caches/other").invoke("...")             # another document for these calls
+ChatInfoKV(model="default", document="locked.pdf", password="...")   # an encrypted PDF
 ```
 
 The document is read once (per model and compression config) and shared by every instance in the
@@ -40,7 +41,7 @@ from langchain_core.outputs import (
     GenerationChunk,
     LLMResult,
 )
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.generation import Generation as InfoKVGeneration
@@ -168,6 +169,9 @@ class _InfoKVFields(BaseModel):
     recall: float | int | None = None
     """How much of the cold tier each answer recalls (ratio or token count; 0: none); None: the document's."""
     streaming: bool = False
+    password: str | SecretStr | None = Field(default=None, exclude=True, repr=False)
+    """Opens `document` (or a call's) when it is an encrypted PDF file. Held as a `SecretStr`, and no part of the
+    repr, the dumps, LangChain's serialisation or its answer cache's key."""
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -179,6 +183,11 @@ class _InfoKVFields(BaseModel):
     def _dtype(cls, value: Any) -> str | None:
         return coerce_dtype(value)
 
+    @field_validator("password", mode="before")
+    @classmethod
+    def _secret(cls, value: Any) -> Any:
+        return SecretStr(value) if isinstance(value, str) else value
+
     def _model_name(self, override: Any = None) -> str:
         if isinstance(override, str) and override:
             return override
@@ -189,7 +198,8 @@ class _InfoKVFields(BaseModel):
 
         kwargs as per call: `document`, `document_text`, `model`, `compression`.
         """
-        return open_call_document(self, kwargs)
+        password = self.password.get_secret_value() if isinstance(self.password, SecretStr) else self.password
+        return open_call_document(self, kwargs, password)
 
     def _start(
         self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]

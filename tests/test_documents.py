@@ -20,6 +20,7 @@ from infokv_rag.documents import (
     Document,
     Page,
     PageExtractionWarning,
+    StrayBytesWarning,
     document_from_pages,
     document_from_text,
     load_document,
@@ -495,3 +496,71 @@ def test_short_legacy_text_is_refused_not_garbled(tmp_path: Path, encoding: str,
     path.write_bytes(text.encode(encoding))
     message = _refusal(UnsupportedFormatError, path)
     assert "short.txt" in message and "save it as UTF-8" in message
+
+
+# A UTF-8 contract: multi-byte characters throughout.
+_UTF8_CLAUSE = "Clause 4.2 \u2014 the fee is 1 200 \u20ac a month, payable in Z\u00fcrich; the caf\u00e9\u2019s lease. "
+
+
+def _load_warning_of_stray_bytes(path: Path) -> tuple[Document, StrayBytesWarning]:
+    """The document and the one warning (a StrayBytesWarning) that loading `path` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        doc = load_document(path)
+    [warning] = [w.message for w in caught]
+    assert isinstance(warning, StrayBytesWarning), warning
+    return doc, warning
+
+
+@pytest.mark.parametrize(("stray", "read_as"), [(b"\x92", "\u2019"), (b"\x96", "\u2013"), (b"\xe9", "\u00e9")])
+def test_a_stray_cp1252_byte_in_utf8_text_is_read_as_cp1252_with_a_warning(
+    tmp_path: Path, stray: bytes, read_as: str
+) -> None:
+    # A smart quote or an en dash pasted from a Windows application, an "é" typed in an editor set to cp1252.
+    head = (_UTF8_CLAUSE * 20).encode("utf-8") + b"The Supplier"
+    path = tmp_path / "contract.txt"
+    path.write_bytes(head + stray + b"s notice is ninety days.\r\n" + _UTF8_CLAUSE.encode("utf-8"))
+    doc, warning = _load_warning_of_stray_bytes(path)
+    assert doc.text == _UTF8_CLAUSE * 20 + f"The Supplier{read_as}s notice is ninety days.\n" + _UTF8_CLAUSE
+    assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # of the raw bytes, as ever
+    message = str(warning)
+    assert warning.offsets == (len(head),)
+    assert "contract.txt" in message and "1 stray byte" in message and f"byte offset {len(head)}" in message
+    assert "Windows-1252" in message and repr(read_as) in message
+
+
+def test_up_to_eight_stray_bytes_are_read_and_more_are_refused_by_count_and_offset(tmp_path: Path) -> None:
+    clause = _UTF8_CLAUSE.encode("utf-8")
+    strays = [b"\x93", b"\x94", b"\x85", b"\xa0", b"\xfc", b"\x80", b"\x96", b"\x92"]  # each alone, 8 of them
+    data = b"".join(clause + stray for stray in strays)
+    expected = "".join(_UTF8_CLAUSE + stray.decode("cp1252") for stray in strays)
+    offsets = tuple((len(clause) + 1) * n + len(clause) for n in range(len(strays)))
+    path = tmp_path / "notes.txt"
+    path.write_bytes(data)
+    doc, warning = _load_warning_of_stray_bytes(path)
+    assert doc.text == expected and warning.offsets == offsets and "8 stray bytes" in str(warning)
+    path.write_bytes(b"\xef\xbb\xbf" + data)  # a UTF-8 byte-order mark: the same, offsets counted in the file
+    doc, warning = _load_warning_of_stray_bytes(path)
+    assert doc.text == expected and warning.offsets == tuple(offset + 3 for offset in offsets)
+    # One more: no slip but a passage in another encoding. Refused, naming the bytes, not as binary data.
+    path.write_bytes(data + clause + b"\x92")
+    message = _refusal(UnsupportedFormatError, path)
+    assert f"UTF-8 text except for 9 bytes that are not UTF-8 (the first at byte offset {offsets[0]})" in message
+    assert "save it as UTF-8" in message and "binary" not in message
+
+
+def test_stray_bytes_side_by_side_undefined_or_outnumbering_the_utf8_are_not_read_as_cp1252(tmp_path: Path) -> None:
+    clause = (_UTF8_CLAUSE * 3).encode("utf-8")
+    path = tmp_path / "notes.txt"
+    # Side by side (a legacy-encoded word, a UTF-8 character cut), or a byte that cp1252 leaves undefined: refused
+    # as UTF-8 with bytes that are not, where they were refused as binary data.
+    two, one = "2 bytes that are", "1 byte that is"
+    for bad, count in ((b"\x92\x94", two), (b"\xe2\x80", two), (b"\x81", one)):
+        path.write_bytes(clause + bad + clause)
+        message = _refusal(UnsupportedFormatError, path)
+        assert f"UTF-8 text except for {count} not UTF-8 (the first at byte offset {len(clause)})" in message, bad
+    # Western cp1252 text in which two bytes happen to form a UTF-8 character ("ß“" is U+07D3): its letters that
+    # stand alone outnumber it, so it stays cp1252, as before.
+    text = "Der \u201eGru\u00df\u201c aus K\u00f6ln kostet 5 \u20ac."
+    path.write_bytes(text.encode("cp1252"))
+    assert _load_quietly(path).text == text

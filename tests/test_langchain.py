@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -15,6 +16,7 @@ pytest.importorskip("pytest_asyncio")
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.load import dumpd, dumps
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
@@ -24,7 +26,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from infokv_rag import CompressionConfig
 from infokv_rag.documents import document_from_text
-from infokv_rag.errors import ConfigError, ModelError
+from infokv_rag.errors import ConfigError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations._common import get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
@@ -32,6 +34,7 @@ from infokv_rag.store import save_document
 
 from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
+from .pdf_factory import encrypted_pdf
 
 SUITE_TEXT = (
     "Welcome note. The Harbor Cafe opens at 8 am and closes at 6 pm. "
@@ -410,3 +413,21 @@ def test_a_misspelt_option_is_refused_and_the_repr_stays_small(random_model_dir:
     # A model holding a compressed document: its repr goes into every trace, so not the tensors.
     held = ChatInfoKV(document=chat.compressed_document(), max_tokens=2)
     assert len(repr(held)) < 2000 and "CompressedDocument(" in repr(held)
+
+
+def test_a_password_opens_an_encrypted_pdf_and_is_never_shown(random_model_dir: Path, tmp_path: Path) -> None:
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    model = str(random_model_dir)
+    with pytest.raises(EncryptedPDFError, match="password="):
+        ChatInfoKV(model=model, document=str(path), max_tokens=2).invoke("Who is the account manager?")
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        llm = adapter(model=model, document=str(path), password="s3cret", max_tokens=2)
+        assert "Lindqvist" in llm.compressed_document().document.text
+        llm.invoke("Who is the account manager?")
+        llm.invoke("Who is the account manager?", document=str(path))  # a call's own document opens with it too
+        # Where a model shows itself: its repr, its dumps, LangChain's serialisation (traces) and answer-cache key.
+        shown = [repr(llm), str(llm), str(llm.model_dump()), llm.model_dump_json(), str(llm.asdict())]
+        shown += [json.dumps(dumpd(llm)), dumps(llm), str(llm.to_json())]
+        if isinstance(llm, ChatInfoKV):  # an LLM's answer-cache key is its asdict(), above
+            shown.append(llm._get_llm_string())
+        assert not [text for text in shown if "s3cret" in text], adapter
