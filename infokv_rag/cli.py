@@ -11,12 +11,15 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_ratio_or_count
 from .errors import ConfigError, InfoKVError
 from .placement import dtype_name
 from .scorers import method_names
+
+if TYPE_CHECKING:
+    from .prompt import Turn
 
 
 def ratio_or_count(flag: str) -> Callable[[str], float | int]:
@@ -274,12 +277,14 @@ def _run(args: argparse.Namespace) -> int:
         serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype, store=args.store)
         return 0
 
-    # Everything cheap is checked before the model loads (seconds): options, then the document.
+    # Everything cheap is checked before the model loads (seconds): options and questions, then the document.
     from .documents import load_document
 
     config = _config(args)
-    if args.command == "ask" and args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.command == "ask":
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        questions = _question_turns(args.questions)
     document = load_document(args.file, password=args.password)
     _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")
     if args.command == "ingest":
@@ -302,6 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         f"model {args.model} loaded in {time.perf_counter() - started:.1f} s "
         f"({engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')})",
     )
+    if args.command == "ask":  # what needs the tokenizer, before the prefill: every question must fit
+        _check_questions_fit(engine, document.text, questions, args.max_new_tokens)
     progress = ProgressBar(f"reading {Path(args.file).name}", enabled=sys.stderr.isatty() or args.verbose)
     if args.command == "ingest":
         from .store import save_document
@@ -311,7 +318,6 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps({"saved": str(path), **doc.stats.to_dict()}, indent=2))
         return 0
 
-    from .prompt import question_turns
     from .store import CacheStore
 
     store = CacheStore(store_root)
@@ -320,16 +326,23 @@ def _run(args: argparse.Namespace) -> int:
     _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
     options = _options(args)
     results: list[dict[str, Any]] = []
-    for question in args.questions:
+    failure: InfoKVError | OSError | None = None
+    for question, turns in zip(args.questions, questions, strict=True):
         started = time.perf_counter()
-        generation = doc.generate(question_turns(question), options)
         pieces = []
-        if not args.json and len(args.questions) > 1:
-            print(f"Q: {question}")
-        for piece in generation:
-            pieces.append(piece)
+        try:
+            generation = doc.generate(turns, options)
+            if not args.json and len(args.questions) > 1:
+                print(f"Q: {question}")
+            for piece in generation:
+                pieces.append(piece)
+                if not args.json:
+                    print(piece, end="", flush=True)
+        except (InfoKVError, OSError) as error:
             if not args.json:
-                print(piece, end="", flush=True)
+                raise  # the answers so far are printed already
+            failure = error  # with --json, the answers so far are printed with the error
+            break
         if not args.json:
             print("\n" if len(args.questions) > 1 else "", flush=True)  # a blank line between answers
         results.append(
@@ -350,8 +363,40 @@ def _run(args: argparse.Namespace) -> int:
             "model": {"name": engine.name, "fingerprint": engine.fingerprint},
             "stats": doc.stats.to_dict(),
         }
+        if failure is not None:
+            print(f"infokv-rag: error: {failure}", file=sys.stderr)
+            payload["error"] = _error_json(failure)
         print(json.dumps(payload, indent=2))
-    return 0
+    return 0 if failure is None else 2
+
+
+def _question_turns(questions: Sequence[str]) -> list[list[Turn]]:
+    """Each `-q` as the conversation that asks it; every one is checked (text, not empty) before any is answered,
+    so that an answer is never lost to a later question's refusal."""
+    from .prompt import question_turns
+
+    count = len(questions)
+    return [_naming_question(index, count, question_turns, question) for index, question in enumerate(questions)]
+
+
+def _check_questions_fit(engine: Any, text: str, questions: Sequence[list[Turn]], max_new_tokens: int) -> None:
+    """Refuses (`ContextLengthError`), before the prefill, a question that would not fit the context window beside
+    the document with --max-new-tokens. A document too long by itself is left to its ingestion to refuse."""
+    document_tokens = len(engine.prompt.document_ids(text))
+    if document_tokens > engine.max_document_tokens:
+        return
+    for index, turns in enumerate(questions):
+        _naming_question(index, len(questions), engine.check_question_fits, document_tokens, turns, max_new_tokens)
+
+
+def _naming_question(index: int, count: int, check: Callable[..., Any], *args: Any) -> Any:
+    """`check(*args)`, its refusal naming the question (`-q` number `index` + 1) when there are several."""
+    try:
+        return check(*args)
+    except InfoKVError as error:
+        if count == 1:
+            raise
+        raise type(error)(f"question {index + 1} of {count} (-q): {error}") from None
 
 
 def _note(args: argparse.Namespace, message: str) -> None:
@@ -381,6 +426,10 @@ def _options(args: argparse.Namespace) -> Any:
     return GenerationOptions(max_new_tokens=args.max_new_tokens)
 
 
+def _error_json(error: BaseException) -> dict[str, str]:
+    return {"type": type(error).__name__, "message": str(error)}
+
+
 def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
     # One readable line (e.g. skipped PDF pages) instead of Python's file:line and source excerpt.
     print(f"infokv-rag: warning: {message}", file=sys.stderr)
@@ -397,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Typed errors carry an actionable message; OS errors (a missing file, a full disk) name the path.
         print(f"infokv-rag: error: {error}", file=sys.stderr)
         if getattr(args, "json", False):  # a caller reading JSON gets the error as JSON too
-            print(json.dumps({"error": {"type": type(error).__name__, "message": str(error)}}))
+            print(json.dumps({"error": _error_json(error)}))
         return 2
     except KeyboardInterrupt:
         print("infokv-rag: interrupted", file=sys.stderr)

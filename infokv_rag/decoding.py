@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .config import recall_tokens
-from .errors import ConfigError, ContextLengthError
+from .errors import ConfigError
 from .generation import Generation, GenerationOptions, TextAssembler, TokenSampler, Usage, logits_entropy
 from .prompt import Turn
 from .recall import Recall
@@ -32,15 +32,7 @@ if TYPE_CHECKING:
 def generate(document: CompressedDocument, turns: Sequence[Turn], options: GenerationOptions) -> Generation:
     """Answers a conversation about `document`; raises before any model work when it cannot fit."""
     engine = document.engine
-    suffix = engine.prompt.conversation_ids(turns)
-    n = document.cache.document_tokens
-    needed = n + len(suffix) + options.max_new_tokens
-    if needed > engine.context_window:
-        raise ContextLengthError(
-            f"the document ({n} tokens) plus the question ({len(suffix)} tokens) plus max_new_tokens "
-            f"({options.max_new_tokens}) is {needed} tokens, more than the model's context window of "
-            f"{engine.context_window}; shorten the question or lower max_new_tokens"
-        )
+    suffix = engine.check_question_fits(document.cache.document_tokens, turns, options.max_new_tokens)
     budget = recall_budget(document, options.recall)
     if budget and document.cold_tier is not None:
         document.cold_tier.check_source()
@@ -56,7 +48,7 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
             f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
             f"({len(suffix)} tokens), the recent window and the summaries need {protected + options.eviction_slack}"
         )
-    usage = Usage(prompt_tokens=len(suffix), cached_tokens=n)
+    usage = Usage(prompt_tokens=len(suffix), cached_tokens=document.cache.document_tokens)
     assembler = TextAssembler(engine.tokenizer, options.stop)
     return Generation(_decode(document, suffix, options, budget, usage, assembler), usage, assembler.ids)
 

@@ -17,7 +17,7 @@ from .config import CompressionConfig
 from .documents import Document
 from .generation import Generation, GenerationOptions
 from .ingestion import DocumentStats
-from .prompt import Turn, question_turns
+from .prompt import Turn, check_conversation, question_turns
 
 if TYPE_CHECKING:
     from .engine import InfoKVEngine
@@ -48,7 +48,9 @@ class CompressedDocument:
         )
 
     def generate(self, turns: Sequence[Turn], options: GenerationOptions | None = None) -> Generation:
-        """Answers a conversation ((role, content) turns after the document); see `ask` for options."""
+        """Answers a conversation ((role, content) turns after the document); see `ask` for options. A conversation
+        whose last user turn is empty (whitespace or control characters only) is refused (`EmptyQuestionError`)."""
+        check_conversation(turns)
         return decoding.generate(self, turns, options or GenerationOptions())
 
     def stream(

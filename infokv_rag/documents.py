@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pypdf import PageObject, PasswordType, PdfReader
-from pypdf.errors import DependencyError, FileNotDecryptedError
+from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
 
 from .errors import (
     CorruptPDFError,
@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .files import open_regular
+from .pdf_damage import damage_error, missing_font, missing_pages, page_problem, pypdf_detail, pypdf_reports
 
 __all__ = [
     "Document",
@@ -56,7 +57,8 @@ _EOF_WINDOW = 1024
 
 # pypdf reports recoverable damage through `logging`. Without any handler configured, Python's
 # last-resort handler would print those records to stderr; a NullHandler stops that while records
-# still propagate to whatever logging the application sets up.
+# still propagate to whatever logging the application sets up. `_load_pdf` also reads them while it loads a
+# PDF (`pypdf_reports`), as one sign of damage among the checks it makes itself.
 logging.getLogger("pypdf").addHandler(logging.NullHandler())
 
 
@@ -600,11 +602,6 @@ def _clean_page_text(text: str) -> str:
     return _MANY_NEWLINES.sub("\n\n", "\n".join(lines)).strip()
 
 
-def _pypdf_detail(exc: BaseException) -> str:
-    message = str(exc).strip() or type(exc).__name__
-    return message if len(message) <= 160 else message[:157] + "..."
-
-
 def _repair_hint(name: str) -> str:
     return (
         "Download or export it again; if that is impossible, try repairing it, "
@@ -634,7 +631,7 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
         # pypdf raises assorted built-in exceptions (KeyError, ValueError, ...) on malformed
         # input, not only PdfReadError.
         raise CorruptPDFError(
-            f"{name} is damaged and cannot be parsed as a PDF ({_pypdf_detail(exc)}). " + _repair_hint(name)
+            f"{name} is damaged and cannot be parsed as a PDF ({pypdf_detail(exc)}). " + _repair_hint(name)
         ) from exc
     if not encrypted:
         return reader
@@ -645,13 +642,13 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
         raise _missing_crypto(name, exc) from exc
     except NotImplementedError as exc:
         raise EncryptedPDFError(
-            f"{name} uses an encryption scheme that cannot be opened here ({_pypdf_detail(exc)}). "
+            f"{name} uses an encryption scheme that cannot be opened here ({pypdf_detail(exc)}). "
             "Remove the encryption with the tool that made it, or e.g. "
             f"`qpdf --password=... --decrypt {name} decrypted.pdf`, and load the decrypted file."
         ) from exc
     except Exception as exc:
         raise CorruptPDFError(
-            f"{name} is encrypted and its encryption data is damaged ({_pypdf_detail(exc)}). " + _repair_hint(name)
+            f"{name} is encrypted and its encryption data is damaged ({pypdf_detail(exc)}). " + _repair_hint(name)
         ) from exc
     if result == PasswordType.NOT_DECRYPTED:
         if password is None:
@@ -673,50 +670,75 @@ def _needs_password(name: str) -> EncryptedPDFError:
 def _missing_crypto(name: str, exc: BaseException) -> EncryptedPDFError:
     return EncryptedPDFError(
         f"{name} is AES-encrypted and decrypting it needs the 'cryptography' package "
-        f"({_pypdf_detail(exc)}). Install it with: pip install 'pypdf[crypto]'"
+        f"({pypdf_detail(exc)}). Install it with: pip install 'pypdf[crypto]'"
     )
 
 
 def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Document:
-    reader = _open_pdf(data, name, password)
-    try:
-        page_count = len(reader.pages)
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise CorruptPDFError(
-            f"{name} is damaged: its page tree cannot be read ({_pypdf_detail(exc)}). " + _repair_hint(name)
-        ) from exc
-    if page_count == 0:
-        raise EmptyDocumentError(f"{name} is a PDF with no pages. Check that you picked the right file.")
-
-    pages: list[Page] = []
-    failed: list[int] = []
-    scanned: list[int] = []
-    first_error: BaseException | None = None
-    for index in range(page_count):
+    with pypdf_reports() as reports:
+        reader = _open_pdf(data, name, password)
         try:
-            page = reader.pages[index]
-            raw = page.extract_text()
+            page_count = len(reader.pages)
         except MemoryError:
             raise
         except Exception as exc:
-            # One bad content stream should not cost the user the whole document.
-            failed.append(index + 1)
-            first_error = first_error or exc
-            continue
-        text = _clean_page_text(raw or "")
-        if text:
-            pages.append(Page(index + 1, text))
-        elif _draws_images(page):
-            scanned.append(index + 1)
+            raise CorruptPDFError(
+                f"{name} is damaged: its page tree cannot be read ({pypdf_detail(exc)}). " + _repair_hint(name)
+            ) from exc
+        missing = missing_pages(reader, page_count)
+        if page_count == 0 and missing is None:
+            raise EmptyDocumentError(f"{name} is a PDF with no pages. Check that you picked the right file.")
 
+        pages: list[Page] = []
+        failed: list[int] = []
+        scanned: list[int] = []
+        damaged: dict[int, str] = {}
+        first_error: BaseException | None = None
+        checked: dict[tuple[int, int], tuple[bool, str] | None] = {}
+        for index in range(page_count):
+            seen = len(reports.records)
+            page: PageObject | None = None
+            error: BaseException | None = None
+            try:
+                page = reader.pages[index]
+                raw = page.extract_text()
+            except MemoryError:
+                raise
+            except Exception as exc:
+                error = exc
+            problem = page_problem(page, reports.records[seen:], checked) if page is not None else None
+            if problem is not None and problem[0]:
+                # Text from damaged content is partial at best: the page is reported, never loaded.
+                damaged[index + 1] = problem[1]
+                continue
+            if error is not None or problem is not None:
+                # One content stream pypdf cannot read (an unsupported filter, a malformed stream) should not
+                # cost the user the whole document.
+                failed.append(index + 1)
+                first_error = first_error or error or PdfReadError(f"its content {problem[1] if problem else ''}")
+                continue
+            assert page is not None
+            text = _clean_page_text(raw or "")
+            if text:
+                pages.append(Page(index + 1, text))
+                continue
+            font = missing_font(page)
+            if font is not None:
+                # Text drawn in a font the page does not hold (a page dictionary that lost its /Resources) reads
+                # as nothing: the page is not blank, its text failed to extract.
+                failed.append(index + 1)
+                first_error = first_error or PdfReadError(f"its text is drawn in font {font}, which it does not hold")
+            elif _draws_images(page):
+                scanned.append(index + 1)
+
+    if damaged or missing is not None:
+        raise damage_error(name, page_count, damaged, missing)
     if not pages:
         if failed:
             assert first_error is not None
             raise CorruptPDFError(
                 f"{name} is damaged: text extraction failed on {_page_list(failed)} "
-                f"({_pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
+                f"({pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
             )
         raise NoExtractableTextError(
             f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "
@@ -727,7 +749,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         warnings.warn(
             PageExtractionWarning(
                 f"{name}: skipped {_page_list(failed)} of {page_count}: text extraction failed "
-                f"({_pypdf_detail(first_error)}). The other pages were loaded; questions about "
+                f"({pypdf_detail(first_error)}). The other pages were loaded; questions about "
                 "the skipped pages cannot be answered.",
                 tuple(failed),
             ),

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
 from .models import loaded_model_fingerprint, resolve_model
 from .placement import resolve_placement
-from .prompt import PromptFormat
+from .prompt import PromptFormat, Turn
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
 QUESTION_RESERVE = 64
@@ -171,6 +171,20 @@ class InfoKVEngine:
     def max_document_tokens(self) -> int:
         """The longest document this model reads: its context window less room for a question."""
         return self.context_window - QUESTION_RESERVE
+
+    def check_question_fits(self, document_tokens: int, turns: Sequence[Turn], max_new_tokens: int) -> list[int]:
+        """The token ids of a conversation asked after a document of `document_tokens` tokens; `ContextLengthError`
+        when they and `max_new_tokens` would not fit the context window beside it (as an answer would refuse them:
+        a caller checks its questions this way before it reads the document)."""
+        suffix = self.prompt.conversation_ids(turns)
+        needed = document_tokens + len(suffix) + max_new_tokens
+        if needed > self.context_window:
+            raise ContextLengthError(
+                f"the document ({document_tokens} tokens) plus the question ({len(suffix)} tokens) plus "
+                f"max_new_tokens ({max_new_tokens}) is {needed} tokens, more than the model's context window of "
+                f"{self.context_window}; shorten the question or lower max_new_tokens"
+            )
+        return suffix
 
     @property
     def bytes_per_token(self) -> int:

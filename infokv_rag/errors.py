@@ -11,6 +11,11 @@ class ConfigError(InfoKVError, ValueError):
     """A `CompressionConfig` or generation option is out of range."""
 
 
+class EmptyQuestionError(ConfigError):
+    """A question (a conversation's last user message) holds no text: nothing but whitespace and control or format
+    characters (NUL, a zero-width space)."""
+
+
 class ModelError(InfoKVError):
     """A model name, path or packaged weight file cannot be resolved or verified."""
 
@@ -40,7 +45,7 @@ class NoExtractableTextError(DocumentError):
 
 
 class CorruptPDFError(DocumentError):
-    """The PDF is damaged or truncated and cannot be parsed."""
+    """The PDF is damaged or truncated: it cannot be parsed, or pages it lists are missing or do not decode."""
 
 
 class CacheStoreError(InfoKVError):

@@ -7,11 +7,12 @@ is found by rendering the model's own chat template around sentinels, as kvpress
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
 from .documents import unpaired_surrogate
-from .errors import ConfigError
+from .errors import ConfigError, EmptyQuestionError
 
 _SENTINEL = "\u2063INFOKV-SPLIT\u2063"
 
@@ -23,9 +24,63 @@ Turn = tuple[str, str]
 
 
 def question_turns(question: str) -> list[Turn]:
-    """The conversation that asks one question about the document."""
+    """The conversation that asks one question about the document; `ConfigError` for a question that is not Unicode
+    text, `EmptyQuestionError` for one with nothing to read (`is_blank`)."""
     _check_content(question)
+    if is_blank(question):
+        raise _empty("the question")
     return [("user", f"Question: {question}\n{ANSWER_INSTRUCTION}")]
+
+
+def is_blank(text: str) -> bool:
+    """Whether `text` holds nothing to read: only whitespace and control or format characters (NUL, a tab, a
+    zero-width space, a byte-order mark), or nothing at all."""
+    return all(char.isspace() or unicodedata.category(char) in ("Cc", "Cf") for char in text)
+
+
+def _empty(what: str) -> EmptyQuestionError:
+    return EmptyQuestionError(
+        f"{what} is empty (nothing but whitespace or control characters): ask a question about the document"
+    )
+
+
+def check_conversation(turns: Sequence[Turn]) -> None:
+    """Refuses a conversation that cannot be asked, without a tokenizer: as `conversation_messages` does, and with
+    `EmptyQuestionError` when its question, the last user turn, is empty (`is_blank`; with no user turn at all, the
+    system turns that stand for it). Every answer passes here (`CompressedDocument.generate`), and the surfaces call
+    it first, before any document is read."""
+    conversation_messages(turns)
+    users = [content for role, content in turns if role == "user"]
+    question = users[-1] if users else "".join(content for role, content in turns if role == "system")
+    if is_blank(question):
+        raise _empty("the question (the conversation's last user message)")
+
+
+def conversation_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
+    """A conversation's turns as the chat template's messages: every content Unicode text (`ConfigError`), roles
+    system, user or assistant, the first message a user's.
+
+    System turns are folded into the next user turn because the template's system slot sits before the document,
+    which is already cached; those after the last user turn join it.
+    """
+    messages: list[dict[str, str]] = []
+    pending_system: list[str] = []
+    for role, content in turns:
+        _check_content(content)
+        if role == "system":
+            pending_system.append(content)
+            continue
+        if role not in ("user", "assistant"):
+            raise ConfigError(f"unknown chat role {role!r}; use system, user or assistant")
+        if role == "user" and pending_system:
+            content = "\n".join([*pending_system, content])
+            pending_system = []
+        _add_turn(messages, role, content)
+    if pending_system:  # after the last user turn: it still speaks to the question, so it joins it
+        _add_turn(messages, "user", "\n".join(pending_system))
+    if not messages or messages[0]["role"] != "user":
+        raise ConfigError("a conversation about the document must start with a user message")
+    return messages
 
 
 class PromptFormat:
@@ -59,28 +114,10 @@ class PromptFormat:
         return self._encode(f"{self._head}{DOCUMENT_INTRO}{text.strip()}\n\n")
 
     def conversation_ids(self, turns: Sequence[Turn]) -> list[int]:
-        """Tokens that follow the document prefix for a conversation, up to the assistant prompt.
-
-        System turns are folded into the next user turn because the template's system slot sits before
-        the document, which is already cached.
-        """
-        messages: list[dict[str, str]] = []
-        pending_system: list[str] = []
-        for role, content in turns:
-            _check_content(content)
-            if role == "system":
-                pending_system.append(content)
-                continue
-            if role not in ("user", "assistant"):
-                raise ConfigError(f"unknown chat role {role!r}; use system, user or assistant")
-            if role == "user" and pending_system:
-                content = "\n".join([*pending_system, content])
-                pending_system = []
-            _add_turn(messages, role, content)
-        if pending_system:  # after the last user turn: it still speaks to the question, so it joins it
-            _add_turn(messages, "user", "\n".join(pending_system))
-        if not messages or messages[0]["role"] != "user":
-            raise ConfigError("a conversation about the document must start with a user message")
+        """Tokens that follow the document prefix for a conversation, up to the assistant prompt; the turns are
+        checked and folded as `conversation_messages` says (an empty question is `check_conversation`'s to refuse:
+        the chat template's own tokens are counted around an empty one)."""
+        messages = conversation_messages(turns)
         marker = _SENTINEL
         while any(marker in message["content"] for message in messages):  # a turn may quote the marker
             marker += "\u2063"

@@ -8,6 +8,8 @@ between its framework's types and `CompressedDocument.generate`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -15,16 +17,18 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, NoReturn, Protocol, Union
+
+from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import Document
-from infokv_rag.errors import ConfigError
+from infokv_rag.documents import PDF_SUFFIXES, Document, load_document
+from infokv_rag.errors import ConfigError, InfoKVError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name
 from infokv_rag.prompt import Turn
-from infokv_rag.store import MANIFEST
+from infokv_rag.store import COLD, MANIFEST, TENSORS, TEXT, read_manifest
 
 DEFAULT_MODEL = "default"
 
@@ -96,12 +100,29 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
         stat = (path / MANIFEST).stat()
         return ("cache", str(path), stat.st_mtime_ns, stat.st_size)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"document {os.fspath(source)!r} not found: pass a .pdf/.txt/.md file, a saved cache directory "  # type: ignore[arg-type]
-            "(from doc.save()), or the text itself"
-        )
+        _refuse_source(os.fspath(source), path)  # type: ignore[arg-type]
     stat = path.stat()
     return ("file", str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def _refuse_source(name: str, path: Path) -> NoReturn:
+    """Raises what the core says of a `path` that is neither a file nor a saved cache: not found; a saved cache's
+    directory without its manifest (`CacheStoreError`, as `InfoKVEngine.load`); another directory
+    (`IsADirectoryError`, as `load_document`); a pipe or a device (`UnsupportedFormatError`)."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"document {name!r} not found: pass a .pdf/.txt/.md file, a saved cache directory "
+            "(from doc.save()), or the text itself"
+        )
+    if path.is_dir() and any((path / part).exists() for part in (TENSORS, TEXT, COLD)):
+        read_manifest(path)  # a cache's files without their manifest: "not a saved document cache (no manifest)"
+    try:
+        load_document(path)
+    except IsADirectoryError as exc:
+        raise IsADirectoryError(
+            f"{exc}, or a saved cache directory (one holding {MANIFEST}, from doc.save(dir))"
+        ) from None
+    raise FileNotFoundError(f"document {name!r} is neither a file nor a saved cache directory")  # not reached
 
 
 def document_identity(source: DocumentSource | None, text: str | None) -> str | None:
@@ -119,7 +140,7 @@ def document_identity(source: DocumentSource | None, text: str | None) -> str | 
         return json.dumps(key, sort_keys=True)
     try:
         return json.dumps(_source_key(source, text))
-    except FileNotFoundError:  # refused when a call opens it; until then, named as given
+    except (OSError, InfoKVError):  # refused when a call opens it; until then, named as given
         return os.fspath(source)  # type: ignore[arg-type]
 
 
@@ -137,8 +158,16 @@ def open_document(
 
     `model` None means the source's own model for a `CompressedDocument`, else `DEFAULT_MODEL`.
     Asking for another model than the one a `CompressedDocument` was read with is an error: its
-    cache belongs to that model. `password` opens an encrypted PDF file; it is no part of the key (a file read
-    once is shared in the process, as its text is).
+    cache belongs to that model.
+
+    `config` None (an adapter's `compression` left unset) means the defaults for a file or text, and a saved cache
+    as it was saved. A config given for a saved cache must be the one it was saved with (`ConfigError` naming both
+    otherwise: the cache cannot be compressed again); one that differs only in `recall`, each answer's default, is
+    answered with its own, and one whose `cold_bits` is None takes the cache's.
+
+    `password` opens an encrypted PDF file. It is checked against the file on every call (`_check_password`), also
+    when the file was read already, and never kept: a document read once is shared in the process whatever password
+    opened it, and a wrong or missing one is refused (`EncryptedPDFError`) before any model work.
     """
     if isinstance(source, CompressedDocument) and text is None:
         if model is not None and model != source.engine.name:
@@ -152,9 +181,15 @@ def open_document(
             "no document bound: pass document= (a .pdf/.txt/.md path, a saved cache directory or a "
             "CompressedDocument) or document_text=, at construction or per call with .bind(document=...)"
         )
-    config = coerce_config(config)
     model = model or DEFAULT_MODEL
     kind, *identity = _source_key(source, text)
+    if kind == "cache":
+        key: tuple[Any, ...] = (model, device, dtype_name(dtype), kind, *identity)
+        saved = _DOCUMENTS.get_or_load(key, lambda: get_engine(model, device, dtype).load(identity[0]))
+        return saved if config is None else _as_saved(identity[0], saved, coerce_config(config))
+    if kind == "file":
+        _check_password(Path(identity[0]), identity[1], identity[2], password)
+    config = coerce_config(config)
     key = (model, device, dtype_name(dtype), config, kind, *identity)
 
     def ingest() -> CompressedDocument:
@@ -163,11 +198,86 @@ def open_document(
             return engine.ingest_text(text, config)
         if isinstance(source, Document):
             return engine.ingest_document(source, config)
-        if kind == "cache":
-            return engine.load(identity[0])
         return engine.ingest(identity[0], config, password=password)
 
     return _DOCUMENTS.get_or_load(key, ingest)
+
+
+def _as_saved(path: str, saved: CompressedDocument, given: CompressionConfig) -> CompressedDocument:
+    """The saved cache at `path` answered with the compression `given` for it; `ConfigError` naming both when the
+    cache was not made with it."""
+    if given.recall and saved.config.recall and given.cold_bits is None:  # left to the model: the cache's width
+        given = dataclasses.replace(given, cold_bits=saved.config.cold_bits)
+    if given.cache_identity() != saved.config.cache_identity():
+        differ = _differences(saved.config.to_dict(), given.to_dict())
+        raise ConfigError(
+            f"{path} is a saved cache compressed with {_describe(saved.config, differ)}, but the compression given "
+            f"has {_describe(given, differ)}. A saved cache is answered as it was saved: leave compression unset "
+            "(None) to use it, or pass the document's file or text to read it again with this compression"
+        )
+    if given.recall == saved.config.recall:
+        return saved
+    return dataclasses.replace(saved, config=given)  # the same cache, with another recall for each answer
+
+
+def _differences(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """The names of the fields (and method settings, as `settings.NAME`) in which two configs' `to_dict()`s differ."""
+    flat = [
+        {
+            **{name: value for name, value in config.items() if name != "settings"},
+            **{f"settings.{name}": value for name, value in config.get("settings", {}).items()},
+        }
+        for config in (saved, given)
+    ]
+    return [name for name in sorted(set(flat[0]) | set(flat[1])) if flat[0].get(name) != flat[1].get(name)]
+
+
+def _describe(config: CompressionConfig, names: list[str]) -> str:
+    """`config`'s method and its values of the fields `names` (`settings.NAME` for a method setting)."""
+    values = [f"method={config.method}"]
+    for name in names:
+        if name != "method":
+            setting = name.removeprefix("settings.")
+            owner = config.settings if setting != name else config
+            values.append(f"{name}={getattr(owner, setting, None)}")
+    return ", ".join(values)
+
+
+_PDF_HEADER_WINDOW = 1024
+"""Where a file named .pdf may hold its %PDF- header (as `load_document` reads it)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _encrypted_pdf(path: str, mtime_ns: int, size: int) -> bool:
+    """Whether the file at `path`, as it is at that modification time and size, is an encrypted PDF (True also
+    when that cannot be told, so that its password is checked). Nothing of a password is involved or kept."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_PDF_HEADER_WINDOW)
+            named_pdf = Path(path).suffix.lower() in PDF_SUFFIXES
+            if not (head.startswith(b"%PDF-") or (named_pdf and b"%PDF-" in head)):
+                return False  # read as text: a password is ignored
+            handle.seek(0)
+            return bool(PdfReader(handle, strict=False).is_encrypted)
+    except Exception:
+        return True
+
+
+def _check_password(path: Path, mtime_ns: int, size: int, password: str | None) -> None:
+    """Refuses (`EncryptedPDFError`, as `load_document` says it) a `password` that does not open `path` when that is
+    an encrypted PDF, or its absence. Run on every open, so that a file read once with its password is never served
+    to a call with another or none; it costs a parse of the file's trailer and one key derivation (pypdf's
+    `decrypt`), and keeps nothing of the password, not even a hash."""
+    if not _encrypted_pdf(str(path), mtime_ns, size):
+        return
+    try:
+        with path.open("rb") as handle:
+            # Owner-password-only files open with the empty user password, as load_document opens them.
+            if PdfReader(handle, strict=False).decrypt(password or "") != PasswordType.NOT_DECRYPTED:
+                return
+    except Exception:
+        pass  # whatever went wrong, the core says it below
+    load_document(path, password=password)  # raises the core's refusal (needs a password, wrong password, ...)
 
 
 class AdapterFields(Protocol):

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.generation import Generation as InfoKVGeneration
-from infokv_rag.prompt import Turn
+from infokv_rag.prompt import Turn, check_conversation
 
 from ._common import (
     CALL_KWARGS,
@@ -159,12 +159,13 @@ class _InfoKVFields(BaseModel):
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
     """auto (None: bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32, or a torch dtype."""
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_tokens: int = Field(default=256, gt=0)
+    """Most tokens generated per answer."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = None
     seed: int | None = None
-    max_cache_tokens: int | None = None
+    max_cache_tokens: int | None = Field(default=None, gt=0)
     """Cap on the cached tokens per layer while answering (evicts past it); None: no cap."""
     recall: float | int | None = None
     """How much of the cold tier each answer recalls (ratio or token count; 0: none); None: the document's."""
@@ -204,10 +205,13 @@ class _InfoKVFields(BaseModel):
     def _start(
         self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[InfoKVGeneration, CompressedDocument]:
-        """Resolves the document (loading weights / ingesting on first use) and starts an answer."""
-        document = self.compressed_document(**kwargs)
+        """Checks the messages and the call's options, then resolves the document (loading weights / ingesting on
+        first use) and starts an answer: a call that cannot be answered reads no document."""
+        check_conversation(turns)
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
-        return document.generate(turns, call_options(self, kwargs, stops)), document
+        options = call_options(self, kwargs, stops)
+        document = self.compressed_document(**kwargs)
+        return document.generate(turns, options), document
 
     def _infokv_identity(self) -> dict[str, Any]:
         document = document_identity(self.document, self.document_text)

@@ -43,7 +43,7 @@ from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, repair_extracted_text
 from infokv_rag.generation import Generation
-from infokv_rag.prompt import Turn, question_turns
+from infokv_rag.prompt import Turn, check_conversation, question_turns
 
 from ._common import (
     DEFAULT_MODEL,
@@ -116,7 +116,7 @@ class InfoKV(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = None
     seed: int | None = None
-    max_cache_tokens: int | None = None
+    max_cache_tokens: int | None = Field(default=None, gt=0)
     recall: float | int | None = Field(
         default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
     )
@@ -185,8 +185,12 @@ class InfoKV(CustomLLM):
     # Generation ------------------------------------------------------------------------------------
 
     def _start(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
+        """Checks the messages and the call's options, then resolves the document (loading weights / ingesting on
+        first use) and starts an answer: a call that cannot be answered reads no document."""
+        check_conversation(turns)
+        options = call_options(self, kwargs, kwargs.get("stop", self.stop))
         document = self.compressed_document(**kwargs)
-        return document.generate(turns, call_options(self, kwargs, kwargs.get("stop", self.stop))), document
+        return document.generate(turns, options), document
 
     async def _astart(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
         return await asyncio.to_thread(self._start, turns, kwargs)

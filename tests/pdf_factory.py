@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pypdf import PdfReader, PdfWriter
 from pypdf.generic import DecodedStreamObject, NameObject
@@ -13,13 +15,20 @@ from reportlab.lib.utils import ImageReader
 from reportlab.pdfgen import canvas
 
 
-def text_pdf_bytes(pages: Sequence[str]) -> bytes:
-    """A PDF with one page per string; newlines in a string start new lines."""
+def text_pdf_bytes(pages: Sequence[str], in_forms: bool = False) -> bytes:
+    """A PDF with one page per string; newlines in a string start new lines. `in_forms`: each page's text is
+    drawn in a form XObject of its own that the page draws (as some producers do), not in the page's content."""
     buf = io.BytesIO()
     # invariant=1 drops the creation date and random ID, so equal input gives equal bytes.
     pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
-    for page_text in pages:
-        _draw_lines(pdf, page_text)
+    for number, page_text in enumerate(pages, 1):
+        if in_forms:
+            pdf.beginForm(f"text{number}")
+            _draw_lines(pdf, page_text)
+            pdf.endForm()
+            pdf.doForm(f"text{number}")
+        else:
+            _draw_lines(pdf, page_text)
         pdf.showPage()
     pdf.save()
     return buf.getvalue()
@@ -110,4 +119,83 @@ def broken_page_pdf(path: Path, pages: Sequence[str], broken: Sequence[int], kin
         writer.pages[number - 1][NameObject("/Contents")] = writer._add_object(stream)
     with path.open("wb") as fh:
         writer.write(fh)
+    return path
+
+
+# --- byte surgery: damage as a failing disk or an interrupted transfer leaves it --------------------------------
+
+
+def _object_span(data: bytes, idnum: int) -> tuple[int, int]:
+    """Where indirect object `idnum` lies in `data`: from its "N 0 obj" line to just after its "endobj"."""
+    match = re.search(rb"(?<![0-9])%d 0 obj\b" % idnum, data)
+    assert match is not None, f"object {idnum} not found"
+    end = data.index(b"endobj", match.start()) + len(b"endobj\n")
+    return match.start(), end
+
+
+def _page_objects(data: bytes, numbers: Sequence[int], part: str) -> list[int]:
+    """The object numbers of the pages `numbers` (1-based): their page objects (`part` "page"), their content
+    streams ("content"), or the form XObjects they draw ("form")."""
+    reader = PdfReader(io.BytesIO(data))
+    ids = []
+    for number in numbers:
+        page = reader.pages[number - 1]
+        obj: Any
+        if part == "page":
+            obj = page
+        elif part == "content":
+            obj = page["/Contents"]
+        elif part == "form":
+            resources: Any = page["/Resources"]
+            [obj] = resources["/XObject"].values()
+            obj = obj.get_object()
+        else:
+            raise ValueError(f"unknown part {part!r}")
+        assert obj.indirect_reference is not None
+        ids.append(obj.indirect_reference.idnum)
+    return ids
+
+
+def damaged_content_pdf(
+    path: Path, pages: Sequence[str], damaged: Sequence[int], in_forms: bool = False, fill: bytes = b"\x00"
+) -> Path:
+    """A text PDF whose pages in `damaged` (1-based) have the middle half of their content stream (or, with
+    `in_forms`, of the form XObject holding their text) overwritten with `fill` bytes, the file keeping its
+    length: its cross-reference table stays right and pypdf reads the rest as it would read an intact file.
+
+    The streams are ASCII85-encoded Flate data. NUL (the default: a block of zeros, as a failing disk or a
+    preallocated download leaves it) is white space to ASCII85, so the Flate data loses that stretch; `b"!"`
+    (ASCII85 for zero bytes) zeroes that stretch of the Flate data itself; `b"v"` is no ASCII85 digit at all."""
+    data = bytearray(text_pdf_bytes(pages, in_forms=in_forms))
+    for idnum in _page_objects(bytes(data), damaged, "form" if in_forms else "content"):
+        start, end = _object_span(bytes(data), idnum)
+        body = data.index(b"stream\n", start) + len(b"stream\n")
+        stop = data.rindex(b"endstream", start, end)
+        quarter = (stop - body) // 4
+        data[body + quarter : stop - quarter] = fill * (stop - body - 2 * quarter)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def pdf_missing_objects(path: Path, pages: Sequence[str], lost: Sequence[int], part: str = "page") -> Path:
+    """A text PDF with the objects of the pages in `lost` (1-based) cut out of the file, everything else kept (its
+    end too, so it is no truncation), as a transfer that dropped a chunk leaves it: `part` "page" cuts their page
+    objects, "content" their content streams. The offsets in the cross-reference table are then wrong, and pypdf
+    rebuilds it by scanning the file."""
+    data = text_pdf_bytes(pages)
+    spans = sorted(_object_span(data, idnum) for idnum in _page_objects(data, lost, part))
+    for start, end in reversed(spans):
+        data = data[:start] + data[end:]
+    path.write_bytes(data)
+    return path
+
+
+def wrong_startxref_pdf(path: Path, pages: Sequence[str], off_by: int = -7) -> Path:
+    """An intact text PDF whose startxref offset is off by `off_by` bytes (as files edited by careless tools
+    are): pypdf has to find or rebuild the cross-reference table, and every object is still there."""
+    data = text_pdf_bytes(pages)
+    match = re.search(rb"startxref\s+(\d+)", data)
+    assert match is not None
+    offset = int(match.group(1)) + off_by
+    path.write_bytes(data[: match.start(1)] + str(offset).encode() + data[match.end(1) :])
     return path

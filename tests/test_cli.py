@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -281,6 +282,73 @@ def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path) -> Non
         "recall",
         "evicts",
     )
+
+
+def test_bad_questions_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+    """An empty question, or one that is not text (a byte that argv cannot decode), is refused with the options: an
+    unknown --model would fail on loading, so the question's error must come first. Every -q is checked before any
+    is answered, and a refusal names which one it is when there are several."""
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    nope = ("--model", str(tmp_path / "no-such-model"))
+    for questions, phrases in (
+        (("",), ("the question is empty",)),
+        (("What is the notice period?", " \t\n"), ("question 2 of 2", "empty")),
+        (("fee\udcff?",), ("lone surrogate",)),  # the byte 0xff, as a shell passes $'fee\xff?'
+    ):
+        args = [arg for question in questions for arg in ("-q", question)]
+        assert_clean_failure(run_cli("ask", str(doc), *args, *nope, cache_dir=tmp_path), *phrases)
+
+
+def test_questions_that_cannot_fit_are_refused_before_the_prefill(tmp_path: Path, random_model_dir: Path) -> None:
+    """A question too long for the context window beside the document, or a --max-new-tokens that is, is refused once
+    the model (its tokenizer) is loaded, before the document is prefilled and stored, and before any other question
+    is answered: no answer is produced to be lost."""
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    store = tmp_path / "store"
+    common = ("ask", str(doc), "--model", str(random_model_dir), "--store", str(store), "--json", "--verbose")
+    for extra, phrase in (
+        (("-q", "What is the notice period?", "-q", "why? " * 3000), "question 2 of 2 (-q): the document"),
+        (("-q", "What is the notice period?", "--max-new-tokens", "100000"), "max_new_tokens (100000)"),
+    ):
+        result = run_cli(*common, *extra, cache_dir=tmp_path / "cache")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "loaded in" in result.stderr and "stored the cache" not in result.stderr and "tok/s" not in result.stderr
+        error = json.loads(result.stdout)["error"]
+        assert error["type"] == "ContextLengthError" and phrase in error["message"], error
+        assert "context window of 4096" in error["message"]
+        assert not list(store.iterdir()), "nothing is prefilled or stored"
+
+
+def test_json_keeps_the_answers_before_a_failing_question(
+    tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A question that fails while answering (after every check passed) loses none of the answers before it: --json
+    prints them with the error, and the exit code is 2."""
+    from infokv_rag import cli
+    from infokv_rag.document import CompressedDocument
+    from infokv_rag.errors import ContextLengthError
+
+    generate = CompressedDocument.generate
+    asked: list[object] = []
+
+    def second_fails(self: CompressedDocument, turns: Any, options: Any = None) -> Any:
+        asked.append(turns)
+        if len(asked) == 2:
+            raise ContextLengthError("the second answer failed")
+        return generate(self, turns, options)
+
+    monkeypatch.setattr(CompressedDocument, "generate", second_fails)
+    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path / "cache"))
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    questions = ("-q", "What is the notice period?", "-q", "Who delivers?", "-q", "Third?")
+    args = ("--model", str(random_model_dir), "--store", str(tmp_path / "store"), "--max-new-tokens", "2", "--json")
+    assert cli.main(["ask", str(doc), *questions, *args]) == 2
+    out = capsys.readouterr()
+    payload = json.loads(out.out)
+    assert [answer["question"] for answer in payload["answers"]] == ["What is the notice period?"]
+    assert payload["answers"][0]["completion_tokens"] == 2 and payload["answers"][0]["answer"]
+    assert payload["error"] == {"type": "ContextLengthError", "message": "the second answer failed"}
+    assert "infokv-rag: error: the second answer failed" in out.err and len(asked) == 2
 
 
 def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -245,10 +246,11 @@ def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
 
 
 def test_pypdf_log_noise_is_not_printed(tmp_path: Path) -> None:
-    # A page whose Flate stream is garbage makes pypdf log an error (and give no text). Without a
-    # handler, Python would print that record to stderr; loading must stay silent.
+    # pypdf logs what it works around (here a wrong startxref offset, and a Flate stream that is garbage). Without
+    # a handler, Python would print those records to stderr; loading, or refusing, must stay silent.
     from pypdf.generic import DecodedStreamObject, NameObject
 
+    pdfs.wrong_startxref_pdf(tmp_path / "offset.pdf", ["ok"])
     writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(["ok", "x"]))))
     stream = DecodedStreamObject()
     stream.set_data(b"not zlib at all " * 4)
@@ -260,12 +262,114 @@ def test_pypdf_log_noise_is_not_printed(tmp_path: Path) -> None:
     code = (
         "import sys, warnings; warnings.simplefilter('error');"
         "from infokv_rag.documents import load_document;"
-        f"print(load_document({str(path)!r}).text)"
+        "from infokv_rag.errors import CorruptPDFError;"
+        f"print(load_document({str(tmp_path / 'offset.pdf')!r}).text)\n"
+        f"try: load_document({str(path)!r})\n"
+        "except CorruptPDFError as exc: print(type(exc).__name__, 'page 2' in str(exc))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    assert result.stdout.split("\n")[:2] == ["ok", "CorruptPDFError True"]
     assert result.stderr == ""
+
+
+# --- damaged copies: pages whose text is lost are named, never loaded as a shorter document ------------------
+
+FIVE = [f"Page {n}: the notice period in clause {n} is {n * 10} days." for n in range(1, 6)]
+
+
+@pytest.mark.parametrize("fill", [b"\x00", b"!"], ids=["stretch-lost", "stretch-zeroed"])
+def test_a_page_whose_compressed_content_is_damaged_refuses_the_file(tmp_path: Path, fill: bytes) -> None:
+    # Same length, cross-reference table intact: pypdf would read pages 2 and 4 as blank (or their text up to the
+    # damage) without raising, and the document would load as pages 1, 3, 5.
+    path = pdfs.damaged_content_pdf(tmp_path / "contract.pdf", FIVE, damaged=[2, 4], fill=fill)
+    message = _refusal(CorruptPDFError, path)
+    assert message.startswith(f"{path} is damaged: the content of page")
+    assert "does not decode (Error -3 while decompressing data: " in message
+    assert "not in this copy" in message and "Download or export it again" in message
+    # A way to go on knowingly: a copy without the damaged pages (so both were found).
+    assert f"qpdf {path} --pages . 1,3,5 -- {tmp_path / 'contract-rest.pdf'}" in message
+
+
+def test_a_form_drawn_by_a_page_is_checked_too(tmp_path: Path) -> None:
+    # Its compressed data damaged: the file is refused, as for the page's own content.
+    path = pdfs.damaged_content_pdf(tmp_path / "forms.pdf", FIVE, damaged=[3], in_forms=True, fill=b"!")
+    message = _refusal(CorruptPDFError, path)
+    assert "the content of page 3 draws a form that does not decode (Error -3 " in message
+    # A form pypdf cannot decode otherwise (here its ASCII85 layer): pypdf drops the form's text and logs it only;
+    # the page is skipped and reported, as a page whose own content fails to extract is.
+    path = pdfs.damaged_content_pdf(tmp_path / "ascii85.pdf", FIVE, damaged=[3], in_forms=True, fill=b"v")
+    with pytest.warns(PageExtractionWarning, match="skipped page 3 of 5: text extraction failed") as record:
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [1, 2, 4, 5] and doc.skipped_pages == (3,)
+    assert "draws a form that cannot be decoded" in str(record.list[0].message)
+
+
+def test_a_pdf_whose_page_objects_are_missing_is_refused_naming_them(tmp_path: Path) -> None:
+    # A chunk of the file lost with pages 2 and 3 in it, its end kept (so no truncation): pypdf rebuilds the
+    # cross-reference table, drops the two pages from its page list and numbers the rest 1-3.
+    path = pdfs.pdf_missing_objects(tmp_path / "lease.pdf", FIVE, lost=[2, 3], part="page")
+    message = _refusal(CorruptPDFError, path)
+    assert "lease.pdf is damaged: its page tree lists 5 pages but pages 2-3 cannot be found." in message
+    assert "Download or export it again" in message and f"qpdf {path} repaired.pdf" in message
+
+
+def test_a_pdf_whose_page_content_objects_are_missing_is_refused(tmp_path: Path) -> None:
+    # The pages are there but the streams holding their text are not: pypdf reads them as blank pages.
+    path = pdfs.pdf_missing_objects(tmp_path / "lease.pdf", FIVE, lost=[2, 3], part="content")
+    message = _refusal(CorruptPDFError, path)
+    assert "the content of pages 2-3 cannot be found (the object holding it is missing or damaged)" in message
+    assert "--pages . 1,4-5 --" in message
+
+
+def test_the_reported_damaged_copies_are_refused(tmp_path: Path) -> None:
+    # The two files of the report: one page's compressed content zeroed in place (same length), and a chunk cut
+    # from the middle of the file with its end kept. Both loaded silently as 4 and 3 pages of 5.
+    data = pdfs.text_pdf_bytes([f"Page {n}: the notice period on page {n} is {n * 10} days. " * 5 for n in range(1, 6)])
+    third = [i for i in range(len(data)) if data.startswith(b"stream\n", i)][2] + len(b"stream\n")
+    (tmp_path / "zeroed.pdf").write_bytes(data[: third + 10] + b"\x00" * 100 + data[third + 110 :])
+    (tmp_path / "cut.pdf").write_bytes(data[: len(data) // 2] + data[-1500:])
+    assert "the content of page 2 does not decode" in _refusal(CorruptPDFError, tmp_path / "zeroed.pdf")
+    assert "the content of pages 1-2 cannot be found" in _refusal(CorruptPDFError, tmp_path / "cut.pdf")
+
+
+def test_a_page_tree_promising_more_pages_than_it_holds_is_refused(tmp_path: Path) -> None:
+    data = pdfs.text_pdf_bytes(PAGES)
+    assert data.count(b"/Count 3") == 1
+    (tmp_path / "count.pdf").write_bytes(data.replace(b"/Count 3", b"/Count 9"))
+    message = _refusal(CorruptPDFError, tmp_path / "count.pdf")
+    assert "count.pdf is damaged: its page tree lists 9 pages but only 3 can be found." in message
+
+
+def test_a_rebuilt_cross_reference_table_alone_is_no_damage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Many real PDFs have a slightly wrong startxref offset: pypdf finds or rebuilds the table, every page is
+    # there and decodes, and the file loads as the intact one does, without a warning.
+    intact = _load_quietly(pdfs.text_pdf(tmp_path / "intact.pdf", FIVE))
+    for off_by in (-7, 40):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pypdf"):
+            doc = _load_quietly(pdfs.wrong_startxref_pdf(tmp_path / f"offset{off_by}.pdf", FIVE, off_by=off_by))
+        assert "incorrect startxref pointer" in caplog.text  # pypdf did have to repair it
+        assert doc.text == intact.text and doc.pages == intact.pages and doc.skipped_pages == ()
+    # The same repair in a file that lost a page is no excuse: that one is refused.
+    lost = pdfs.pdf_missing_objects(tmp_path / "lost.pdf", FIVE, lost=[4])
+    assert "its page tree lists 5 pages but page 4 cannot be found" in _refusal(CorruptPDFError, lost)
+
+
+def test_text_in_a_font_the_page_does_not_hold_is_reported_not_read_as_blank(tmp_path: Path) -> None:
+    # A page dictionary that lost its /Resources: its text is drawn in font /F1, which it no longer names, and
+    # pypdf extracts nothing from it. The page is skipped and reported, not taken for a blank page.
+    from pypdf.generic import NameObject
+
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(PAGES))))
+    del writer.pages[1][NameObject("/Resources")]
+    path = tmp_path / "fonts.pdf"
+    with path.open("wb") as fh:
+        writer.write(fh)
+    with pytest.warns(PageExtractionWarning) as record:
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [1, 3] and doc.skipped_pages == (2,)
+    assert "skipped page 2 of 3" in str(record.list[0].message) and "/F1" in str(record.list[0].message)
 
 
 # --- text files --------------------------------------------------------------------------------

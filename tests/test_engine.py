@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
-from infokv_rag.errors import DocumentError
+from infokv_rag.errors import DocumentError, EmptyQuestionError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.ingestion import chunk_bounds
-from infokv_rag.prompt import question_turns
+from infokv_rag.prompt import check_conversation, is_blank, question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CORPUS, build_random_model_dir
@@ -232,6 +232,42 @@ def test_questions_and_options_that_are_not_what_they_claim_are_refused(random_e
     ratio = doc.generate(question_turns("What is the notice period?"), _options(max_new_tokens=2, recall=1.0))
     ratio.text()
     assert everything.usage.recalled_tokens == ratio.usage.recalled_tokens > 0
+
+
+def test_an_empty_question_is_refused_whatever_asks_it(random_engine: InfoKVEngine) -> None:
+    """Whitespace, control and format characters (NUL, a zero-width space, a byte-order mark) are no question: one
+    check in the core refuses it for `ask`, `stream` and `generate`, whose last user turn is the question."""
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    blanks = ("", "   ", "\n\t", "\x00", "\u200b\ufeff", " \x00\r\n\u3000")
+    for blank in blanks:
+        assert is_blank(blank)
+        with pytest.raises(EmptyQuestionError, match="empty"):
+            doc.ask(blank, max_new_tokens=2)
+        with pytest.raises(EmptyQuestionError):
+            next(iter(doc.stream(blank, max_new_tokens=2)))
+        with pytest.raises(EmptyQuestionError, match="last user message"):
+            doc.generate([("system", "Be brief."), ("user", "Q?"), ("assistant", "A."), ("user", blank)])
+        with pytest.raises(EmptyQuestionError):
+            check_conversation([("system", blank)])  # no user turn: the system turns are the question
+    assert issubclass(EmptyQuestionError, ConfigError)  # refused as a bad option where that is caught
+    assert not is_blank("?") and not is_blank("\x00 fee?")
+    # Only the question counts: an empty earlier turn is part of the conversation, not a question.
+    options = GenerationOptions(max_new_tokens=2)
+    assert doc.generate([("user", " "), ("assistant", "Yes."), ("user", "And the notice?")], options).text()
+    # The chat template's own tokens are still counted around an empty message (LlamaIndex's metadata does).
+    assert len(random_engine.prompt.conversation_ids([("user", "")])) > 0
+
+
+def test_a_question_that_cannot_fit_is_refused_before_the_document_is_read(random_engine: InfoKVEngine) -> None:
+    """`check_question_fits`, which the command line runs before the prefill, refuses what `generate` would."""
+    document_tokens = len(random_engine.prompt.document_ids(TEXT))
+    turns = question_turns("What is the notice period?")
+    suffix = random_engine.check_question_fits(document_tokens, turns, 8)
+    assert suffix == random_engine.prompt.conversation_ids(turns)
+    with pytest.raises(ContextLengthError, match="max_new_tokens \\(100000\\).*context window of 4096"):
+        random_engine.check_question_fits(document_tokens, turns, 100_000)
+    with pytest.raises(ContextLengthError, match="plus the question"):
+        random_engine.check_question_fits(document_tokens, question_turns("why? " * 3000), 8)
 
 
 def test_a_system_message_after_the_question_joins_it(random_engine: InfoKVEngine) -> None:

@@ -23,11 +23,13 @@ from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import Runnable
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
+from pydantic import ValidationError
 
 from infokv_rag import CompressionConfig
 from infokv_rag.documents import document_from_text
-from infokv_rag.errors import ConfigError, EncryptedPDFError, ModelError
+from infokv_rag.errors import CacheStoreError, ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
+from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
 from infokv_rag.store import save_document
@@ -140,6 +142,59 @@ def test_weights_load_lazily(tmp_path: Path) -> None:
         chat.invoke("Who is the account manager?")
     with pytest.raises(ValueError, match="no document bound"):
         ChatInfoKV(model="tiny").invoke("hello")
+
+
+def _no_document_read(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a call that cannot be answered loaded weights to read its document")
+
+
+def test_bad_options_and_messages_are_refused_before_the_document_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a document takes seconds to minutes: a call's options and messages are checked first, and the fields
+    when the adapter is made."""
+    monkeypatch.setattr(_common, "get_engine", _no_document_read)
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        for field, value in (("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("temperature", -1.0)):
+            bad: dict[str, Any] = {field: value}
+            with pytest.raises(ValidationError, match=field):
+                adapter(model="tiny", document_text=SUITE_TEXT, **bad)
+        refusals: list[tuple[type[Exception], str, Any]] = [
+            (ConfigError, "unknown option.*max_new_tokens", lambda llm: llm.invoke("hi", max_new_tokens=4)),
+            (ConfigError, "max_new_tokens must be >= 1", lambda llm: llm.invoke("hi", max_tokens=0)),
+            (ConfigError, "lone surrogate", lambda llm: list(llm.stream("hi \ud800"))),
+            (EmptyQuestionError, "empty", lambda llm: llm.invoke("  \n\t")),
+            (EmptyQuestionError, "empty", lambda llm: list(llm.stream("\x00"))),
+            (EmptyQuestionError, "empty", lambda llm: asyncio.run(llm.ainvoke(""))),
+        ]
+        # A text no other test reads: opening it would load weights (`get_engine`), which is refused above.
+        llm = adapter(model="tiny", document_text=f"{SUITE_TEXT} Read by no call of {adapter.__name__}.")
+        for kind, message, call in refusals:
+            with pytest.raises(kind, match=message):
+                call(llm)
+    # A chat's question is its last user message: an empty one there is refused, whatever came before.
+    chat = ChatInfoKV(model="tiny", document_text=f"{SUITE_TEXT} Read by no chat.")
+    with pytest.raises(EmptyQuestionError, match="last user message"):
+        chat.invoke([SystemMessage("Be brief."), HumanMessage("Q?"), AIMessage("A."), HumanMessage(" \u200b")])
+
+
+def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_common, "get_engine", _no_document_read)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "contract.pdf").write_bytes(b"%PDF-1.4")
+    with pytest.raises(IsADirectoryError, match="reports is a directory; give the path of a PDF or text file, or a"):
+        ChatInfoKV(model="tiny", document=str(reports)).invoke("Q?")
+    damaged = tmp_path / "cache"  # a saved cache's files without its manifest
+    damaged.mkdir()
+    (damaged / "tensors.safetensors").write_bytes(b"")
+    (damaged / "document.txt").write_text(SUITE_TEXT)
+    with pytest.raises(CacheStoreError, match=r"not a saved document cache \(no manifest.json\)"):
+        InfoKVLLM(model="tiny", document=str(damaged)).invoke("Q?")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ChatInfoKV(model="tiny", document=str(tmp_path / "missing.pdf")).invoke("Q?")
+    # Where a model shows itself (its answer-cache key, traces), such a path is named as given, not refused.
+    assert str(reports) in ChatInfoKV(model="tiny", document=str(reports))._get_llm_string()
 
 
 # On the tiny model ---------------------------------------------------------------------------------
@@ -431,3 +486,54 @@ def test_a_password_opens_an_encrypted_pdf_and_is_never_shown(random_model_dir: 
         if isinstance(llm, ChatInfoKV):  # an LLM's answer-cache key is its asdict(), above
             shown.append(llm._get_llm_string())
         assert not [text for text in shown if "s3cret" in text], adapter
+
+
+def test_a_wrong_or_missing_password_is_refused_after_the_file_was_read(random_model_dir: Path, tmp_path: Path) -> None:
+    """A document read once is shared in the process, but not with a call that could not open it: the password is
+    checked against the file on every open."""
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    model = str(random_model_dir)
+    opened = ChatInfoKV(model=model, document=str(path), password="s3cret", max_tokens=2)
+    document = opened.compressed_document()
+    opened.invoke("Who is the account manager?")
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        for password, message in ((None, "needs a password"), ("guess", "Wrong password")):
+            llm = adapter(model=model, document=str(path), password=password, max_tokens=2)
+            with pytest.raises(EncryptedPDFError, match=message):
+                llm.invoke("Who is the account manager?")
+            with pytest.raises(EncryptedPDFError, match=message):
+                llm.compressed_document()
+            other = adapter(model=model, document_text=COLD_TEXT, password=password, max_tokens=2)
+            with pytest.raises(EncryptedPDFError, match=message):  # a call's own document
+                other.invoke("Who is the account manager?", document=str(path))
+        again = adapter(model=model, document=str(path), password="s3cret", max_tokens=2)
+        assert again.compressed_document() is document  # the right password: the document read once
+    assert "s3cret" not in repr(list(_common._DOCUMENTS._values))  # the shared documents' keys hold no password
+
+
+def test_a_saved_cache_is_answered_as_saved_or_refuses_another_compression(
+    random_model_dir: Path, tmp_path: Path
+) -> None:
+    """A saved cache cannot be compressed again: `compression` left unset takes it as saved; one given must be its
+    own (its recall, each answer's default, may differ), or the call is refused naming both."""
+    model = str(random_model_dir)
+    saved = tmp_path / "cache"
+    save_document(get_engine(model).ingest_text(COLD_TEXT, CompressionConfig(keep=0.25, recall=0.1)), saved)
+    unset = ChatInfoKV(model=model, document=str(saved), max_tokens=2)
+    document = unset.compressed_document()
+    assert document.config.keep == 0.25 and document.cold_tier is not None
+    assert unset.invoke("What is the notice period?").response_metadata["recalled_tokens"] > 0
+    for compression, given in (({"keep": 0.9, "recall": 0.1}, "keep=0.9"), ({"keep": 0.25}, "recall=0")):
+        chat = ChatInfoKV(model=model, document=str(saved), compression=compression, max_tokens=2)  # type: ignore[arg-type]
+        refused = rf"compressed with method=infokv, .*but the compression given has method=infokv, .*{given}"
+        with pytest.raises(ConfigError, match=refused):
+            chat.invoke("What is the notice period?")
+        with pytest.raises(ConfigError, match="compression given"):  # per call too
+            unset.invoke("What is the notice period?", compression=compression)
+    same = ChatInfoKV(model=model, document=str(saved), compression={"keep": 0.25, "recall": 0.1}, max_tokens=2)  # type: ignore[arg-type]
+    assert same.compressed_document() is document
+    fewer = ChatInfoKV(model=model, document=str(saved), compression={"keep": 0.25, "recall": 4}, max_tokens=2)  # type: ignore[arg-type]
+    assert fewer.compressed_document().cache is document.cache and fewer.compressed_document().config.recall == 4
+    assert document.cold_tier is not None
+    recalled = fewer.invoke("What is the notice period?").response_metadata["recalled_tokens"]
+    assert recalled == 4 * len(document.cold_tier.layers)

@@ -17,8 +17,9 @@ from llama_index.core.schema import Document as LlamaDocument
 
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
-from infokv_rag.errors import EncryptedPDFError
+from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError
 from infokv_rag.generation import GenerationOptions
+from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
@@ -164,6 +165,51 @@ def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
     for option in ("max_new_tokens", "max_token", "stop_sequences"):
         with pytest.raises(ValueError, match=f"unknown option.*{option}"):
             llm.complete("Q?", **{option: 2})
+
+
+def _no_document_read(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a call that cannot be answered loaded weights to read its document")
+
+
+def test_bad_options_and_questions_are_refused_before_the_document_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's options and messages are checked before its document is read (seconds to minutes); an empty
+    question (whitespace or control characters only) is refused on every path, a system prompt beside it or not."""
+    monkeypatch.setattr(_common, "get_engine", _no_document_read)
+    llm = InfoKV(model="tiny", document_text="A text no other test reads.", system_prompt="Be brief.")
+    user = MessageRole.USER
+    refusals: list[tuple[type[Exception], str, Any]] = [
+        (ConfigError, "max_new_tokens must be >= 1", lambda: llm.complete("hi", max_tokens=0)),
+        (ConfigError, "unknown option.*max_new_tokens", lambda: llm.complete("hi", max_new_tokens=4)),
+        (ConfigError, "lone surrogate", lambda: llm.stream_complete("hi \ud800")),
+        (EmptyQuestionError, "empty", lambda: llm.complete("")),
+        (EmptyQuestionError, "empty", lambda: llm.chat([ChatMessage(role=user, content=" \x00\n")])),
+        (EmptyQuestionError, "empty", lambda: asyncio.run(llm.acomplete("\t"))),
+        (EmptyQuestionError, "empty", lambda: DocumentQueryEngine(llm=llm).query("   ")),
+    ]
+    for kind, message, call in refusals:
+        with pytest.raises(kind, match=message):
+            call()
+
+
+def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_common, "get_engine", _no_document_read)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    with pytest.raises(IsADirectoryError, match="reports is a directory; give the path of a PDF or text file"):
+        DocumentQueryEngine.from_file(reports, model="tiny").query("What is the notice period?")
+
+
+def test_a_wrong_or_missing_password_is_refused_after_the_file_was_read(random_model_dir: Path, tmp_path: Path) -> None:
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    model = str(random_model_dir)
+    assert InfoKV(model=model, document=str(path), password="s3cret", max_tokens=2).complete("Who?").text
+    for password, message in ((None, "needs a password"), ("wrong", "Wrong password")):
+        with pytest.raises(EncryptedPDFError, match=message):
+            InfoKV(model=model, document=str(path), password=password, max_tokens=2).complete("Who?")
+        with pytest.raises(EncryptedPDFError, match=message):
+            DocumentQueryEngine.from_file(path, model=model, password=password, max_tokens=2).query("Who?")
 
 
 def test_the_query_engine_keeps_the_llms_system_prompt(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -275,12 +275,16 @@ def test_ask_errors(client: httpx.Client, contract: dict[str, Any]) -> None:
     assert "300" in error["message"]
     assert_error(ask(client, doc_id, max_tokens=65), 422, "max_tokens_too_large")
     assert_error(ask(client, doc_id, max_tokens=0), 422, "invalid_request")
-    assert_error(ask(client, doc_id, ""), 422, "invalid_request")
+    assert_error(ask(client, doc_id, ""), 422, "empty_message")
     assert_error(ask(client, doc_id, temperature=-1), 422, "invalid_request")
     assert_error(ask(client, doc_id, stop=["a"] * 5), 422, "invalid_request")
     assert_error(ask(client, doc_id, colour="blue"), 422, "invalid_request")
-    bad_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=AUTH)
-    assert_error(bad_json, 422, "invalid_request")
+    no_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=AUTH)  # no content-type: not read
+    assert_error(no_json, 422, "invalid_request")
+    json_headers = {**AUTH, "content-type": "application/json"}
+    bad_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=json_headers)
+    error = assert_error(bad_json, 400, "invalid_json")
+    assert error["param"] is None and "line 1, column 2" in error["message"], error
     assert_error(ask(client, "doc_" + "a" * 22), 404, "document_not_found")
     for bad_id in ("..", "doc_..%2F..%2Fetc", "%2e%2e", "doc_" + "a" * 200):
         response = client.get(f"/v1/documents/{bad_id}", headers=AUTH)

@@ -26,8 +26,10 @@ from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
 
+from . import pdf_factory as pdfs  # noqa: E402
 from .service_helpers import (  # noqa: E402
     ADMIN_KEY,
+    LEAKS,
     assert_error,
     bearer,
     random_model_settings,
@@ -346,6 +348,57 @@ def test_every_numeric_request_field_is_bounded_in_the_schema(client: TestClient
     assert ask_body["seed"]["anyOf"][0]["maximum"] == 2**63 - 1  # exact, not rounded through a float
 
 
+def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: TestClient) -> None:
+    """Bytes that are not UTF-8 and malformed JSON get the same answer, 400 `invalid_json` (OpenAI's route too, in
+    its shape), saying what is wrong and where; `param` is a field or null, never an offset."""
+    doc = upload_ready(client, A1, "vault.txt", SECRET)
+    headers = {**A1, "content-type": "application/json"}
+    chat = {"model": "random", "messages": [{"role": "user", "content": "Le caf\u00e9?"}], "document_id": doc}
+    for path, request in (
+        (f"/v1/documents/{doc}/ask", {"question": "Le caf\u00e9?", "max_tokens": 2}),
+        ("/v1/chat/completions", {**chat, "max_tokens": 2}),
+    ):
+        text = json.dumps(request, ensure_ascii=False)
+        latin1 = text.encode("latin-1")  # the "é" as the one byte 0xe9
+        error = assert_error(client.post(path, content=latin1, headers=headers), 400, "invalid_json")
+        assert error["param"] is None and error["type"] == "invalid_request_error", error
+        assert "not valid UTF-8 JSON" in error["message"] and "0xe9" in error["message"], error
+        assert f"byte offset {latin1.index(0xE9)}" in error["message"] and "encoded as UTF-8" in error["message"]
+        cut = text.encode("utf-8")[:-1]  # the closing brace missing
+        error = assert_error(client.post(path, content=cut, headers=headers), 400, "invalid_json")
+        assert error["param"] is None, error
+        assert "not valid UTF-8 JSON" in error["message"] and f"line 1, column {len(text)}" in error["message"]
+        missing_comma = text.replace(", ", " ", 1).encode("utf-8")
+        assert_error(client.post(path, content=missing_comma, headers=headers), 400, "invalid_json")
+        too_deep = b"[" * 100_000 + b"]" * 100_000  # Python's JSON reader gives up (RecursionError)
+        error = assert_error(client.post(path, content=too_deep, headers=headers), 400, "invalid_json")
+        assert "nested too deeply" in error["message"]
+        # The same request in UTF-8 is answered: only the encoding was wrong.
+        assert client.post(path, content=text.encode("utf-8"), headers=headers).status_code == 200
+
+
+def test_a_multipart_upload_cut_short_or_malformed_is_400_and_keeps_nothing(client: TestClient, tmp_path: Path) -> None:
+    """Starlette takes a multipart body that ends before its closing boundary for a whole one without the part
+    it was in (the file: then a 422 `missing_file`), or with it (a file that may be cut). Either is refused as a
+    400 `bad_request` that says so, and nothing of it is staged, stored or listed."""
+    multipart = {**A1, "content-type": "multipart/form-data; boundary=B"}
+    part = b'--B\r\nContent-Disposition: form-data; name="file"; filename="memo.txt"\r\n\r\n' + SECRET
+    for body in (part, part + b"\r\n--B", part + b"\r\n--B\r\n", part[:40]):
+        error = assert_error(client.post("/v1/documents", content=body, headers=multipart), 400, "bad_request")
+        assert "ended before its closing boundary" in error["message"] and "cut short" in error["message"], error
+        assert error["param"] is None
+    garbled = b"--B\r\nContent-Disposition form-data\r\n\r\nx\r\n--B--\r\n"  # a header line without its colon
+    error = assert_error(client.post("/v1/documents", content=garbled, headers=multipart), 400, "bad_request")
+    assert "malformed" in error["message"] and "multipart/form-data" in error["message"], error
+    data = tmp_path / "data"
+    assert ids(client, A1) == set() and list((data / "documents").iterdir()) == []
+    assert not (data / "uploads").exists() or list((data / "uploads").iterdir()) == []
+    # The same body with its closing boundary (and an epilogue, which is allowed) is an upload.
+    whole = client.post("/v1/documents", content=part + b"\r\n--B--\r\nepilogue", headers=multipart)
+    assert whole.status_code == 202, whole.text
+    assert wait_settled(client, whole.json()["id"], A1)["status"] == "ready"
+
+
 # Bounded work ------------------------------------------------------------------------------------
 
 
@@ -480,3 +533,42 @@ def test_text_encodings_are_stored_as_written(client: TestClient, tmp_path: Path
     error = assert_error(upload(client, A1, "mystery.txt", mystery), 415, "unsupported_format")
     assert "UTF-8" in error["message"]
     assert wait_settled(client, doc, A1)["status"] == "ready"
+
+
+# The UTF-8 text of a contract, multi-byte characters throughout (a file of mostly ASCII with one stray byte would
+# be read as Windows-1252 whole, without a warning).
+CLAUSE = "Clause 4.2 \u2014 the fee is 1 200 \u20ac a month, payable in Z\u00fcrich; the caf\u00e9\u2019s lease. "
+
+
+def test_what_reading_an_upload_warned_about_is_told_to_its_uploader(random_engine: Any, tmp_path: Path) -> None:
+    """The loader's warnings (stray Windows-1252 bytes in UTF-8 text; pages skipped) are in the document's info, as
+    skipped_pages is: in the 202, in every later GET and listing, after a restart, and without server paths."""
+    data = tmp_path / "data"
+    head = (CLAUSE * 4).encode("utf-8") + b"The Supplier"
+    stray = head + b"\x92s notice is ninety days. " + CLAUSE.encode("utf-8")  # a smart quote pasted in cp1252
+    scanned = pdfs.mixed_pdf(tmp_path / "scan.pdf", ["The notice period is ninety days.", None])
+    with running(random_engine, data) as client:
+        created = upload(client, A1, "notes.txt", stray)
+        assert created.status_code == 202, created.text
+        [warning] = created.json()["warnings"]
+        assert "notes.txt" in warning and "1 stray byte" in warning and f"byte offset {len(head)}" in warning
+        assert "Windows-1252" in warning and "saving the file as UTF-8" in warning
+        assert str(data) not in warning and not any(leak in warning for leak in LEAKS), warning
+        notes = created.json()["id"]
+        assert wait_settled(client, notes, A1)["warnings"] == [warning]
+        # The same file again warns again (the process saw the warning once already).
+        again = upload(client, A1, "notes.txt", stray)
+        assert again.status_code == 202 and again.json()["warnings"] == [warning]
+        pdf = upload(client, A1, "scan.pdf", scanned.read_bytes())
+        assert pdf.status_code == 202, pdf.text
+        [skipped] = pdf.json()["warnings"]
+        assert pdf.json()["skipped_pages"] == [2] and "scan.pdf" in skipped and "ocrmypdf" in skipped, skipped
+        assert str(data) not in skipped
+        clean = upload_ready(client, A1, "memo.txt", SECRET)
+        assert client.get(f"/v1/documents/{clean}", headers=A1).json()["warnings"] == []
+        listed = {d["id"]: d["warnings"] for d in client.get("/v1/documents", headers=A1).json()["data"]}
+        assert listed[notes] == [warning] and listed[clean] == []
+    assert json.loads((data / "documents" / notes / "meta.json").read_text())["warnings"] == [warning]
+    with running(random_engine, data) as client:  # read back from the record
+        assert client.get(f"/v1/documents/{notes}", headers=A1).json()["warnings"] == [warning]
+        assert client.get(f"/v1/documents/{clean}", headers=A1).json()["warnings"] == []

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,6 +126,8 @@ MALFORMED_FIELDS = [
     ("pages", 1.5),
     ("skipped_pages", [1, "2"]),
     ("skipped_pages", None),
+    ("warnings", ["ok", 3]),
+    ("warnings", "stray bytes"),
     ("tokens", False),
     ("kept_tokens", "many"),
     ("compression_ratio", float("nan")),
@@ -143,6 +146,16 @@ def test_a_record_with_a_malformed_field_is_refused_as_a_whole(name: str, value:
     assert DocumentRecord.from_meta({**good, "keep": 512, "created_at": int(now), "skipped_pages": [2]}).keep == 512
     with pytest.raises(ValueError, match="malformed"):
         DocumentRecord.from_meta({**good, name: value})
+
+
+def test_a_record_saved_before_load_warnings_were_kept_loads_without_them() -> None:
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "notes.txt", "ready", "tenantA", "snapkv", 0.5, now, now)
+    record.warnings = ["notes.txt is UTF-8 but for 1 stray byte"]
+    meta = record.to_meta()
+    assert DocumentRecord.from_meta(meta).warnings == record.warnings
+    del meta["warnings"]  # what a version without them wrote
+    assert DocumentRecord.from_meta(meta).warnings == []
 
 
 def test_display_names_are_one_safe_path_component() -> None:
@@ -300,3 +313,41 @@ def test_a_body_over_the_limit_is_400_on_openais_route_and_413_elsewhere(random_
                 response = client.post(path, content=content, headers={"content-type": "application/json"})
                 assert response.status_code == status, (path, response.status_code, response.text)
                 assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_an_empty_question_is_refused_alike_on_both_routes(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Whitespace or control characters only is as empty as "": /ask answers 422 `empty_message` to both, the chat 400
+    `empty_message` (its last user message is the question), before the document is read."""
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", warmup=False)
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
+        doc_id = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}).json()["id"]
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/documents/{doc_id}").json()["status"] != "ready":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def chat(*contents: str) -> Any:
+            roles = ("user", "assistant")
+            messages = [{"role": roles[index % 2], "content": content} for index, content in enumerate(contents)]
+            body = {"model": "random", "document_id": doc_id, "max_tokens": 2, "messages": messages}
+            return client.post("/v1/chat/completions", json=body)
+
+        for question in ("", "   ", "\n\t", "\x00", "\u200b"):
+            asked = client.post(f"/v1/documents/{doc_id}/ask", json={"question": question, "max_tokens": 2})
+            assert asked.status_code == 422 and asked.json()["error"]["code"] == "empty_message", asked.text
+        for blank in ("   ", "\n\t", "\x00", "\u200b"):
+            for contents in ((blank,), ("When?", "Within thirty days.", blank)):
+                refused = chat(*contents)
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert error["code"] == "empty_message" and f"messages[{len(contents) - 1}]" in error["message"]
+        assert chat("").json()["error"]["code"] == "empty_message"  # as before: "" in any message
+        # Only the question counts: an earlier blank user message is part of the conversation.
+        assert chat("  ", "Yes.", "When?").status_code == 200
+        answered = client.post(f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 2})
+        assert answered.status_code == 200, answered.text

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import CacheStoreError, ConfigError, InfoKVError
+from ..errors import CacheStoreError, ConfigError, EmptyQuestionError, InfoKVError
 from ..generation import GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
@@ -140,6 +140,8 @@ async def start_answer(
     assert service.worker is not None
     try:
         generation = await run_in_threadpool(document.generate, turns, options)
+    except EmptyQuestionError as exc:  # the routes refuse it before the document loads; this is the core's word
+        raise from_core(exc) from exc
     except ConfigError as exc:
         raise ServiceError(400, "invalid_conversation", str(exc)) from exc
     except CacheStoreError as exc:  # a cold tier changed on disk since it was loaded

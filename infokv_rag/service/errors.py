@@ -83,6 +83,7 @@ _CORE: list[tuple[type[BaseException], int, str]] = [
     (core.CorruptPDFError, 422, "corrupt_pdf"),
     (core.DocumentError, 422, "unreadable_document"),
     (core.ContextLengthError, 400, "context_length_exceeded"),
+    (core.EmptyQuestionError, 422, "empty_message"),  # 400 on /v1/chat/completions (`status_on`), as "" is there
     (core.ConfigError, 422, "invalid_option"),
     (core.CacheStoreError, 500, "cache_error"),
 ]
@@ -120,6 +121,60 @@ def _validation_param(exc: RequestValidationError) -> str | None:
     return None
 
 
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+"""FastAPI's detail of its 400 for a JSON body that it could not decode (not UTF-8, nested too deeply)."""
+
+
+def invalid_json(problem: str) -> ServiceError:
+    """400 `invalid_json`: the body is not UTF-8 JSON (bytes that are not UTF-8, or malformed JSON); `problem`
+    says what and where, never echoing the body back. The same answer on every route (a 400 on OpenAI's too)."""
+    return ServiceError(
+        400,
+        "invalid_json",
+        f"the request body is not valid UTF-8 JSON: {problem}; send one JSON object, encoded as UTF-8, with "
+        "content-type application/json",
+    )
+
+
+def _json_syntax_error(exc: RequestValidationError) -> ServiceError | None:
+    """`invalid_json` for FastAPI's `json_invalid` validation error (malformed JSON), naming where it is."""
+    for error in exc.errors():
+        if error.get("type") != "json_invalid":
+            continue
+        reason = str((error.get("ctx") or {}).get("error") or "malformed JSON").removesuffix(" at")
+        position = (error.get("loc") or (None,))[-1]
+        if not isinstance(position, int):
+            return invalid_json(reason)
+        where = f"character {position}"
+        if isinstance(exc.body, str) and position <= len(exc.body):
+            line = exc.body.count("\n", 0, position) + 1
+            column = position - (exc.body.rfind("\n", 0, position) + 1) + 1
+            where = f"line {line}, column {column} ({where})"
+        return invalid_json(f"{reason} at {where}")
+    return None
+
+
+def _body_decode_error(exc: StarletteHTTPException) -> ServiceError | None:
+    """`invalid_json` for FastAPI's 400 "There was an error parsing the body", from its cause (a body that is not
+    UTF-8, JSON nested too deeply); None for any other HTTP error."""
+    if exc.status_code != 400 or exc.detail != FASTAPI_BODY_ERROR:
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        encoding = "UTF-8" if cause.encoding.lower().startswith("utf-8") else cause.encoding.upper()
+        offset = cause.start
+        if isinstance(cause.object, (bytes, bytearray)) and offset < len(cause.object):
+            problem = f"the byte 0x{cause.object[offset]:02x} at byte offset {offset} is not {encoding}"
+        else:
+            problem = f"the bytes at byte offset {offset} are not {encoding}"
+        if encoding == "UTF-8":
+            problem += " (JSON must be UTF-8, not Latin-1 or Windows-1252)"
+        return invalid_json(problem)
+    if isinstance(cause, RecursionError):
+        return invalid_json("it is nested too deeply")
+    return invalid_json("it could not be decoded")
+
+
 OPENAI_CHAT_PATH = "/v1/chat/completions"
 
 
@@ -148,12 +203,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # The message names the fields and what is wrong with them; it never echoes the input back.
+        if (syntax := _json_syntax_error(exc)) is not None:  # malformed JSON: not a field's error
+            return await _service(request, syntax)
         status = status_on(request.url.path, 422)
         body = error_body(status, "invalid_request", _validation_message(exc), _validation_param(exc))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if (undecodable := _body_decode_error(exc)) is not None:  # a JSON body that is not UTF-8
+            return await _service(request, undecodable)
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "bad_request"}
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404 and message == "Not Found":

@@ -94,6 +94,9 @@ class DocumentRecord:
     size_bytes: int = 0
     pages: int = 0
     skipped_pages: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the loader warned about when the upload was read (pages skipped, stray bytes read as Windows-1252);
+    absent from records saved before it was kept: none."""
     tokens: int = 0
     kept_tokens: int | None = None
     cache_bytes: int | None = None
@@ -130,6 +133,7 @@ class DocumentRecord:
         "size_bytes",
         "pages",
         "skipped_pages",
+        "warnings",
         "tokens",
         "kept_tokens",
         "cache_bytes",

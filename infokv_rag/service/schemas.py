@@ -54,7 +54,8 @@ class ErrorResponse(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Invalid request (a question that does not fit the model's context window; a malformed multipart "
-        "body, or too many or too large form fields)",
+        "body, one cut before its closing boundary, or too many or too large form fields; a JSON body that is not "
+        "UTF-8 or not valid JSON, `invalid_json`)",
         401: "Missing, invalid or conflicting API key (every key presented must be valid)",
         404: "No such document",
         409: "The document is not ready (still being read, or failed)",
@@ -126,6 +127,11 @@ class DocumentInfo(BaseModel):
     size_bytes: int
     pages: int = Field(description="Pages with text.")
     skipped_pages: list[int] = Field(description="PDF pages whose text could not be extracted.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What reading the upload warned about, one message each (PDF pages skipped, and why; stray "
+        "bytes of a UTF-8 text read as Windows-1252, with their offsets); empty when nothing was.",
+    )
     tokens: int = Field(description="Document tokens (the uncompressed prefix).")
     kept_tokens: int | None = Field(None, description="Tokens kept over all layers, per KV head.")
     cache_bytes: int | None = Field(
@@ -195,7 +201,7 @@ class UploadForm(BaseModel):
 class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1, description="The question (length limited by the server).")
+    question: str = Field(description="The question (length limited by the server; empty: 422 `empty_message`).")
     max_tokens: MaxTokens | None = Field(None, description="Most tokens to generate (limited by the server).")
     temperature: Temperature = Field(0.0, description="0 is greedy (deterministic).")
     top_p: TopP = 1.0

@@ -7,15 +7,20 @@ itself stops as soon as the text has passed the model's context window.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
+import threading
+import warnings
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..config import CompressionConfig, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
     from ..documents import Document
     from ..engine import InfoKVEngine
     from .registry import DocumentRecord, Registry
+
+log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
 _FIELDS = ("method", "keep", "recall", "cold_bits", "stored_bits", "password")
@@ -81,20 +88,72 @@ def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
 
 
+_SEND_MULTIPART = (
+    "send the document as multipart/form-data with the file in the 'file' field (e.g. curl -F file=@contract.pdf ...)"
+)
+
+
+class _CheckedMultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, which also tells whether the body reached its closing boundary: Starlette
+    takes a body cut before it for a whole one, silently dropping the part it ended in (the file, usually)."""
+
+    complete = False
+
+    def on_end(self) -> None:  # python-multipart's callback for the closing boundary (`--boundary--`)
+        self.complete = True
+
+    def close_files(self) -> None:
+        """Closes the files of every part, also of the part the body ended in (which is in no form)."""
+        for file in getattr(self, "_files_to_close_on_error", ()):
+            file.close()
+
+
+async def _read_form(request: Request) -> FormData:
+    """The upload's multipart form (one file, a few small fields), read whole; 400 `bad_request` for a body that
+    is malformed, over the form's limits, or cut before its closing boundary (nothing of it is kept)."""
+    limits: dict[str, Any] = {"max_files": 1, "max_fields": len(_FIELDS), "max_part_size": FORM_FIELD_BYTES}
+    async with aclosing(request.stream()) as stream:
+        try:
+            parser = _CheckedMultiPartParser(request.headers, stream, **limits)
+        except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
+            del limits["max_part_size"]
+            parser = _CheckedMultiPartParser(request.headers, stream, **limits)
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise _malformed_multipart(exc.message) from exc
+    if not parser.complete:
+        await form.close()
+        parser.close_files()
+        raise ServiceError(
+            400,
+            "bad_request",
+            "the multipart body ended before its closing boundary (--<boundary>--): the upload was cut short or is "
+            "malformed, and nothing of it was kept; send the whole file again, as multipart/form-data with the "
+            "file in the 'file' field (e.g. curl -F file=@contract.pdf ...)",
+        )
+    return form
+
+
+def _malformed_multipart(detail: str) -> ServiceError:
+    """400 `bad_request` for a multipart body that cannot be read; the form's own limits keep their message."""
+    if detail.startswith(("Too many", "Part exceeded")):
+        return ServiceError(
+            400, "bad_request", f"{detail} An upload has one file and at most the fields {', '.join(_FIELDS)}."
+        )
+    return ServiceError(
+        400,
+        "bad_request",
+        f"the multipart body is malformed ({detail.rstrip('.')}), and nothing of it was kept; " + _SEND_MULTIPART,
+    )
+
+
 async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
     """Reads the multipart body (one file, a few small fields) into a private staging directory."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
-        raise ServiceError(
-            415,
-            "multipart_required",
-            "send the document as multipart/form-data with the file in the 'file' field "
-            "(e.g. curl -F file=@contract.pdf ...)",
-        )
-    try:
-        form = await request.form(max_files=1, max_fields=len(_FIELDS), max_part_size=FORM_FIELD_BYTES)
-    except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
-        form = await request.form(max_files=1, max_fields=len(_FIELDS))
+        raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
+    form = await _read_form(request)
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
@@ -203,15 +262,52 @@ def _too_many_pages(pages: int, settings: Settings) -> ServiceError:
     )
 
 
-def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine) -> tuple[Document, int]:
-    """The upload's text and token count, or a ServiceError that says exactly what is wrong with it."""
-    from ..documents import load_document
+class ParsedUpload(NamedTuple):
+    document: Document
+    tokens: int
+    warnings: list[str]
+    """What the loader warned about while reading the upload (pages skipped, stray bytes read as Windows-1252),
+    for its uploader; without server paths."""
 
+
+_LOAD_WARNINGS_LOCK = threading.Lock()
+"""`warnings.catch_warnings` swaps process-wide state: uploads read at once in the thread pool take turns, else
+the later one's exit would leave the earlier one's recorder in place for good and lose every warning after."""
+
+
+def _load_with_warnings(staged: StagedUpload) -> tuple[Document, list[str]]:
+    """`load_document` of the upload, and the messages of the loader's own warnings (`PageExtractionWarning`,
+    `StrayBytesWarning`) it emitted, each once per upload even if the process saw it before. Other warnings
+    (another thread's while this one records) are shown as they would have been."""
+    from ..documents import PageExtractionWarning, StrayBytesWarning, load_document
+
+    loader = (PageExtractionWarning, StrayBytesWarning)
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with _LOAD_WARNINGS_LOCK, warnings.catch_warnings(record=True) as caught:
+            for kind in loader:
+                warnings.simplefilter("always", kind)
+            document = load_document(staged.path, password=staged.password)
+    finally:
+        for other in caught:
+            if not issubclass(other.category, loader):
+                warnings.showwarning(
+                    other.message, other.category, other.filename, other.lineno, other.file, other.line
+                )
+    found = [_without_paths(str(w.message), staged) for w in caught if issubclass(w.category, loader)]
+    for message in found:
+        log.info("upload %s: %s", staged.name, message)
+    return document, list(dict.fromkeys(found))
+
+
+def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine) -> ParsedUpload:
+    """The upload's text, token count and the loader's warnings about it, or a ServiceError that says exactly
+    what is wrong with it."""
     pages = _pdf_page_count(staged.path)
     if pages is not None and pages > settings.max_pages:
         raise _too_many_pages(pages, settings)
     try:
-        document = load_document(staged.path, password=staged.password)
+        document, load_warnings = _load_with_warnings(staged)
     except DocumentError as exc:
         raise from_core(exc, _client_message(exc, staged)) from exc
     total_pages = len(document.pages) + len(document.skipped_pages)
@@ -234,7 +330,7 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
             f"{staged.name} is more than {limit} tokens: it does not fit the model's context window of "
             f"{engine.context_window} tokens (questions need room too); split the document",
         )
-    return document, tokens
+    return ParsedUpload(document, tokens, load_warnings)
 
 
 def count_document_tokens(engine: InfoKVEngine, text: str, limit: int) -> int:
@@ -261,9 +357,14 @@ def count_document_tokens(engine: InfoKVEngine, text: str, limit: int) -> int:
     return len(engine.prompt.document_ids(text))  # short enough to tokenize whole: the exact count
 
 
+def _without_paths(message: str, staged: StagedUpload) -> str:
+    """A message of the loader about the staged upload, naming the file as the client named it (no server path)."""
+    return message.replace(str(staged.directory) + "/", "").replace(str(staged.directory), "")
+
+
 def _client_message(exc: DocumentError, staged: StagedUpload) -> str:
     """The core's message without server paths, and with advice that fits an HTTP client."""
-    message = str(exc).replace(str(staged.directory) + "/", "").replace(str(staged.directory), "")
+    message = _without_paths(str(exc), staged)
     if isinstance(exc, EncryptedPDFError):
         if staged.password is None and "needs a password" in message:
             return (

@@ -66,6 +66,7 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
         size_bytes=record.size_bytes,
         pages=record.pages,
         skipped_pages=record.skipped_pages,
+        warnings=record.warnings,
         tokens=record.tokens,
         kept_tokens=record.kept_tokens,
         cache_bytes=record.cache_bytes,
@@ -106,7 +107,7 @@ async def upload_document(request: Request, response: Response, service: Service
         )
         # The queue's place is taken before the upload is parsed or saved: a refused upload is never listed.
         with service.worker.upload_slot(caller.tenant):
-            document, tokens = await run_in_threadpool(parse_upload, staged, settings, service.engine)
+            document, tokens, load_warnings = await run_in_threadpool(parse_upload, staged, settings, service.engine)
             now = time.time()
             record = DocumentRecord(
                 id=new_document_id(),
@@ -124,6 +125,7 @@ async def upload_document(request: Request, response: Response, service: Service
                 size_bytes=staged.size,
                 pages=len(document.pages),
                 skipped_pages=list(document.skipped_pages),
+                warnings=load_warnings,
                 tokens=tokens,
             )
             record.progress_total = tokens
@@ -205,11 +207,12 @@ async def ask(
 ) -> AskResponse | StreamingResponse:  # the response_model documents the JSON answer
     record = await find_document(service, caller, document_id)
     check_question(service, len(body.question))
+    turns = question_turns(body.question)  # before the document loads: an empty question is 422 `empty_message`
     options = generation_options(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, caller, record, document, question_turns(body.question), options)
+    job = await start_answer(service, caller, record, document, turns, options)
     answer_id = "ans_" + secrets.token_urlsafe(12)
     if not body.stream:
         answer = await collect(job, request)

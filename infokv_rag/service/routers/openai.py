@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from ...prompt import Turn
+from ...errors import ConfigError, EmptyQuestionError
+from ...prompt import Turn, check_conversation
 from ..answers import (
     SSE_HEADERS,
     check_question,
@@ -112,6 +113,16 @@ def _turns(request: ChatCompletionRequest) -> list[Turn]:
         if not content:
             raise ServiceError(400, "empty_message", f"messages[{index}] has no text content")
         turns.append((role, content))
+    # The core's check, before the document loads: a last user message of whitespace or control characters only
+    # is as empty as "" (one turn per message, so a turn's index is its message's).
+    try:
+        check_conversation(turns)
+    except EmptyQuestionError as exc:
+        users = [index for index, (role, _) in enumerate(turns) if role == "user"]
+        where = f"messages[{users[-1]}]: " if users else ""
+        raise ServiceError(400, "empty_message", f"{where}{exc}") from exc
+    except ConfigError as exc:  # as when the answer starts (`start_answer`), only sooner
+        raise ServiceError(400, "invalid_conversation", str(exc)) from exc
     return turns
 
 
