@@ -19,7 +19,7 @@ import torch
 from infokv_rag import CompressionConfig, ConfigError
 from infokv_rag.config import SETTINGS_ADDED, described, matches
 from infokv_rag.scorers import method, method_names
-from infokv_rag.scorers.base import Scorer
+from infokv_rag.scorers.base import Scorer, average_ranks, normalize
 from infokv_rag.scorers.infokv import InfoKVScorer, InfoKVSettings
 from infokv_rag.selection import protected_mask, select_tokens
 from infokv_rag.signals import (
@@ -452,3 +452,13 @@ def test_window_0_is_refused_where_the_window_s_attention_is_read(name: str, set
         assert CompressionConfig(method=other, window=0).window == 0, "no window attention, no window needed"
     with pytest.raises(ValueError, match="needs a window of at least one query"):
         SignalCapture(0, frozenset({WINDOW_ATTENTION}))
+
+
+def test_rank_normalisation_gives_tied_scores_their_average_rank() -> None:
+    """Tied values share the mean of the ranks they span: breaking ties by position would turn a constant signal
+    (layer 0's predicted attention gives every occurrence of a token the same value) into recency."""
+    scores = torch.tensor([[3.0, 1.0, 1.0, 2.0, 3.0, 3.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    expected = torch.tensor([[4.0, 0.5, 0.5, 2.0, 4.0, 4.0], [2.5] * 6]) / 5
+    torch.testing.assert_close(normalize(scores, "rank"), expected)
+    distinct = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(average_ranks(distinct), distinct.argsort(dim=-1).argsort(dim=-1).float())

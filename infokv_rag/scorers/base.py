@@ -110,14 +110,27 @@ def check_pooling_kernel(kernel: int) -> None:
 
 
 def normalize(scores: Tensor, mode: Literal["minmax", "rank"] = "minmax") -> Tensor:
-    """Normalises (kv_heads, length) scores to [0, 1] within each head."""
+    """Normalises (kv_heads, length) scores to [0, 1] within each head ("rank": tied values share their
+    average rank)."""
     scores = scores.float()
     if mode == "rank":
-        ranks = scores.argsort(dim=-1).argsort(dim=-1).float()
-        return ranks / max(scores.shape[-1] - 1, 1)
+        return average_ranks(scores) / max(scores.shape[-1] - 1, 1)
     low = scores.amin(dim=-1, keepdim=True)
     span = scores.amax(dim=-1, keepdim=True) - low
     return (scores - low) / span.clamp_min(1e-12)
+
+
+def average_ranks(scores: Tensor) -> Tensor:
+    """(rows, length) -> (rows, length) float ranks 0 .. length - 1 within each row, tied values sharing the mean
+    of the ranks they span: breaking ties by position would turn a constant signal into recency. Without ties,
+    exactly `scores.argsort().argsort()`."""
+    values, order = scores.sort(dim=-1)
+    index = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    differs = values[..., 1:] != values[..., :-1]
+    edge = torch.ones_like(differs[..., :1])
+    first = torch.where(torch.cat([edge, differs], dim=-1), index, 0).cummax(dim=-1).values
+    last = torch.where(torch.cat([differs, edge], dim=-1), index, index.shape[-1]).flip(-1).cummin(dim=-1).values
+    return torch.empty_like(values).scatter_(-1, order, (first + last.flip(-1)) / 2)
 
 
 def pool(scores: Tensor, kernel: int) -> Tensor:
