@@ -13,7 +13,7 @@ import re
 import stat
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,9 @@ class Document:
     `sha256` is the hex digest of the raw file bytes (or of the UTF-8 text given in memory).
     `skipped_pages` lists the PDF pages absent from `pages` although they have content: their text failed to
     extract, or they hold only images (scanned: they need OCR). Blank pages are absent from both.
+    `load_warnings` are the messages of what loading the file warned about (`PageExtractionWarning`,
+    `StrayBytesWarning`, each also emitted): for a caller that reports them, such as the service to an uploader,
+    without catching warnings process-wide. No part of the layout or of equality.
     """
 
     text: str
@@ -111,6 +114,7 @@ class Document:
     source: str | None
     sha256: str
     skipped_pages: tuple[int, ...] = ()
+    load_warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         # page_of() and the page map are only right if text is exactly the joined pages.
@@ -297,9 +301,16 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
             f"{name} contains only whitespace: there is no text to answer questions from. "
             "Check that you picked the right file."
         )
-    if strays:
-        warnings.warn(_stray_bytes_warning(name, data, strays), stacklevel=2)
-    return Document(text=body, pages=(Page(1, body),), source=name, sha256=sha)
+    told = _warn([_stray_bytes_warning(name, data, strays)] if strays else [], stacklevel=3)
+    return Document(text=body, pages=(Page(1, body),), source=name, sha256=sha, load_warnings=told)
+
+
+def _warn(issued: Sequence[UserWarning], stacklevel: int) -> tuple[str, ...]:
+    """Emits each warning of loading a file (`stacklevel`: counted from here to the caller of `load_document`),
+    and returns their messages."""
+    for warning in issued:
+        warnings.warn(warning, stacklevel=stacklevel)
+    return tuple(str(warning) for warning in issued)
 
 
 # --- text ------------------------------------------------------------------------------------
@@ -744,30 +755,30 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
             f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "
             f"so it needs OCR first, e.g. `{_ocr_command(name)}`, then load the OCR'd file."
         )
+    issued: list[UserWarning] = []
     if failed:
         assert first_error is not None
-        warnings.warn(
+        issued.append(
             PageExtractionWarning(
                 f"{name}: skipped {_page_list(failed)} of {page_count}: text extraction failed "
                 f"({pypdf_detail(first_error)}). The other pages were loaded; questions about "
                 "the skipped pages cannot be answered.",
                 tuple(failed),
-            ),
-            stacklevel=3,
+            )
         )
     if scanned:
-        warnings.warn(
+        issued.append(
             PageExtractionWarning(
                 f"{name}: skipped {_page_list(scanned)} of {page_count}: they hold only images, no text layer "
                 "(scanned). The other pages were loaded; to answer questions about the skipped ones too, OCR the "
                 f"file first, e.g. `{_ocr_command(name, '--skip-text')}`, and load the OCR'd file.",
                 tuple(scanned),
-            ),
-            stacklevel=3,
+            )
         )
     text = PAGE_SEPARATOR.join(page.text for page in pages)
     skipped = tuple(sorted(failed + scanned))
-    return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped)
+    told = _warn(issued, stacklevel=4)
+    return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped, load_warnings=told)
 
 
 def _draws_images(page: PageObject) -> bool:

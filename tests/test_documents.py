@@ -237,6 +237,7 @@ def test_an_image_only_page_among_text_pages_is_reported(tmp_path: Path) -> None
     assert isinstance(warning.message, PageExtractionWarning) and warning.message.pages == (2, 4)
     message = str(warning.message)
     assert "signed.pdf" in message and "pages 2, 4 of 4" in message and "OCR" in message and "ocrmypdf" in message
+    assert doc.load_warnings == (message,)
 
 
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
@@ -611,8 +612,10 @@ def _load_warning_of_stray_bytes(path: Path) -> tuple[Document, StrayBytesWarnin
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         doc = load_document(path)
-    [warning] = [w.message for w in caught]
+    [record] = caught
+    warning = record.message
     assert isinstance(warning, StrayBytesWarning), warning
+    assert record.filename == __file__  # the caller of load_document is warned
     return doc, warning
 
 
@@ -631,6 +634,7 @@ def test_a_stray_cp1252_byte_in_utf8_text_is_read_as_cp1252_with_a_warning(
     assert warning.offsets == (len(head),)
     assert "contract.txt" in message and "1 stray byte" in message and f"byte offset {len(head)}" in message
     assert "Windows-1252" in message and repr(read_as) in message
+    assert doc.load_warnings == (message,)  # for callers that report them, without catching warnings
 
 
 def test_up_to_eight_stray_bytes_are_read_and_more_are_refused_by_count_and_offset(tmp_path: Path) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import threading
-import warnings
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -270,34 +268,16 @@ class ParsedUpload(NamedTuple):
     for its uploader; without server paths."""
 
 
-_LOAD_WARNINGS_LOCK = threading.Lock()
-"""`warnings.catch_warnings` swaps process-wide state: uploads read at once in the thread pool take turns, else
-the later one's exit would leave the earlier one's recorder in place for good and lose every warning after."""
+def _load(staged: StagedUpload) -> tuple[Document, list[str]]:
+    """`load_document` of the upload, and what it warned about (pages skipped, stray bytes read as Windows-1252),
+    without server paths."""
+    from ..documents import load_document
 
-
-def _load_with_warnings(staged: StagedUpload) -> tuple[Document, list[str]]:
-    """`load_document` of the upload, and the messages of the loader's own warnings (`PageExtractionWarning`,
-    `StrayBytesWarning`) it emitted, each once per upload even if the process saw it before. Other warnings
-    (another thread's while this one records) are shown as they would have been."""
-    from ..documents import PageExtractionWarning, StrayBytesWarning, load_document
-
-    loader = (PageExtractionWarning, StrayBytesWarning)
-    caught: list[warnings.WarningMessage] = []
-    try:
-        with _LOAD_WARNINGS_LOCK, warnings.catch_warnings(record=True) as caught:
-            for kind in loader:
-                warnings.simplefilter("always", kind)
-            document = load_document(staged.path, password=staged.password)
-    finally:
-        for other in caught:
-            if not issubclass(other.category, loader):
-                warnings.showwarning(
-                    other.message, other.category, other.filename, other.lineno, other.file, other.line
-                )
-    found = [_without_paths(str(w.message), staged) for w in caught if issubclass(w.category, loader)]
-    for message in found:
+    document = load_document(staged.path, password=staged.password)
+    told = [_without_paths(message, staged) for message in document.load_warnings]
+    for message in told:
         log.info("upload %s: %s", staged.name, message)
-    return document, list(dict.fromkeys(found))
+    return document, told
 
 
 def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine) -> ParsedUpload:
@@ -307,7 +287,7 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
     if pages is not None and pages > settings.max_pages:
         raise _too_many_pages(pages, settings)
     try:
-        document, load_warnings = _load_with_warnings(staged)
+        document, load_warnings = _load(staged)
     except DocumentError as exc:
         raise from_core(exc, _client_message(exc, staged)) from exc
     total_pages = len(document.pages) + len(document.skipped_pages)
