@@ -280,7 +280,12 @@ def test_ask_errors(client: httpx.Client, contract: dict[str, Any]) -> None:
     assert_error(ask(client, doc_id, stop=["a"] * 5), 422, "invalid_request")
     assert_error(ask(client, doc_id, colour="blue"), 422, "invalid_request")
     no_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=AUTH)  # no content-type: not read
-    assert_error(no_json, 422, "invalid_request")
+    error = assert_error(no_json, 422, "invalid_request")
+    assert "no content-type" in error["message"] and "application/json" in error["message"], error
+    as_text = client.post(
+        f"/v1/documents/{doc_id}/ask", content=b'{"question": "Who?"}', headers={**AUTH, "content-type": "text/plain"}
+    )
+    assert "content-type 'text/plain'" in assert_error(as_text, 422, "invalid_request")["message"]
     json_headers = {**AUTH, "content-type": "application/json"}
     bad_json = client.post(f"/v1/documents/{doc_id}/ask", content=b"{nope", headers=json_headers)
     error = assert_error(bad_json, 400, "invalid_json")

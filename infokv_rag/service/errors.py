@@ -103,11 +103,13 @@ def from_core(exc: BaseException, message: str | None = None) -> ServiceError:
     return ServiceError(500, "internal_error", "internal server error")
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(exc: RequestValidationError, content_type: str) -> str:
     parts = []
     for error in exc.errors():
-        if error.get("type") == "json_invalid":
-            return "the request body is not valid JSON"
+        if tuple(error.get("loc", ())) == ("body",) and "json" not in content_type.lower():
+            # FastAPI reads a body as JSON only when its content-type says so; otherwise no field can be found.
+            shown = f"content-type {content_type!r}" if content_type else "no content-type"
+            return f"the request body was not read as JSON ({shown}): send it with content-type application/json"
         location = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path"))
         parts.append(f"{location}: {error.get('msg', 'invalid')}" if location else str(error.get("msg", "invalid")))
     return "invalid request: " + "; ".join(parts) if parts else "invalid request"
@@ -206,7 +208,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if (syntax := _json_syntax_error(exc)) is not None:  # malformed JSON: not a field's error
             return await _service(request, syntax)
         status = status_on(request.url.path, 422)
-        body = error_body(status, "invalid_request", _validation_message(exc), _validation_param(exc))
+        message = _validation_message(exc, request.headers.get("content-type", ""))
+        body = error_body(status, "invalid_request", message, _validation_param(exc))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
