@@ -111,7 +111,7 @@ def page_problem(
 def _contents(value: Any) -> list[Any]:
     """The objects a page's /Contents value names (one stream, or an array of streams), resolved: None for a
     reference to an object that is not in the file. A direct null names nothing (a blank page)."""
-    target = value.get_object() if isinstance(value, IndirectObject) else value
+    target = _resolved(value)
     items = list(target) if isinstance(target, ArrayObject) else [value]
     resolved = []
     for item in items:
@@ -127,7 +127,7 @@ def _form_problem(
     resources: Any, checked: dict[tuple[int, int], tuple[bool, str] | None], depth: int
 ) -> tuple[bool, str] | None:
     """What is wrong with a form XObject among `resources` (or a form it draws), as `page_problem` says it."""
-    resources = resources.get_object() if isinstance(resources, IndirectObject) else resources
+    resources = _resolved(resources)
     if depth > _FORM_DEPTH or not isinstance(resources, DictionaryObject):
         return None
     xobjects = resources.get("/XObject")
@@ -269,7 +269,7 @@ def _page_runs(node: DictionaryObject, depth: int) -> tuple[list[tuple[bool, int
     runs: list[tuple[bool, int]] = []
     exact, gaps = True, []
     for kid in kids if isinstance(kids, ArrayObject) else []:
-        obj = kid.get_object() if isinstance(kid, IndirectObject) else kid
+        obj = _resolved(kid)
         if not isinstance(obj, DictionaryObject) or not obj:
             gaps.append(len(runs))
             runs.append((False, 1))
@@ -370,8 +370,8 @@ def missing_font(page: PageObject) -> str | None:
         contents = page.get_contents()
         if contents is None:
             return None
-        resources = page.get("/Resources")
-        fonts = resources.get("/Font") if isinstance(resources, DictionaryObject) else None
+        resources = _resolved(page.get("/Resources"))
+        fonts = _resolved(resources.get("/Font")) if isinstance(resources, DictionaryObject) else None
         held = set(fonts) if isinstance(fonts, DictionaryObject) else set()
         font = None
         for operands, operator in contents.operations:
@@ -387,6 +387,12 @@ def missing_font(page: PageObject) -> str | None:
 
 
 _SHOW_TEXT = frozenset({b"Tj", b"TJ", b"'", b'"'})
+
+
+def _resolved(value: Any) -> Any:
+    """The object a reference names (pypdf's `get` gives the reference itself: many producers write /Resources
+    and /Font as references), or `value` when it is none."""
+    return value.get_object() if isinstance(value, IndirectObject) else value
 
 
 def pypdf_detail(exc: BaseException) -> str:

@@ -310,6 +310,20 @@ DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
 """The call kwargs that choose another document than the adapter's own."""
 
 
+def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password: str | None) -> None:
+    """Refuses (`EncryptedPDFError`) a wrong or missing `password` for the call's document when that is an
+    encrypted PDF file, as `open_call_document` would: for a caller that may answer before it opens the document
+    (LangChain's answer cache keys on no password, so a cached answer must not reach a call without the right one)."""
+    source = kwargs.get("document", adapter.document)
+    if "document" not in kwargs and adapter.document_text is not None:
+        return
+    if kwargs.get("document_text") is not None or source is None or isinstance(source, (CompressedDocument, Document)):
+        return
+    kind, *identity = _source_key(source, None)
+    if kind == "file":
+        _check_password(Path(identity[0]), identity[1], identity[2], password)
+
+
 def open_call_document(
     adapter: AdapterFields, kwargs: dict[str, Any], password: str | None = None
 ) -> CompressedDocument:

@@ -54,6 +54,7 @@ from ._common import (
     aiter_pieces,
     answer_info,
     call_options,
+    check_call_password,
     check_turns,
     coerce_dtype,
     document_identity,
@@ -199,8 +200,15 @@ class _InfoKVFields(BaseModel):
 
         kwargs as per call: `document`, `document_text`, `model`, `compression`.
         """
-        password = self.password.get_secret_value() if isinstance(self.password, SecretStr) else self.password
-        return open_call_document(self, kwargs, password)
+        return open_call_document(self, kwargs, self._password())
+
+    def _password(self) -> str | None:
+        return self.password.get_secret_value() if isinstance(self.password, SecretStr) else self.password
+
+    def _check_password(self, kwargs: dict[str, Any]) -> None:
+        """Refuses a wrong or missing password for the call's encrypted PDF before LangChain's answer cache is
+        read: its key holds no password, so a cached answer would otherwise reach any caller."""
+        check_call_password(self, kwargs, self._password())
 
     def _start(
         self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]
@@ -251,6 +259,8 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
         return self._infokv_identity()
 
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        # LangChain asks for the key right before it reads its answer cache: the password is checked first.
+        self._check_password(kwargs)
         return super()._get_llm_string(stop, **_identified(kwargs))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -363,6 +373,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
         options = _call_fields(self, kwargs)
         if options:
             return self.model_copy(update=options).generate(prompts, stop, callbacks, **kwargs)
+        self._check_password(kwargs)  # before LangChain's answer cache, which keys on no password
         return super().generate(prompts, stop, callbacks, **kwargs)
 
     async def agenerate(
@@ -371,6 +382,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
         options = _call_fields(self, kwargs)
         if options:
             return await self.model_copy(update=options).agenerate(prompts, stop, callbacks, **kwargs)
+        self._check_password(kwargs)
         return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

@@ -6,10 +6,10 @@ import io
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pypdf import PdfReader, PdfWriter
-from pypdf.generic import DecodedStreamObject, NameObject
+from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 from reportlab.lib.pagesizes import A4
 from reportlab.lib.utils import ImageReader
 from reportlab.pdfgen import canvas
@@ -44,6 +44,18 @@ def _draw_lines(pdf: canvas.Canvas, page_text: str) -> None:
 def text_pdf(path: Path, pages: Sequence[str]) -> Path:
     """Write a text PDF with the given page texts."""
     path.write_bytes(text_pdf_bytes(pages))
+    return path
+
+
+def indirect_resources_pdf(path: Path, pages: Sequence[str]) -> Path:
+    """A text PDF whose pages name their /Resources, and those their /Font, by reference (as LaTeX writes them)."""
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(text_pdf_bytes(pages))))
+    for page in writer.pages:
+        resources = cast(DictionaryObject, page["/Resources"].get_object())
+        resources[NameObject("/Font")] = writer._add_object(cast(DictionaryObject, resources["/Font"].get_object()))
+        page[NameObject("/Resources")] = writer._add_object(resources)
+    with path.open("wb") as fh:
+        writer.write(fh)
     return path
 
 

@@ -240,6 +240,18 @@ def test_an_image_only_page_among_text_pages_is_reported(tmp_path: Path) -> None
     assert doc.load_warnings == (message,)
 
 
+def test_resources_named_by_reference_hold_their_fonts(tmp_path: Path) -> None:
+    """A page that shows only a space reads as blank, not as text in a font the page lacks, also where /Resources
+    and /Font are references (pypdf's `get` does not follow them)."""
+    path = pdfs.indirect_resources_pdf(tmp_path / "latex.pdf", [" ", PAGES[1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [2] and doc.skipped_pages == () and doc.load_warnings == ()
+    blank = pdfs.indirect_resources_pdf(tmp_path / "blank.pdf", [" "])
+    _refusal(NoExtractableTextError, blank)  # not "damaged"
+
+
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.broken_page_pdf(tmp_path / "allbad.pdf", ["one", "two"], broken=[1, 2])
     message = _refusal(CorruptPDFError, path)

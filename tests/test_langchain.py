@@ -511,6 +511,32 @@ def test_a_wrong_or_missing_password_is_refused_after_the_file_was_read(random_m
     assert "s3cret" not in repr(list(_common._DOCUMENTS._values))  # the shared documents' keys hold no password
 
 
+@pytest.mark.parametrize("adapter", [ChatInfoKV, InfoKVLLM])
+def test_a_cached_answer_never_reaches_a_call_without_the_right_password(
+    adapter: type[ChatInfoKV] | type[InfoKVLLM], random_model_dir: Path, tmp_path: Path
+) -> None:
+    """LangChain's answer cache is read before the adapter opens the document, and its key holds no password: the
+    password is checked before that."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    model = str(random_model_dir)
+    cache = InMemoryCache()
+    set_llm_cache(cache)
+    try:
+        adapter(model=model, document=str(path), password="s3cret", max_tokens=2).invoke("Who is the manager?")
+        assert cache._cache, "the answer was cached"
+        for password, message in ((None, "needs a password"), ("guess", "Wrong password")):
+            llm = adapter(model=model, document=str(path), password=password, max_tokens=2)
+            with pytest.raises(EncryptedPDFError, match=message):
+                llm.invoke("Who is the manager?")
+            with pytest.raises(EncryptedPDFError, match=message):
+                asyncio.run(llm.ainvoke("Who is the manager?"))
+    finally:
+        set_llm_cache(None)
+
+
 def test_a_saved_cache_is_answered_as_saved_or_refuses_another_compression(
     random_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -389,6 +389,19 @@ def test_documents_read_again_are_never_refused_but_hold_their_tenants_share(
         assert type(refused.value) is QueueFull
 
 
+def test_a_share_of_the_whole_queue_is_off_and_the_queue_answers_busy(random_engine: Any, tmp_path: Path) -> None:
+    """A tenant's share equal to its queue turns the share off: a tenant that fills the queue is refused by the
+    queue (503 busy), not by a share (429), as a single-tenant deployment that sets it so expects."""
+    settings = random_model_settings(
+        tmp_path / "data", (f"tenantA:{KEY_A}",), max_queued_uploads=2, max_queued_uploads_per_tenant=2
+    )
+    worker = ModelWorker(random_engine, Registry(settings.data_dir, settings.loaded_documents), settings)
+    with worker.upload_slot("tenantA"), worker.upload_slot("tenantA"):
+        with pytest.raises(QueueFull) as refused, worker.upload_slot("tenantA"):
+            pass
+    assert type(refused.value) is QueueFull
+
+
 def test_a_restart_fails_an_interrupted_upload_whose_options_it_cannot_use(random_engine: Any, tmp_path: Path) -> None:
     """An upload left queued by the last run, with an option this server cannot use (a method it lacks): the
     server starts, fails that document with the reason, and reads the others again."""

@@ -138,10 +138,11 @@ class GenerationJob:
                 self.cancel()
 
 
-def _check_share(what: str, mine: int, share: int) -> None:
+def _check_share(what: str, mine: int, share: int, whole: int) -> None:
     """Refuses a tenant that holds `mine` of a queue's `what` when that is its whole `share` (`TenantShareFull`).
-    Checked before the queue as a whole: a tenant at its share is told that its own load is the cause."""
-    if mine >= share:
+    Checked before the queue as a whole: a tenant at its share is told that its own load is the cause. A share of
+    the `whole` queue is no share (off): the queue's own refusal, 503 `busy`, answers."""
+    if share < whole and mine >= share:
         raise TenantShareFull(f"your tenant has {mine} {what} already, its whole share of {share}")
 
 
@@ -234,7 +235,7 @@ class ModelWorker:
             if tenant is not None:
                 stepping = [self._stepping] if self._stepping is not None else []
                 mine = sum(other.tenant == tenant for other in (*self._pending, *self._active, *stepping))
-                _check_share("answers in flight", mine, self.settings.generation_share)
+                _check_share("answers in flight", mine, self.settings.generation_share, self.settings.generations_held)
             if len(self._pending) >= self.settings.max_queued_generations:
                 raise QueueFull(f"{len(self._pending)} questions are waiting already")
             self._pending.append(job)
@@ -352,7 +353,9 @@ class ModelWorker:
                 raise QueueFull("the server is shutting down")
             if tenant is not None:
                 mine = sum(owner == tenant for owner in self._waiting_uploads.values()) + self._upload_slots[tenant]
-                _check_share("uploads waiting to be read", mine, self.settings.upload_share)
+                _check_share(
+                    "uploads waiting to be read", mine, self.settings.upload_share, self.settings.max_queued_uploads
+                )
             waiting = len(self._waiting_uploads) + self._upload_slots.total()
             if waiting >= self.settings.max_queued_uploads:
                 raise QueueFull(f"{waiting} uploads are waiting to be read already")
