@@ -319,9 +319,10 @@ def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password
         return
     if kwargs.get("document_text") is not None or source is None or isinstance(source, (CompressedDocument, Document)):
         return
-    kind, *identity = _source_key(source, None)
-    if kind == "file":
-        _check_password(Path(identity[0]), identity[1], identity[2], password)
+    path = Path(os.fspath(source)).expanduser().resolve()
+    if path.is_file():  # anything else holds no password: opening it says what it is
+        stat = path.stat()
+        _check_password(path, stat.st_mtime_ns, stat.st_size, password)
 
 
 def open_call_document(
