@@ -272,10 +272,10 @@ def test_ask_json_and_sse_stream_agree(client: httpx.Client, contract: dict[str,
 def test_ask_errors(client: httpx.Client, contract: dict[str, Any]) -> None:
     doc_id = contract["info"]["id"]
     error = assert_error(ask(client, doc_id, "why? " * 100), 413, "question_too_long")
-    assert "300" in error["message"]
+    assert "300" in error["message"] and error["param"] == "question"
     assert_error(ask(client, doc_id, max_tokens=65), 422, "max_tokens_too_large")
     assert_error(ask(client, doc_id, max_tokens=0), 422, "invalid_request")
-    assert_error(ask(client, doc_id, ""), 422, "empty_message")
+    assert assert_error(ask(client, doc_id, ""), 422, "empty_message")["param"] == "question"
     assert_error(ask(client, doc_id, temperature=-1), 422, "invalid_request")
     assert_error(ask(client, doc_id, stop=["a"] * 5), 422, "invalid_request")
     assert_error(ask(client, doc_id, colour="blue"), 422, "invalid_request")

@@ -28,7 +28,7 @@ from infokv_rag.service.answers import _rebuild, ready_document  # noqa: E402
 from infokv_rag.service.dependencies import Service  # noqa: E402
 from infokv_rag.service.errors import ServiceError  # noqa: E402
 from infokv_rag.service.launcher import ServerProcess, read_sse  # noqa: E402
-from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
+from infokv_rag.service.registry import DocumentRecord, Registry, Status, new_document_id  # noqa: E402
 from infokv_rag.service.worker import ModelWorker, QueueFull, TenantShareFull  # noqa: E402
 
 from .service_helpers import (  # noqa: E402
@@ -261,6 +261,20 @@ def test_a_tenant_over_its_answer_share_is_refused_and_others_still_ask(
     assert {name: answer.status_code for name, answer in answers.items()} == {"long": 200, "a": 200, "b": 200}
 
 
+def listed_record(filename: str, status: Status, owner: str, method: str, keep: float) -> DocumentRecord:
+    """A new document's registry record, made at time 0."""
+    return DocumentRecord(
+        id=new_document_id(),
+        filename=filename,
+        status=status,
+        owner=owner,
+        method=method,
+        keep=keep,
+        created_at=0,
+        updated_at=0,
+    )
+
+
 @pytest.fixture()
 def in_process(random_engine: Any, tmp_path: Path) -> Iterator[tuple[Service, DocumentRecord]]:
     """A service in this process (its worker not started: what is submitted to it stays queued) with one ready
@@ -269,16 +283,7 @@ def in_process(random_engine: Any, tmp_path: Path) -> Iterator[tuple[Service, Do
     registry = Registry(settings.data_dir, settings.loaded_documents)
     registry.open()
     document = random_engine.ingest_text("The notice period is ninety days.", CompressionConfig(method="full"))
-    record = DocumentRecord(
-        id=new_document_id(),
-        filename="memo.txt",
-        status="ready",
-        owner="default",
-        method="full",
-        keep=1.0,
-        created_at=0,
-        updated_at=0,
-    )
+    record = listed_record("memo.txt", "ready", "default", "full", 1.0)
     registry.create(record, document.document)
     registry.finish(record, document)
     registry.forget_loaded(record.id)
@@ -369,17 +374,7 @@ def test_documents_read_again_are_never_refused_but_hold_their_tenants_share(
             pass
         assert type(refused.value) is QueueFull  # the queue is full: 503 busy, not a share of it
     for number in range(3):
-        record = DocumentRecord(
-            id=new_document_id(),
-            filename=f"{number}.txt",
-            status="queued",
-            owner="tenantA",
-            method="snapkv",
-            keep=0.5,
-            created_at=0,
-            updated_at=0,
-        )
-        assert worker.read_again(record)
+        assert worker.read_again(listed_record(f"{number}.txt", "queued", "tenantA", "snapkv", 0.5))
     assert worker.queue_state()["queued_uploads"] == 3
     with pytest.raises(TenantShareFull), worker.upload_slot("tenantA"):
         pass

@@ -340,6 +340,7 @@ def test_an_empty_question_is_refused_alike_on_both_routes(random_engine, tmp_pa
         for question in ("", "   ", "\n\t", "\x00", "\u200b"):
             asked = client.post(f"/v1/documents/{doc_id}/ask", json={"question": question, "max_tokens": 2})
             assert asked.status_code == 422 and asked.json()["error"]["code"] == "empty_message", asked.text
+            assert asked.json()["error"]["param"] == "question"
         for blank in ("   ", "\n\t", "\x00", "\u200b"):
             for contents in ((blank,), ("When?", "Within thirty days.", blank)):
                 refused = chat(*contents)

@@ -77,13 +77,17 @@ def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> 
     )
 
 
-def check_question(service: Service, chars: int, *, what: str = "question", limit: int | None = None) -> None:
+def check_question(
+    service: Service, chars: int, *, what: str = "question", param: str = "question", limit: int | None = None
+) -> None:
+    """413 `<what>_too_long` when the question (`param`, the request field) has more characters than `limit`."""
     limit = limit or service.settings.max_question_chars
     if chars > limit:
         raise ServiceError(
             413,
             f"{what}_too_long",
             f"the {what} is {chars} characters; this server accepts at most {limit}",
+            param=param,
         )
 
 

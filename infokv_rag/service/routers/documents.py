@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ...errors import EmptyQuestionError
 from ...prompt import question_turns
 from ..answers import (
     SSE_HEADERS,
@@ -22,6 +23,7 @@ from ..answers import (
     start_answer,
 )
 from ..dependencies import CallerDep, ServiceDep, authenticate, find_document, visible_documents
+from ..errors import ServiceError
 from ..registry import DocumentRecord, new_document_id
 from ..schemas import (
     AskRequest,
@@ -207,7 +209,10 @@ async def ask(
 ) -> AskResponse | StreamingResponse:  # the response_model documents the JSON answer
     record = await find_document(service, caller, document_id)
     check_question(service, len(body.question))
-    turns = question_turns(body.question)  # before the document loads: an empty question is 422 `empty_message`
+    try:
+        turns = question_turns(body.question)  # before the document loads
+    except EmptyQuestionError as exc:
+        raise ServiceError(422, "empty_message", str(exc), param="question") from exc
     options = generation_options(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )

@@ -169,6 +169,7 @@ async def chat_completions(
         service,
         sum(len(content) for _, content in turns),
         what="conversation",
+        param="messages",
         limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
     )
     options = generation_options(
