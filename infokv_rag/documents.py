@@ -52,8 +52,18 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 
 # Acrobat accepts a header anywhere in the first 1024 bytes and a %%EOF anywhere in the last
 # 1024; we use the same tolerances so that we accept what common viewers accept.
-_HEADER_WINDOW = 1024
+PDF_HEADER_WINDOW = 1024
 _EOF_WINDOW = 1024
+
+
+def reads_as_pdf(head: bytes, name: str) -> bool:
+    """Whether `load_document` reads a file named `name` whose first bytes are `head` (at least
+    `PDF_HEADER_WINDOW` of them, or all) as a PDF: one starting with %PDF- whatever its name, and one named .pdf
+    holding it in its first `PDF_HEADER_WINDOW` bytes. Junk before the header is tolerated only in a file named
+    .pdf: a text file that merely mentions "%PDF-" near its top must stay text."""
+    named_pdf = Path(name).suffix.lower() in PDF_SUFFIXES
+    return head.startswith(b"%PDF-") or (named_pdf and b"%PDF-" in head[:PDF_HEADER_WINDOW])
+
 
 # pypdf reports recoverable damage through `logging`. Without any handler configured, Python's
 # last-resort handler would print those records to stderr; a NullHandler stops that while records
@@ -277,9 +287,7 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
     sha = hashlib.sha256(data).hexdigest()
     suffix = p.suffix.lower()
 
-    # Junk before the header is tolerated only in a file named .pdf: a text file that merely
-    # mentions "%PDF-" near its top must stay text.
-    if data.startswith(b"%PDF-") or (suffix in PDF_SUFFIXES and b"%PDF-" in data[:_HEADER_WINDOW]):
+    if reads_as_pdf(data, p.name):
         return _load_pdf(data, name=name, sha=sha, password=password)
     if suffix in PDF_SUFFIXES:
         raise UnsupportedFormatError(

@@ -22,7 +22,7 @@ from typing import Any, NoReturn, Protocol, Union
 from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import PDF_SUFFIXES, Document, load_document
+from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, reads_as_pdf
 from infokv_rag.errors import ConfigError, InfoKVError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
@@ -243,19 +243,13 @@ def _describe(config: CompressionConfig, names: list[str]) -> str:
     return ", ".join(values)
 
 
-_PDF_HEADER_WINDOW = 1024
-"""Where a file named .pdf may hold its %PDF- header (as `load_document` reads it)."""
-
-
 @functools.lru_cache(maxsize=256)
 def _encrypted_pdf(path: str, mtime_ns: int, size: int) -> bool:
     """Whether the file at `path`, as it is at that modification time and size, is an encrypted PDF (True also
     when that cannot be told, so that its password is checked). Nothing of a password is involved or kept."""
     try:
         with open(path, "rb") as handle:
-            head = handle.read(_PDF_HEADER_WINDOW)
-            named_pdf = Path(path).suffix.lower() in PDF_SUFFIXES
-            if not (head.startswith(b"%PDF-") or (named_pdf and b"%PDF-" in head)):
+            if not reads_as_pdf(handle.read(PDF_HEADER_WINDOW), path):
                 return False  # read as text: a password is ignored
             handle.seek(0)
             return bool(PdfReader(handle, strict=False).is_encrypted)
@@ -310,14 +304,19 @@ DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
 """The call kwargs that choose another document than the adapter's own."""
 
 
+def _call_source(adapter: AdapterFields, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    """(document, text) of one call: the call's over the adapter's, a per-call `document` replacing the adapter's
+    `document_text`."""
+    text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
+    return kwargs.get("document", adapter.document), text
+
+
 def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password: str | None) -> None:
     """Refuses (`EncryptedPDFError`) a wrong or missing `password` for the call's document when that is an
     encrypted PDF file, as `open_call_document` would: for a caller that may answer before it opens the document
     (LangChain's answer cache keys on no password, so a cached answer must not reach a call without the right one)."""
-    source = kwargs.get("document", adapter.document)
-    if "document" not in kwargs and adapter.document_text is not None:
-        return
-    if kwargs.get("document_text") is not None or source is None or isinstance(source, (CompressedDocument, Document)):
+    source, text = _call_source(adapter, kwargs)
+    if text is not None or source is None or isinstance(source, (CompressedDocument, Document)):
         return
     path = Path(os.fspath(source)).expanduser().resolve()
     if path.is_file():  # anything else holds no password: opening it says what it is
@@ -328,11 +327,11 @@ def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password
 def open_call_document(
     adapter: AdapterFields, kwargs: dict[str, Any], password: str | None = None
 ) -> CompressedDocument:
-    """The document of one call: the call's `DOCUMENT_OPTIONS` over the adapter's fields (a per-call
-    `document` replaces the adapter's `document_text`); `password` opens an encrypted PDF."""
-    text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
+    """The document of one call (`_call_source`: the call's `DOCUMENT_OPTIONS` over the adapter's fields);
+    `password` opens an encrypted PDF."""
+    source, text = _call_source(adapter, kwargs)
     return open_document(
-        kwargs.get("document", adapter.document),
+        source,
         text=text,
         model=kwargs.get("model") or adapter.model,
         config=kwargs.get("compression", adapter.compression),

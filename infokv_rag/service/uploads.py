@@ -127,8 +127,7 @@ async def _read_form(request: Request) -> FormData:
             400,
             "bad_request",
             "the multipart body ended before its closing boundary (--<boundary>--): the upload was cut short or is "
-            "malformed, and nothing of it was kept; send the whole file again, as multipart/form-data with the "
-            "file in the 'file' field (e.g. curl -F file=@contract.pdf ...)",
+            "malformed, and nothing of it was kept; " + _SEND_MULTIPART,
         )
     return form
 
