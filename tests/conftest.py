@@ -89,6 +89,18 @@ def default_engine() -> InfoKVEngine:
     return InfoKVEngine.from_pretrained("default", device="cpu")
 
 
+@pytest.fixture()
+def no_document_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapters may not load weights to read a document: for calls that must be refused before that."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a call that cannot be answered loaded weights to read its document")
+
+    from infokv_rag.integrations import _common
+
+    monkeypatch.setattr(_common, "get_engine", refuse)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # OMP_NUM_THREADS, when set, wins: on a busy machine one thread is far faster than two that wait on each other.
     if "OMP_NUM_THREADS" not in os.environ:

@@ -144,14 +144,9 @@ def test_weights_load_lazily(tmp_path: Path) -> None:
         ChatInfoKV(model="tiny").invoke("hello")
 
 
-def _no_document_read(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("a call that cannot be answered loaded weights to read its document")
-
-
-def test_bad_options_and_messages_are_refused_before_the_document_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_document_read: None) -> None:
     """Reading a document takes seconds to minutes: a call's options and messages are checked first, and the fields
     when the adapter is made."""
-    monkeypatch.setattr(_common, "get_engine", _no_document_read)
     for adapter in (ChatInfoKV, InfoKVLLM):
         for field, value in (("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("temperature", -1.0)):
             bad: dict[str, Any] = {field: value}
@@ -177,9 +172,8 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(monkey
 
 
 def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, no_document_read: None
 ) -> None:
-    monkeypatch.setattr(_common, "get_engine", _no_document_read)
     reports = tmp_path / "reports"
     reports.mkdir()
     (reports / "contract.pdf").write_bytes(b"%PDF-1.4")

@@ -19,7 +19,6 @@ from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
 from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError
 from infokv_rag.generation import GenerationOptions
-from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
@@ -167,14 +166,9 @@ def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
             llm.complete("Q?", **{option: 2})
 
 
-def _no_document_read(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("a call that cannot be answered loaded weights to read its document")
-
-
-def test_bad_options_and_questions_are_refused_before_the_document_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_options_and_questions_are_refused_before_the_document_is_read(no_document_read: None) -> None:
     """A call's options and messages are checked before its document is read (seconds to minutes); an empty
     question (whitespace or control characters only) is refused on every path, a system prompt beside it or not."""
-    monkeypatch.setattr(_common, "get_engine", _no_document_read)
     llm = InfoKV(model="tiny", document_text="A text no other test reads.", system_prompt="Be brief.")
     user = MessageRole.USER
     refusals: list[tuple[type[Exception], str, Any]] = [
@@ -192,9 +186,8 @@ def test_bad_options_and_questions_are_refused_before_the_document_is_read(monke
 
 
 def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, no_document_read: None
 ) -> None:
-    monkeypatch.setattr(_common, "get_engine", _no_document_read)
     reports = tmp_path / "reports"
     reports.mkdir()
     with pytest.raises(IsADirectoryError, match="reports is a directory; give the path of a PDF or text file"):
