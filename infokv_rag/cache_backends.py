@@ -175,8 +175,11 @@ class FsspecBackend(CacheBackend):
             ) from exc
         try:
             # A fresh filesystem object: fsspec's shared instances would keep the endpoint and credentials
-            # of the environment they were first made in.
-            self.fs, root = url_to_fs(url, skip_instance_cache=True, **storage_options)
+            # of the environment they were first made in. No listings cache: other processes write here, and
+            # this object's threads share it, so a listing begun before one thread wrote an object and stored
+            # after would hide that object from the thread's own next step (a move then finds no source).
+            options = {**storage_options, "use_listings_cache": False}
+            self.fs, root = url_to_fs(url, skip_instance_cache=True, **options)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open the store {url}: {exc}") from exc
         self.url = url.rstrip("/")
@@ -283,7 +286,6 @@ class FsspecBackend(CacheBackend):
 
     def children(self, prefix: str) -> list[str]:
         path = self._path(prefix)
-        self.fs.invalidate_cache(path)  # other processes write here: never answer from a stale listing
         try:
             entries = self.fs.ls(path, detail=True)
         except FileNotFoundError:
@@ -296,7 +298,6 @@ class FsspecBackend(CacheBackend):
         path = self._path(key)
         final = self._path(key, last)
         for attempt in range(REMOVE_ATTEMPTS):
-            self.fs.invalidate_cache(path)
             try:
                 found = self.fs.find(path)
                 others = [name for name in found if name.rstrip("/") != final]
@@ -313,7 +314,6 @@ class FsspecBackend(CacheBackend):
                 if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ENOTEMPTY:
                     raise
                 time.sleep(0.05 * (attempt + 1))
-        self.fs.invalidate_cache(path)
         if self.fs.exists(path):
             raise OSError(errno.ENOTEMPTY, "files kept appearing while they were removed", path)
 

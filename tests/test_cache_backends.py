@@ -187,6 +187,32 @@ def test_concurrent_publishers_never_tear_a_cache(
     assert final.document.text in (TEXT_A, TEXT_B)
 
 
+def test_a_listing_that_lands_late_does_not_hide_a_publishers_own_object(
+    shared_backend: FsspecBackend,
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    doc_b: CompressedDocument,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Publishers of one key share a filesystem object. One thread's listing of the cache directory, begun before
+    another thread wrote its temporary CURRENT and stored after, must not make that thread's move fail with
+    "not found" (seen in CI on s3, where a move reads the object's size from a cached listing)."""
+    shared_backend.publish(KEY, doc_a)
+    fs = shared_backend.fs
+    directory = f"{shared_backend.root}/{KEY}/{CACHE}"
+    listing_begun_before = fs.ls(directory, detail=True)
+    write = fs.pipe_file
+
+    def write_then_the_other_listing_lands(path: str, value: bytes, **options: object) -> None:
+        write(path, value, **options)
+        if path.endswith(".tmp"):
+            fs.dircache[directory] = listing_begun_before
+
+    monkeypatch.setattr(fs, "pipe_file", write_then_the_other_listing_lands)
+    shared_backend.publish(KEY, doc_b)
+    assert_same_document(shared_backend.load(random_engine, KEY), doc_b)
+
+
 def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(
     shared_backend: FsspecBackend,
     random_engine: InfoKVEngine,
