@@ -30,7 +30,15 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .files import open_regular
-from .pdf_damage import damage_error, missing_font, missing_pages, page_problem, pypdf_detail, pypdf_reports
+from .pdf_damage import (
+    damage_error,
+    missing_font,
+    missing_pages,
+    page_list,
+    page_problem,
+    pypdf_detail,
+    pypdf_reports,
+)
 
 __all__ = [
     "Document",
@@ -40,6 +48,7 @@ __all__ = [
     "StrayBytesWarning",
     "document_from_pages",
     "document_from_text",
+    "join_broken_words",
     "load_document",
     "repair_extracted_text",
 ]
@@ -236,9 +245,9 @@ def document_from_pages(
     pages: Sequence[tuple[int, str]], source: str | None = None, labels: Sequence[str | None] | None = None
 ) -> Document:
     """A Document from (page number, text) pairs, e.g. one per page of a framework's PDF reader, and each page's
-    `Page.label` (None: none). The text is repaired as `load_document` repairs a PDF's (`repair_extracted_text`)
-    but not re-spaced (a page may be markdown); pages with no text are left out. `sha256` is that of the joined
-    text."""
+    `Page.label` (None: none). The text is repaired as `load_document` repairs a PDF's (`repair_extracted_text`,
+    `join_broken_words`) but not re-spaced (a page may be markdown); pages with no text are left out. `sha256` is
+    that of the joined text."""
     if labels is not None and len(labels) != len(pages):
         raise ValueError(f"{len(labels)} labels for {len(pages)} pages")
     kept = []
@@ -248,6 +257,8 @@ def document_from_pages(
             kept.append(Page(number, body, label))
     if not kept:
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
+    joined = join_broken_words([page.text for page in kept])
+    kept = [Page(page.number, text, page.label) for page, text in zip(kept, joined, strict=True)]
     text = PAGE_SEPARATOR.join(page.text for page in kept)
     return Document(
         text=text, pages=tuple(kept), source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -614,6 +625,43 @@ def repair_extracted_text(text: str) -> str:
     return _normalize_newlines(text).replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
 
 
+# A word broken across two lines by a hyphen: its head ends one line, its tail starts the next in lower case
+# (a capital or a digit after the break is a new item, not the rest of a word).
+_BROKEN_WORD = re.compile(r"(?P<head>[^\W\d_]+)[-\u2010]\n(?P<tail>[^\W\d_]+)(?P<space>[ \t]?)")
+_WORD = re.compile(r"[^\W\d_]+")
+_HYPHENATED = re.compile(r"[^\W\d_]+(?:[-\u2010][^\W\d_]+)+")
+# Heads that start compounds far more often than a line break splits a solid word after them.
+_COMPOUND_HEADS = frozenset({"self", "non", "well", "third", "cross", "e"})
+
+
+def join_broken_words(texts: Sequence[str]) -> list[str]:
+    """`texts` (the pages of one document) with every word that a line break split at a hyphen made whole again
+    ("termi-\nnation" -> "termination"), so that the model reads the word, not two fragments.
+
+    Justified text breaks words at a hyphen it adds; a compound ("self-employed") keeps its own. Which one a break
+    is comes from the document itself: the word goes whole when the document writes it whole elsewhere, keeps
+    its hyphen when the document writes it so elsewhere; without either, the hyphen stays after a head that
+    starts compounds ("self-", "non-", "well-", ...) and goes otherwise, as typesetting's hyphens are the usual
+    reason a line ends inside a word. The rest of the tail's line starts a line of its own."""
+    words = {word.lower() for text in texts for word in _WORD.findall(text)}
+    compounds = {word.lower().replace("\u2010", "-") for text in texts for word in _HYPHENATED.findall(text)}
+
+    def rejoin(match: re.Match[str]) -> str:
+        head, tail = match["head"], match["tail"]
+        if not tail[0].islower():
+            return match[0]
+        solid, compound = head + tail, f"{head}-{tail}"
+        if solid.lower() in words:
+            word = solid
+        elif compound.lower() in compounds or head.lower() in _COMPOUND_HEADS:
+            word = compound
+        else:
+            word = solid
+        return word + ("\n" if match["space"] else "")
+
+    return [_BROKEN_WORD.sub(rejoin, text) for text in texts]
+
+
 def _clean_page_text(text: str) -> str:
     """Repair (`repair_extracted_text`), then collapse runs of spaces and blank lines; paragraph breaks survive
     as one blank line."""
@@ -756,7 +804,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         if failed:
             assert first_error is not None
             raise CorruptPDFError(
-                f"{name} is damaged: text extraction failed on {_page_list(failed)} "
+                f"{name} is damaged: text extraction failed on {page_list(failed)} "
                 f"({pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
             )
         raise NoExtractableTextError(
@@ -768,7 +816,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         assert first_error is not None
         issued.append(
             PageExtractionWarning(
-                f"{name}: skipped {_page_list(failed)} of {page_count}: text extraction failed "
+                f"{name}: skipped {page_list(failed)} of {page_count}: text extraction failed "
                 f"({pypdf_detail(first_error)}). The other pages were loaded; questions about "
                 "the skipped pages cannot be answered.",
                 tuple(failed),
@@ -777,12 +825,14 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
     if scanned:
         issued.append(
             PageExtractionWarning(
-                f"{name}: skipped {_page_list(scanned)} of {page_count}: they hold only images, no text layer "
+                f"{name}: skipped {page_list(scanned)} of {page_count}: they hold only images, no text layer "
                 "(scanned). The other pages were loaded; to answer questions about the skipped ones too, OCR the "
                 f"file first, e.g. `{_ocr_command(name, '--skip-text')}`, and load the OCR'd file.",
                 tuple(scanned),
             )
         )
+    joined = join_broken_words([page.text for page in pages])
+    pages = [Page(page.number, text) for page, text in zip(pages, joined, strict=True)]
     text = PAGE_SEPARATOR.join(page.text for page in pages)
     skipped = tuple(sorted(failed + scanned))
     told = _warn(issued, stacklevel=4)
@@ -804,8 +854,3 @@ def _ocr_command(name: str, *options: str) -> str:
     without text, which ocrmypdf otherwise refuses)."""
     out = Path(name).with_name(Path(name).stem + "-ocr.pdf")
     return " ".join(["ocrmypdf", *options, name, str(out)])
-
-
-def _page_list(numbers: list[int]) -> str:
-    label = "page" if len(numbers) == 1 else "pages"
-    return f"{label} " + ", ".join(str(n) for n in numbers)

@@ -309,9 +309,9 @@ def damage_error(name: str, page_count: int, damaged: dict[int, str], missing: M
     for index, (reason, numbers) in enumerate(reasons.items()):
         if index == _MAX_DAMAGE_SHOWN:
             rest = sorted(n for numbers in list(reasons.values())[index:] for n in numbers)
-            parts.append(f"the content of {_pages(_runs(rest))} is damaged likewise")
+            parts.append(f"the content of {page_list(rest)} is damaged likewise")
             break
-        parts.append(f"the content of {_pages(_runs(numbers))} {reason}")
+        parts.append(f"the content of {page_list(numbers)} {reason}")
     lost = len(damaged) + (missing.lost if missing is not None else 0)
     left = page_count - len(damaged)
     message = f"{name} is damaged: " + "; ".join(parts) + ". "
@@ -362,6 +362,11 @@ def _pages(runs: Sequence[tuple[int, int]]) -> str:
     """ "page 2", "pages 1-2, 5": the pages of `runs`."""
     label = "page" if len(runs) == 1 and runs[0][0] == runs[0][1] else "pages"
     return f"{label} " + ", ".join(_run_text(run) for run in runs)
+
+
+def page_list(numbers: Sequence[int]) -> str:
+    """ "page 2", "pages 1-2, 5": sorted page numbers as a message names them."""
+    return _pages(_runs(numbers))
 
 
 def missing_font(page: PageObject) -> str | None:

@@ -24,6 +24,7 @@ from infokv_rag.documents import (
     StrayBytesWarning,
     document_from_pages,
     document_from_text,
+    join_broken_words,
     load_document,
 )
 from infokv_rag.errors import (
@@ -255,7 +256,7 @@ def test_resources_named_by_reference_hold_their_fonts(tmp_path: Path) -> None:
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.broken_page_pdf(tmp_path / "allbad.pdf", ["one", "two"], broken=[1, 2])
     message = _refusal(CorruptPDFError, path)
-    assert "allbad.pdf" in message and "pages 1, 2" in message
+    assert "allbad.pdf" in message and "pages 1-2" in message
 
 
 def test_pypdf_log_noise_is_not_printed(tmp_path: Path) -> None:
@@ -445,6 +446,37 @@ def test_document_from_pages_repairs_what_pdf_readers_leave() -> None:
     # Ligatures, soft hyphens and NULs as a framework's PDF reader passes them on: cleaned as load_document does.
     doc = document_from_pages([(1, "the \ufb01nal notice\u00ad period\x00 is   sixty days\r\n")])
     assert doc.text == "the final notice period is   sixty days"
+
+
+def test_a_pdfs_words_broken_at_line_ends_are_read_whole(tmp_path: Path) -> None:
+    """Justified text breaks words at line ends with a hyphen it adds; the model should read the words."""
+    pages = [
+        "Either party may seek termi-\nnation of this Agree-\nment within sixty (60) days.",
+        "This Agreement ends on termination. The non-\ndisclosure duty survives.",
+    ]
+    doc = _load_quietly(pdfs.text_pdf(tmp_path / "justified.pdf", pages))
+    assert doc.pages == (
+        Page(1, "Either party may seek termination\nof this Agreement\nwithin sixty (60) days."),
+        Page(2, "This Agreement ends on termination. The non-disclosure\nduty survives."),
+    )
+    assert doc.page_of(doc.text.index("termination")) == 1
+
+
+def test_a_broken_word_keeps_its_hyphen_where_the_document_writes_one() -> None:
+    # The document's own spelling decides; without one a compound's head keeps the hyphen, any other head not.
+    assert join_broken_words(["a self-\nemployed agent", "pre-\nmises and the premises; co-\nowner, co-owner"]) == [
+        "a self-employed\nagent",
+        "premises\nand the premises; co-owner, co-owner",
+    ]
+    assert join_broken_words(["selfless work; self-\nless", "ver-\nsion"]) == ["selfless work; selfless", "version"]
+    # Only a lower-case letter after the break continues the word: a capital, digit or dash starts something new.
+    kept = ["Items:\nfirst-\nSecond", "USD 7,-\n400", "pre-\n- post", "end-\n"]
+    assert join_broken_words(kept) == kept
+
+
+def test_document_from_pages_reads_broken_words_whole() -> None:
+    doc = document_from_pages([(1, "the termi-\nnation"), (2, "of the Agree-\nment is final")])
+    assert doc.pages == (Page(1, "the termination"), Page(2, "of the Agreement\nis final"))
 
 
 def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
