@@ -39,6 +39,7 @@ from .pdf_damage import (
     pypdf_detail,
     pypdf_reports,
 )
+from .pdf_forms import page_text
 
 __all__ = [
     "Document",
@@ -768,7 +769,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
             error: BaseException | None = None
             try:
                 page = reader.pages[index]
-                raw = page.extract_text()
+                raw = page_text(page)
             except MemoryError:
                 raise
             except Exception as exc:

@@ -111,23 +111,23 @@ def page_problem(
 def _contents(value: Any) -> list[Any]:
     """The objects a page's /Contents value names (one stream, or an array of streams), resolved: None for a
     reference to an object that is not in the file. A direct null names nothing (a blank page)."""
-    target = _resolved(value)
+    target = resolved(value)
     items = list(target) if isinstance(target, ArrayObject) else [value]
-    resolved = []
+    found = []
     for item in items:
         if isinstance(item, IndirectObject):
             obj = item.get_object()
-            resolved.append(None if obj is None or isinstance(obj, NullObject) else obj)
+            found.append(None if obj is None or isinstance(obj, NullObject) else obj)
         elif not (item is None or isinstance(item, NullObject)):
-            resolved.append(item)
-    return resolved
+            found.append(item)
+    return found
 
 
 def _form_problem(
     resources: Any, checked: dict[tuple[int, int], tuple[bool, str] | None], depth: int
 ) -> tuple[bool, str] | None:
     """What is wrong with a form XObject among `resources` (or a form it draws), as `page_problem` says it."""
-    resources = _resolved(resources)
+    resources = resolved(resources)
     if depth > _FORM_DEPTH or not isinstance(resources, DictionaryObject):
         return None
     xobjects = resources.get("/XObject")
@@ -269,7 +269,7 @@ def _page_runs(node: DictionaryObject, depth: int) -> tuple[list[tuple[bool, int
     runs: list[tuple[bool, int]] = []
     exact, gaps = True, []
     for kid in kids if isinstance(kids, ArrayObject) else []:
-        obj = _resolved(kid)
+        obj = resolved(kid)
         if not isinstance(obj, DictionaryObject) or not obj:
             gaps.append(len(runs))
             runs.append((False, 1))
@@ -375,8 +375,8 @@ def missing_font(page: PageObject) -> str | None:
         contents = page.get_contents()
         if contents is None:
             return None
-        resources = _resolved(page.get("/Resources"))
-        fonts = _resolved(resources.get("/Font")) if isinstance(resources, DictionaryObject) else None
+        resources = resolved(page.get("/Resources"))
+        fonts = resolved(resources.get("/Font")) if isinstance(resources, DictionaryObject) else None
         held = set(fonts) if isinstance(fonts, DictionaryObject) else set()
         font = None
         for operands, operator in contents.operations:
@@ -394,7 +394,7 @@ def missing_font(page: PageObject) -> str | None:
 _SHOW_TEXT = frozenset({b"Tj", b"TJ", b"'", b'"'})
 
 
-def _resolved(value: Any) -> Any:
+def resolved(value: Any) -> Any:
     """The object a reference names (pypdf's `get` gives the reference itself: many producers write /Resources
     and /Font as references), or `value` when it is none."""
     return value.get_object() if isinstance(value, IndirectObject) else value

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from pypdf import PdfReader, PdfWriter
+from pypdf.annotations import FreeText
 from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 from reportlab.lib.pagesizes import A4
 from reportlab.lib.utils import ImageReader
@@ -210,4 +211,48 @@ def wrong_startxref_pdf(path: Path, pages: Sequence[str], off_by: int = -7) -> P
     assert match is not None
     offset = int(match.group(1)) + off_by
     path.write_bytes(data[: match.start(1)] + str(offset).encode() + data[match.end(1) :])
+    return path
+
+
+def filled_form_pdf(path: Path) -> Path:
+    """A one-page order form filled in a viewer: its values are in form fields and a free-text annotation, none in
+    the page's content. Labels sit left of, above, or (check boxes, radio buttons) right of their boxes."""
+    buf = io.BytesIO()
+    pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
+    pdf.setFont("Helvetica", 11)
+    pdf.drawString(72, 760, "ORDER FORM")
+    pdf.drawString(72, 730, "Monthly fee:")
+    pdf.acroForm.textfield(name="fee", value="USD 7,400", x=160, y=725, width=150, height=18)
+    pdf.drawString(330, 730, "Start date:")
+    pdf.acroForm.textfield(name="start", value="1 March 2026", x=400, y=725, width=120, height=18)
+    pdf.drawString(72, 700, "Governing law")
+    pdf.acroForm.textfield(name="law", value="Delaware", x=72, y=675, width=150, height=18)
+    pdf.acroForm.checkbox(name="renewal", checked=True, x=72, y=640, size=12)
+    pdf.drawString(90, 642, "Automatic renewal")
+    pdf.acroForm.checkbox(name="audit", checked=False, x=72, y=620, size=12)
+    pdf.drawString(90, 622, "Annual audit")
+    pdf.drawString(72, 590, "Billing:")
+    pdf.acroForm.radio(name="billing", value="annual", selected=True, x=130, y=588, size=12)
+    pdf.drawString(148, 590, "annual")
+    pdf.acroForm.radio(name="billing", value="monthly", selected=False, x=210, y=588, size=12)
+    pdf.drawString(228, 590, "monthly")
+    pdf.drawString(72, 560, "Plan:")
+    pdf.acroForm.choice(name="plan", value="Gold", options=["Silver", "Gold"], x=130, y=555, width=100, height=18)
+    pdf.drawString(72, 530, "Reference:")
+    pdf.acroForm.textfield(name="blank", value="", x=160, y=525, width=150, height=18)
+    pdf.acroForm.textfield(name="terms", tooltip="Special terms", value="Net 45", x=300, y=300, width=150, height=18)
+    pdf.drawString(72, 470, "Signed:")
+    pdf.drawString(72, 440, "Date:")
+    pdf.acroForm.textfield(name="date1", value="2 Feb 2026", x=120, y=435, width=100, height=18)
+    pdf.drawString(300, 440, "Date:")
+    pdf.acroForm.textfield(name="date2", value="3 Feb 2026", x=350, y=435, width=100, height=18)
+    pdf.drawString(72, 410, "Seal no.:")
+    pdf.drawString(162, 410, "SN-4471")  # a value the producer also drew into the page
+    pdf.acroForm.textfield(name="seal", value="SN-4471", x=160, y=405, width=150, height=18)
+    pdf.showPage()
+    pdf.save()
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(buf.getvalue())))
+    writer.add_annotation(0, FreeText(text="Dana Whitcombe", rect=(130, 465, 300, 482)))
+    with path.open("wb") as fh:
+        writer.write(fh)
     return path

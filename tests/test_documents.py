@@ -479,6 +479,28 @@ def test_document_from_pages_reads_broken_words_whole() -> None:
     assert doc.pages == (Page(1, "the termination"), Page(2, "of the Agreement\nis final"))
 
 
+def test_a_filled_in_forms_values_are_read_beside_their_labels(tmp_path: Path) -> None:
+    """An order form filled in a viewer keeps its values in form fields, outside the page's content; the fee and
+    dates are what its questions ask about."""
+    text = _load_quietly(pdfs.filled_form_pdf(tmp_path / "order.pdf")).text
+    for line in (
+        "Monthly fee: USD 7,400",
+        "Start date: 1 March 2026",  # the second field on a row follows its own label
+        "Governing law Delaware",  # a label above its box
+        "[x] Automatic renewal",
+        "[ ] Annual audit",
+        "[x] annual",
+        "[ ] monthly",
+        "Plan: Gold",
+        "Signed: Dana Whitcombe",  # a free-text annotation
+        "Reference:",  # an empty field adds nothing
+    ):
+        assert line in text.split("\n"), (line, text)
+    assert text.index("Date: 2 Feb 2026") < text.index("Date: 3 Feb 2026")  # two labels alike, each its own value
+    assert text.count("SN-4471") == 1  # drawn in the page as well: not repeated
+    assert text.endswith("\nSpecial terms: Net 45")  # no label near it: named by its tooltip, at the end
+
+
 def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
     with pytest.raises(ValueError):
         Document(text="x", pages=(Page(1, "y"),), source=None, sha256="0" * 64)

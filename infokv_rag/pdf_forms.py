@@ -1,0 +1,270 @@
+"""What a filled-in PDF says outside its page content: the values of its form fields and the text of its free-text
+annotations, placed in the page's text beside the label each one answers.
+
+A contract's order form or cover page is often a PDF form filled in a viewer. The values (a fee, a term, a party's
+name, a ticked box) then live in the form's fields, drawn by the viewer from each field's appearance; they are no
+part of the page's content stream, so pypdf's `extract_text` leaves them out, and a loaded contract would lack
+exactly the figures its questions ask about. Text typed onto a flat PDF with a viewer's "fill and sign" tool is a
+free-text annotation, likewise outside the content.
+
+Each value goes into the extracted text after the text fragment that labels it: the nearest one to the left on the
+same row ("Monthly fee: USD 7,400"), else the nearest one just above it. A check box or radio button is "[x]" when
+on and "[ ]" when off, put before the nearest fragment to its right (its caption), else after its label. A value
+with no label found is added at the end of the page as "field name: value". Fields without a value add nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pypdf import PageObject
+from pypdf.generic import ArrayObject, DictionaryObject, NameObject
+
+from .pdf_damage import resolved
+
+# A fragment is on a box's row when its baseline lies within the box's height, give or take this (points).
+_ROW_TOLERANCE = 3.0
+# A label above a box is at most this far above its top edge (points: about two lines of body text).
+_ABOVE_REACH = 28.0
+# Field flags (PDF 32000-1, table 226): a button that is a push button or a radio button rather than a check box.
+_RADIO = 1 << 15
+_PUSH_BUTTON = 1 << 16
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One piece of text as pypdf shows it: its text and the page coordinates (points) where it starts."""
+
+    text: str
+    x: float
+    y: float
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A value the page holds outside its content: its text, its box (x0, y0, x1, y1 in points), the field's
+    name, and for a check box or radio button whether it is on (None for text: a button's caption is usually to
+    its right, a text's label to its left)."""
+
+    text: str
+    box: tuple[float, float, float, float]
+    name: str
+    checked: bool | None = None
+
+    @property
+    def shown(self) -> str:
+        if self.checked is None:
+            return self.text
+        return "[x]" if self.checked else "[ ]"
+
+
+def page_text(page: PageObject) -> str:
+    """The page's text as pypdf extracts it, with its filled-in values placed beside their labels."""
+    values = filled_values(page)
+    if not values:
+        return page.extract_text()
+    fragments: list[Fragment] = []
+
+    def collect(text: str, matrix: Sequence[float], text_matrix: Sequence[float], *_font: object) -> None:
+        if text.strip():
+            x, y = text_matrix[4], text_matrix[5]
+            fragments.append(
+                Fragment(
+                    text,
+                    x * matrix[0] + y * matrix[2] + matrix[4],
+                    x * matrix[1] + y * matrix[3] + matrix[5],
+                )
+            )
+
+    return with_filled_values(page.extract_text(visitor_text=collect), fragments, values)
+
+
+def filled_values(page: PageObject) -> list[Filled]:
+    """The form field values and free-text annotations on `page`, top to bottom, left to right."""
+    found = []
+    for annotation in _annotations(page):
+        subtype = annotation.get("/Subtype")
+        box = _box(annotation.get("/Rect"))
+        if box is None:
+            continue
+        if subtype == "/FreeText":
+            text = _text(annotation.get("/Contents"))
+            if text:
+                found.append(Filled(text, box, "note"))
+        elif subtype == "/Widget":
+            filled = _field_value(annotation, box)
+            if filled is not None:
+                found.append(filled)
+    return sorted(found, key=lambda filled: (-filled.box[3], filled.box[0]))
+
+
+def with_filled_values(text: str, fragments: Sequence[Fragment], values: Sequence[Filled]) -> str:
+    """`text` (the page's extracted text, whose pieces `fragments` are, in order) with each of `values` placed
+    beside its label (module docstring)."""
+    located = _locate(text, fragments)
+    inserts: list[tuple[int, int, str]] = []  # (offset in text, order, what to insert there)
+    unlabelled = []
+    for order, value in enumerate(values):
+        if _already_drawn(value, fragments):
+            continue
+        placed = _place(value, located)
+        if placed is None:
+            unlabelled.append(f"{value.name}: {value.shown}")
+        else:
+            offset, before = placed
+            inserts.append((offset, order, f"{value.shown} " if before else f" {value.shown}"))
+    for offset, _order, insert in sorted(inserts, reverse=True):
+        text = text[:offset] + insert + text[offset:]
+    if unlabelled:
+        text = "\n".join([text.rstrip("\n"), *unlabelled] if text.strip() else unlabelled)
+    return text
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A fragment and where it lies in the page's extracted text."""
+
+    fragment: Fragment
+    start: int
+    end: int
+
+
+def _locate(text: str, fragments: Sequence[Fragment]) -> list[_Located]:
+    """The fragments found in `text`, in order (pypdf writes them in the order it met them); one that cannot be
+    found there is left out."""
+    located = []
+    cursor = 0
+    for fragment in fragments:
+        piece = fragment.text.strip()
+        found = text.find(piece, cursor)
+        if found >= 0:
+            cursor = found + len(piece)
+            located.append(_Located(fragment, found, cursor))
+    return located
+
+
+def _place(value: Filled, located: Sequence[_Located]) -> tuple[int, bool] | None:
+    """Where `value` goes in the text: (offset, whether it goes before the text at that offset), or None."""
+    x0, y0, x1, y1 = value.box
+    row = [item for item in located if y0 - _ROW_TOLERANCE <= item.fragment.y <= y1 + _ROW_TOLERANCE]
+    if value.checked is not None:
+        right = [item for item in row if item.fragment.x >= x1 - _ROW_TOLERANCE]
+        if right:
+            return min(right, key=lambda item: item.fragment.x).start, True
+    left = [item for item in row if item.fragment.x < x0]
+    if left:
+        return max(left, key=lambda item: item.fragment.x).end, False
+    above = [
+        item
+        for item in located
+        if y1 < item.fragment.y <= y1 + _ABOVE_REACH and x0 - _ABOVE_REACH <= item.fragment.x < x1
+    ]
+    if above:
+        # The nearest line above, and on it the last fragment, so that the value follows the whole label.
+        return min(above, key=lambda item: (item.fragment.y, -item.fragment.x)).end, False
+    return None
+
+
+def _already_drawn(value: Filled, fragments: Sequence[Fragment]) -> bool:
+    """Whether the page's content itself shows the value inside its box (a form flattened but kept)."""
+    x0, y0, x1, y1 = value.box
+    return value.checked is None and any(
+        fragment.text.strip() == value.text
+        and x0 - _ROW_TOLERANCE <= fragment.x <= x1
+        and y0 - _ROW_TOLERANCE <= fragment.y <= y1 + _ROW_TOLERANCE
+        for fragment in fragments
+    )
+
+
+def _annotations(page: PageObject) -> Iterator[DictionaryObject]:
+    annotations = resolved(page.get("/Annots"))
+    if not isinstance(annotations, ArrayObject):
+        return
+    for item in annotations:
+        annotation = resolved(item)
+        if isinstance(annotation, DictionaryObject):
+            yield annotation
+
+
+def _field_value(widget: DictionaryObject, box: tuple[float, float, float, float]) -> Filled | None:
+    """The value a widget shows, read from it or the field it belongs to (a field's entries are inherited)."""
+    kind = _inherited(widget, "/FT")
+    name = _field_name(widget)
+    if kind == "/Btn":
+        flags = _inherited(widget, "/Ff")
+        if isinstance(flags, int) and flags & _PUSH_BUTTON:
+            return None
+        state = widget.get("/AS")
+        if state is None:
+            state = _inherited(widget, "/V")
+        checked = isinstance(state, NameObject) and state != "/Off"
+        return Filled("", box, name, checked)
+    if kind not in ("/Tx", "/Ch"):
+        return None  # signatures, and fields of no known kind
+    value = _inherited(widget, "/V")
+    if isinstance(value, ArrayObject):  # a list box with several choices made
+        text = ", ".join(_choice_text(widget, item) for item in value)
+    else:
+        text = _choice_text(widget, value) if kind == "/Ch" else _text(value)
+    text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
+    return Filled(text, box, name) if text else None
+
+
+def _choice_text(widget: DictionaryObject, value: Any) -> str:
+    """A choice's shown text: /Opt pairs an export value with the text a viewer shows for it."""
+    chosen = _text(value)
+    options = resolved(_inherited(widget, "/Opt"))
+    if isinstance(options, ArrayObject):
+        for option in options:
+            pair = resolved(option)
+            if isinstance(pair, ArrayObject) and len(pair) == 2 and _text(pair[0]) == chosen:
+                return _text(pair[1])
+    return chosen
+
+
+def _field_name(widget: DictionaryObject) -> str:
+    """The field's tooltip name (/TU), else its full name ("parent.child"), else "field"."""
+    tooltip = _text(_inherited(widget, "/TU"))
+    if tooltip:
+        return tooltip
+    parts = []
+    node: Any = widget
+    for _ in range(32):  # a cycle of /Parent references in a damaged file ends here
+        if not isinstance(node, DictionaryObject):
+            break
+        part = _text(node.get("/T"))
+        if part:
+            parts.append(part)
+        node = resolved(node.get("/Parent"))
+    return ".".join(reversed(parts)) or "field"
+
+
+def _inherited(node: Any, key: str) -> Any:
+    """`key` of a widget or of the nearest field above it that has it."""
+    for _ in range(32):
+        if not isinstance(node, DictionaryObject):
+            return None
+        if key in node:
+            return resolved(node[key])
+        node = resolved(node.get("/Parent"))
+    return None
+
+
+def _box(rect: Any) -> tuple[float, float, float, float] | None:
+    rect = resolved(rect)
+    if not isinstance(rect, ArrayObject) or len(rect) != 4:
+        return None
+    try:
+        x0, y0, x1, y1 = (float(resolved(number)) for number in rect)
+    except (TypeError, ValueError):
+        return None
+    return min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)
+
+
+def _text(value: Any) -> str:
+    value = resolved(value)
+    if isinstance(value, NameObject):
+        return str(value)[1:]
+    return str(value).strip() if isinstance(value, str) else ""

@@ -1,0 +1,108 @@
+"""Filled-in values outside a PDF page's content (`infokv_rag.pdf_forms`): what counts, and odd input survived.
+How they read in a loaded document: tests/test_documents.py, test_a_filled_in_forms_values_are_read_beside_their_labels.
+"""
+
+from __future__ import annotations
+
+from pypdf import PageObject, PdfWriter
+from pypdf.generic import (
+    ArrayObject,
+    DictionaryObject,
+    FloatObject,
+    NameObject,
+    NumberObject,
+    TextStringObject,
+)
+
+from infokv_rag.pdf_forms import Filled, Fragment, filled_values, page_text, with_filled_values
+
+
+def _dictionary(**entries: object) -> DictionaryObject:
+    return DictionaryObject({NameObject(f"/{key}"): value for key, value in entries.items()})
+
+
+def _rect(*numbers: float) -> ArrayObject:
+    return ArrayObject(FloatObject(number) for number in numbers)
+
+
+def _page_with(writer: PdfWriter, *annotations: DictionaryObject) -> PageObject:
+    page = writer.add_blank_page(612, 792)
+    page[NameObject("/Annots")] = ArrayObject(writer._add_object(annotation) for annotation in annotations)
+    return page
+
+
+def test_only_values_a_reader_sees_count() -> None:
+    writer = PdfWriter()
+    parent = _dictionary(FT=NameObject("/Tx"), T=TextStringObject("fees"), V=TextStringObject("USD 900"))
+    kid = _dictionary(Subtype=NameObject("/Widget"), Rect=_rect(300, 100, 400, 118))
+    kid[NameObject("/Parent")] = writer._add_object(parent)
+    page = _page_with(
+        writer,
+        kid,  # its value and kind are its field's
+        _dictionary(
+            Subtype=NameObject("/Widget"), FT=NameObject("/Btn"), Ff=NumberObject(1 << 16), Rect=_rect(0, 0, 9, 9)
+        ),
+        _dictionary(
+            Subtype=NameObject("/Widget"), FT=NameObject("/Sig"), V=TextStringObject("x"), Rect=_rect(0, 0, 9, 9)
+        ),
+        _dictionary(
+            Subtype=NameObject("/Widget"), FT=NameObject("/Tx"), V=TextStringObject("  "), Rect=_rect(0, 0, 9, 9)
+        ),
+        _dictionary(Subtype=NameObject("/Link"), Rect=_rect(0, 0, 9, 9)),
+        _dictionary(Subtype=NameObject("/Widget"), FT=NameObject("/Tx"), V=TextStringObject("no box")),
+        _dictionary(
+            Subtype=NameObject("/Widget"), FT=NameObject("/Tx"), V=TextStringObject("bad box"), Rect=_rect(1, 2)
+        ),
+    )
+    assert filled_values(page) == [Filled("USD 900", (300.0, 100.0, 400.0, 118.0), "fees")]
+    assert page_text(page) == "fees: USD 900"  # a blank page: no label to stand beside
+
+
+def test_a_cycle_of_parents_and_odd_entries_are_survived() -> None:
+    writer = PdfWriter()
+    first = _dictionary(Subtype=NameObject("/Widget"), Rect=_rect(0, 0, 9, 9), T=TextStringObject("a"))
+    second = _dictionary(T=TextStringObject("b"))
+    first_ref, second_ref = writer._add_object(first), writer._add_object(second)
+    first[NameObject("/Parent")] = second_ref
+    second[NameObject("/Parent")] = first_ref
+    page = writer.add_blank_page(612, 792)
+    page[NameObject("/Annots")] = ArrayObject([first_ref, NumberObject(3), NameObject("/Junk")])
+    assert filled_values(page) == []  # no kind anywhere up the cycle: not a field a value can be read from
+    page[NameObject("/Annots")] = NameObject("/NotAnArray")
+    assert filled_values(page) == []
+
+
+def test_choices_show_their_display_text_and_lists_their_choices() -> None:
+    writer = PdfWriter()
+    options = ArrayObject(
+        [
+            ArrayObject([TextStringObject("g"), TextStringObject("Gold")]),
+            ArrayObject([TextStringObject("s"), TextStringObject("Silver")]),
+        ]
+    )
+    page = _page_with(
+        writer,
+        _dictionary(
+            Subtype=NameObject("/Widget"),
+            FT=NameObject("/Ch"),
+            V=TextStringObject("g"),
+            Opt=options,
+            Rect=_rect(0, 50, 9, 59),
+        ),
+        _dictionary(
+            Subtype=NameObject("/Widget"),
+            FT=NameObject("/Ch"),
+            V=ArrayObject([TextStringObject("g"), TextStringObject("s")]),
+            Opt=options,
+            Rect=_rect(0, 0, 9, 9),
+        ),
+    )
+    assert [value.text for value in filled_values(page)] == ["Gold", "Gold, Silver"]
+
+
+def test_a_label_that_cannot_be_found_in_the_text_leaves_the_value_at_the_end() -> None:
+    fragments = [Fragment("Fee:", 72, 700), Fragment("ghost", 72, 650)]
+    values = [Filled("USD 5", (120, 695, 200, 713), "fee"), Filled("10 days", (120, 645, 200, 663), "notice")]
+    assert (
+        with_filled_values("Fee:\nsomething else", fragments, values) == "Fee: USD 5\nsomething else\nnotice: 10 days"
+    )
