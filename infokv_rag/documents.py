@@ -618,21 +618,36 @@ _LIGATURES = str.maketrans(
 )
 _HSPACE = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\f\v]+")
 _MANY_NEWLINES = re.compile(r"\n{3,}")
+_SOFT_BREAK = re.compile(r"\u00ad[ \t]*\n")
 
 
 def repair_extracted_text(text: str) -> str:
     """Text as PDF extraction leaves it, repaired: line endings as LF, NULs and soft hyphens dropped, ligatures
     spelt out ("\ufb01" -> "fi"), so that the model (and citation matching) reads the words themselves."""
-    return _normalize_newlines(text).replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
+    # A soft hyphen ending a line marks where a word was broken: the word goes on after the line break.
+    text = _SOFT_BREAK.sub("", _normalize_newlines(text))
+    return text.replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
 
 
-# A word broken across two lines by a hyphen: its head ends one line, its tail starts the next in lower case
-# (a capital or a digit after the break is a new item, not the rest of a word).
-_BROKEN_WORD = re.compile(r"(?P<head>[^\W\d_]+)[-\u2010]\n(?P<tail>[^\W\d_]+)(?P<space>[ \t]?)")
+# A word broken across two lines by a hyphen: its head ends one line, its tail starts the next (`prefix` and
+# `suffix` are the rest of the non-blank run around it, to tell a URL, path or option from a word).
+_BROKEN_WORD = re.compile(
+    r"(?P<prefix>\S*?)(?P<head>[^\W\d_]+)[-\u2010][ \t]*\n(?P<tail>[^\W\d_]+)(?P<suffix>\S*)(?P<space>[ \t]?)"
+)
 _WORD = re.compile(r"[^\W\d_]+")
 _HYPHENATED = re.compile(r"[^\W\d_]+(?:[-\u2010][^\W\d_]+)+")
+# A run that holds one of these around the break is a URL, address, path or option: its hyphens are its own.
+_TECHNICAL = re.compile(r"[/@=\\]|[:._][^\W_]")
+_OPTION = re.compile(r"-")  # an option name's leading dash ("--no-" "pager")
 # Heads that start compounds far more often than a line break splits a solid word after them.
-_COMPOUND_HEADS = frozenset({"self", "non", "well", "third", "cross", "e"})
+_COMPOUND_HEADS = frozenset(
+    {"self", "non", "well", "third", "cross", "e"}
+    | {"twenty", "thirty", "forty", "fifty", "sixty", "seventy"}
+    | {"eighty", "ninety"}
+)
+# "short- and long-term": a hyphen left hanging for the word after the conjunction, not a broken word.
+_CONJUNCTIONS = frozenset({"and", "or", "nor", "to", "und", "oder", "bis", "et", "ou", "y", "o", "e", "en", "of"})
+_JOIN_PASSES = 3  # a word broken twice ("in-" "compre-" "hensible") takes a pass per break
 
 
 def join_broken_words(texts: Sequence[str]) -> list[str]:
@@ -642,25 +657,36 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
     Justified text breaks words at a hyphen it adds; a compound ("self-employed") keeps its own. Which one a break
     is comes from the document itself: the word goes whole when the document writes it whole elsewhere, keeps
     its hyphen when the document writes it so elsewhere; without either, the hyphen stays after a head that
-    starts compounds ("self-", "non-", "well-", ...) and goes otherwise, as typesetting's hyphens are the usual
-    reason a line ends inside a word. The rest of the tail's line starts a line of its own."""
+    starts compounds ("self-", "non-", "twenty-", ...) and goes otherwise, as typesetting's hyphens are the usual
+    reason a line ends inside a word. A URL, address, path or option ("acme-" "corp.com", "--no-" "pager") keeps
+    its hyphen. Left as they are: a capital or digit after the break (a new item), and a conjunction ("short-"
+    "and long-term"). The rest of the tail's line starts a line of its own."""
     words = {word.lower() for text in texts for word in _WORD.findall(text)}
     compounds = {word.lower().replace("\u2010", "-") for text in texts for word in _HYPHENATED.findall(text)}
 
     def rejoin(match: re.Match[str]) -> str:
-        head, tail = match["head"], match["tail"]
-        if not tail[0].islower():
+        prefix, head, tail, suffix = match["prefix"], match["head"], match["tail"], match["suffix"]
+        if not tail[0].islower() or tail.lower() in _CONJUNCTIONS:
             return match[0]
         solid, compound = head + tail, f"{head}-{tail}"
-        if solid.lower() in words:
+        if _TECHNICAL.search(prefix) or _OPTION.match(prefix) or _TECHNICAL.search(suffix):
+            word = compound
+        elif solid.lower() in words:
             word = solid
         elif compound.lower() in compounds or head.lower() in _COMPOUND_HEADS:
             word = compound
         else:
             word = solid
-        return word + ("\n" if match["space"] else "")
+        return prefix + word + suffix + ("\n" if match["space"] else "")
 
-    return [_BROKEN_WORD.sub(rejoin, text) for text in texts]
+    joined = []
+    for text in texts:
+        for _ in range(_JOIN_PASSES):
+            text, count = _BROKEN_WORD.subn(rejoin, text)
+            if not count:
+                break
+        joined.append(text)
+    return joined
 
 
 def _clean_page_text(text: str) -> str:

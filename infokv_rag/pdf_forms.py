@@ -7,14 +7,23 @@ part of the page's content stream, so pypdf's `extract_text` leaves them out, an
 exactly the figures its questions ask about. Text typed onto a flat PDF with a viewer's "fill and sign" tool is a
 free-text annotation, likewise outside the content.
 
-Each value goes into the extracted text after the text fragment that labels it: the nearest one to the left on the
-same row ("Monthly fee: USD 7,400"), else the nearest one just above it. A check box or radio button is "[x]" when
-on and "[ ]" when off, put before the nearest fragment to its right (its caption), else after its label. A value
-with no label found is added at the end of the page as "field name: value". Fields without a value add nothing.
+Each value goes into the extracted text after the text fragment that labels it: a caption in the top of its own box
+(a boxed form's cell), else the nearest fragment to its left on the same row ("Monthly fee: USD 7,400"), else the
+nearest one just above it. A check box or radio button is "[x]" when on and "[ ]" when off, put before the nearest
+fragment to its right (its caption), else after its label. A value with no label found is added at the end of the
+page as "field name: value". Fields without a value add nothing, and a page whose content has no text (a scan)
+gets none: it is still a page without text, to be OCR'd.
+
+Known limits: pypdf reports text positions per line of a text object, so labels that one text object writes on a
+row ("Monthly fee: ____ Start date: ____" in one run) are one fragment, and every value of the row follows it; a
+template drawn as a form XObject under a transform reports its text where the template itself lies, so values on
+it may go to the wrong label or the page's end.
 """
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +37,9 @@ from .pdf_damage import resolved
 _ROW_TOLERANCE = 3.0
 # A label above a box is at most this far above its top edge (points: about two lines of body text).
 _ABOVE_REACH = 28.0
-# Field flags (PDF 32000-1, table 226): a button that is a push button or a radio button rather than a check box.
-_RADIO = 1 << 15
+# Field flags (PDF 32000-1, table 226): a button that is a push button, not a check box or radio button.
 _PUSH_BUTTON = 1 << 16
+_MARKUP = re.compile(r"<[^>]*>")
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,8 @@ class Filled:
 
 
 def page_text(page: PageObject) -> str:
-    """The page's text as pypdf extracts it, with its filled-in values placed beside their labels."""
+    """The page's text as pypdf extracts it, with its filled-in values placed beside their labels (none on a page
+    whose content has no text)."""
     values = filled_values(page)
     if not values:
         return page.extract_text()
@@ -78,7 +88,8 @@ def page_text(page: PageObject) -> str:
                 )
             )
 
-    return with_filled_values(page.extract_text(visitor_text=collect), fragments, values)
+    text = page.extract_text(visitor_text=collect)
+    return with_filled_values(text, fragments, values) if text.strip() else text
 
 
 def filled_values(page: PageObject) -> list[Filled]:
@@ -90,7 +101,7 @@ def filled_values(page: PageObject) -> list[Filled]:
         if box is None:
             continue
         if subtype == "/FreeText":
-            text = _text(annotation.get("/Contents"))
+            text = _text(annotation.get("/Contents")) or _rich_text(annotation.get("/RC"))
             if text:
                 found.append(Filled(text, box, "note"))
         elif subtype == "/Widget":
@@ -149,6 +160,10 @@ def _place(value: Filled, located: Sequence[_Located]) -> tuple[int, bool] | Non
     """Where `value` goes in the text: (offset, whether it goes before the text at that offset), or None."""
     x0, y0, x1, y1 = value.box
     row = [item for item in located if y0 - _ROW_TOLERANCE <= item.fragment.y <= y1 + _ROW_TOLERANCE]
+    caption = [item for item in row if x0 - _ROW_TOLERANCE <= item.fragment.x < x1]
+    if value.checked is None and caption:
+        # A boxed form's cell: its caption starts in (or just on) the box, ahead of the previous cell's caption.
+        return min(caption, key=lambda item: (-item.fragment.y, item.fragment.x)).end, False
     if value.checked is not None:
         right = [item for item in row if item.fragment.x >= x1 - _ROW_TOLERANCE]
         if right:
@@ -196,7 +211,7 @@ def _field_value(widget: DictionaryObject, box: tuple[float, float, float, float
         flags = _inherited(widget, "/Ff")
         if isinstance(flags, int) and flags & _PUSH_BUTTON:
             return None
-        state = widget.get("/AS")
+        state = resolved(widget.get("/AS"))
         if state is None:
             state = _inherited(widget, "/V")
         checked = isinstance(state, NameObject) and state != "/Off"
@@ -267,4 +282,14 @@ def _text(value: Any) -> str:
     value = resolved(value)
     if isinstance(value, NameObject):
         return str(value)[1:]
+    if isinstance(value, bytes):  # a string pypdf could not decode as a PDF text string: UTF-8 from many fillers
+        try:
+            return value.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            return value.decode("latin-1").strip()
     return str(value).strip() if isinstance(value, str) else ""
+
+
+def _rich_text(value: Any) -> str:
+    """The words of a rich-text string (/RC: XHTML), without its markup."""
+    return " ".join(html.unescape(_MARKUP.sub(" ", _text(value))).split())

@@ -251,8 +251,14 @@ def filled_form_pdf(path: Path) -> Path:
     pdf.acroForm.textfield(name="seal", value="SN-4471", x=160, y=405, width=150, height=18)
     pdf.showPage()
     pdf.save()
-    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(buf.getvalue())))
-    writer.add_annotation(0, FreeText(text="Dana Whitcombe", rect=(130, 465, 300, 482)))
+    path.write_bytes(buf.getvalue())
+    return add_free_text(path, "Dana Whitcombe", (130, 465, 300, 482))
+
+
+def add_free_text(path: Path, text: str, rect: tuple[float, float, float, float] = (72, 72, 300, 90)) -> Path:
+    """Type `text` onto the PDF's first page as a viewer's "fill and sign" does: a free-text annotation."""
+    writer = PdfWriter(clone_from=PdfReader(path))
+    writer.add_annotation(0, FreeText(text=text, rect=rect))
     with path.open("wb") as fh:
         writer.write(fh)
     return path

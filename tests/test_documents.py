@@ -170,8 +170,11 @@ def test_missing_crypto_dependency_says_what_to_install(tmp_path: Path, monkeypa
 # --- scanned, damaged and partly broken PDFs ----------------------------------------------------
 
 
-def test_image_only_pdf_needs_ocr(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signed", [False, True])
+def test_image_only_pdf_needs_ocr(tmp_path: Path, signed: bool) -> None:
     path = pdfs.image_only_pdf(tmp_path / "scan.pdf", n_pages=2)
+    if signed:  # a scan typed on with a viewer's "fill and sign": its notes are no text layer
+        pdfs.add_free_text(path, "Dana Whitcombe")
     message = _refusal(NoExtractableTextError, path)
     assert "scan.pdf" in message and "OCR" in message and "ocrmypdf" in message and "2 page" in message
 
@@ -466,16 +469,22 @@ def test_a_broken_word_keeps_its_hyphen_where_the_document_writes_one() -> None:
     # The document's own spelling decides; without one a compound's head keeps the hyphen, any other head not.
     assert join_broken_words(["a self-\nemployed agent", "pre-\nmises and the premises; co-\nowner, co-owner"]) == [
         "a self-employed\nagent",
-        "premises\nand the premises; co-owner, co-owner",
+        "premises\nand the premises; co-owner,\nco-owner",
     ]
     assert join_broken_words(["selfless work; self-\nless", "ver-\nsion"]) == ["selfless work; selfless", "version"]
-    # Only a lower-case letter after the break continues the word: a capital, digit or dash starts something new.
-    kept = ["Items:\nfirst-\nSecond", "USD 7,-\n400", "pre-\n- post", "end-\n"]
+    # A URL, address, path or option keeps its hyphens; a word broken twice is joined at both breaks.
+    assert join_broken_words(
+        ["see www.acme-\ncorp.com or /etc/my-\nservice.conf; run git --no-\npager log", "in-\ncompre-\nhensible"]
+    ) == ["see www.acme-corp.com\nor /etc/my-service.conf;\nrun git --no-pager\nlog", "incomprehensible"]
+    # Left alone: a capital, digit or dash after the break (something new), and a hyphen left hanging for the word
+    # after a conjunction.
+    kept = ["Items:\nfirst-\nSecond", "USD 7,-\n400", "pre-\n- post", "end-\n", "short-\nand long-term"]
     assert join_broken_words(kept) == kept
 
 
 def test_document_from_pages_reads_broken_words_whole() -> None:
-    doc = document_from_pages([(1, "the termi-\nnation"), (2, "of the Agree-\nment is final")])
+    # A framework's reader may leave a space before the line break, or mark the break with a soft hyphen.
+    doc = document_from_pages([(1, "the termi- \nnation"), (2, "of the Agree-\nment is fi\u00ad\nnal")])
     assert doc.pages == (Page(1, "the termination"), Page(2, "of the Agreement\nis final"))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pypdf import PageObject, PdfWriter
 from pypdf.generic import (
     ArrayObject,
+    ByteStringObject,
     DictionaryObject,
     FloatObject,
     NameObject,
@@ -55,7 +56,7 @@ def test_only_values_a_reader_sees_count() -> None:
         ),
     )
     assert filled_values(page) == [Filled("USD 900", (300.0, 100.0, 400.0, 118.0), "fees")]
-    assert page_text(page) == "fees: USD 900"  # a blank page: no label to stand beside
+    assert page_text(page) == ""  # a page whose content has no text (a scan) gets no values: it is to be OCR'd
 
 
 def test_a_cycle_of_parents_and_odd_entries_are_survived() -> None:
@@ -106,3 +107,29 @@ def test_a_label_that_cannot_be_found_in_the_text_leaves_the_value_at_the_end() 
     assert (
         with_filled_values("Fee:\nsomething else", fragments, values) == "Fee: USD 5\nsomething else\nnotice: 10 days"
     )
+
+
+def test_a_boxed_forms_values_follow_their_own_captions() -> None:
+    """Cells in a row, each with a caption in (or just on) the top of its box: the previous cell's caption is
+    nearer on the left, but the value is its own cell's."""
+    fragments = [Fragment("Last name", 72, 712), Fragment("First name", 202, 722)]  # in its box; 2 pt above it
+    values = [Filled("Whitcombe", (70, 700, 200, 720), "last"), Filled("Dana", (200, 700, 330, 720), "first")]
+    assert with_filled_values("Last name First name", fragments, values) == "Last name Whitcombe First name Dana"
+
+
+def test_values_in_bytes_referenced_states_and_rich_text_are_read() -> None:
+    writer = PdfWriter()
+    state = writer._add_object(NameObject("/Yes"))
+    rich = TextStringObject("<body><p>Dana <b>Whitcombe</b> &amp; Co</p></body>")
+    page = _page_with(
+        writer,
+        _dictionary(
+            Subtype=NameObject("/Widget"),
+            FT=NameObject("/Tx"),
+            V=ByteStringObject("Hauptstraße 5".encode()),
+            Rect=_rect(0, 90, 9, 99),
+        ),
+        _dictionary(Subtype=NameObject("/Widget"), FT=NameObject("/Btn"), AS=state, Rect=_rect(0, 50, 9, 59)),
+        _dictionary(Subtype=NameObject("/FreeText"), RC=rich, Rect=_rect(0, 0, 9, 9)),
+    )
+    assert [value.shown for value in filled_values(page)] == ["Hauptstraße 5", "[x]", "Dana Whitcombe & Co"]
