@@ -659,14 +659,16 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
     its hyphen when the document writes it so elsewhere; without either, the hyphen stays after a head that
     starts compounds ("self-", "non-", "twenty-", ...) and goes otherwise, as typesetting's hyphens are the usual
     reason a line ends inside a word. A URL, address, path or option ("acme-" "corp.com", "--no-" "pager") keeps
-    its hyphen. Left as they are: a capital or digit after the break (a new item), and a conjunction ("short-"
-    "and long-term"). The rest of the tail's line starts a line of its own."""
+    its hyphen. Left as they are: a capital or digit after the break (a new item) unless the word is in capitals
+    throughout ("LIA-" "BILITY"), and a conjunction ("short-" "and long-term"). The rest of the tail's line
+    starts a line of its own."""
     words = {word.lower() for text in texts for word in _WORD.findall(text)}
     compounds = {word.lower().replace("\u2010", "-") for text in texts for word in _HYPHENATED.findall(text)}
 
     def rejoin(match: re.Match[str]) -> str:
         prefix, head, tail, suffix = match["prefix"], match["head"], match["tail"], match["suffix"]
-        if not tail[0].islower() or tail.lower() in _CONJUNCTIONS:
+        capitals = len(head) > 1 and head.isupper() and tail.isupper()  # "LIA-" "BILITY" in a heading
+        if not (tail[0].islower() or capitals) or tail.lower() in _CONJUNCTIONS:
             return match[0]
         solid, compound = head + tail, f"{head}-{tail}"
         if _TECHNICAL.search(prefix) or _OPTION.match(prefix) or _TECHNICAL.search(suffix):

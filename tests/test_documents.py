@@ -476,6 +476,7 @@ def test_a_broken_word_keeps_its_hyphen_where_the_document_writes_one() -> None:
     assert join_broken_words(
         ["see www.acme-\ncorp.com or /etc/my-\nservice.conf; run git --no-\npager log", "in-\ncompre-\nhensible"]
     ) == ["see www.acme-corp.com\nor /etc/my-service.conf;\nrun git --no-pager\nlog", "incomprehensible"]
+    assert join_broken_words(["LIMITATION OF LIA-\nBILITY", "A-\nB"]) == ["LIMITATION OF LIABILITY", "A-\nB"]
     # Left alone: a capital, digit or dash after the break (something new), and a hyphen left hanging for the word
     # after a conjunction.
     kept = ["Items:\nfirst-\nSecond", "USD 7,-\n400", "pre-\n- post", "end-\n", "short-\nand long-term"]
