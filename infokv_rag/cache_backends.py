@@ -173,6 +173,11 @@ class FsspecBackend(CacheBackend):
             raise ConfigError(
                 f"the store {url} needs fsspec (and s3fs for s3://): pip install 'infokv-rag[scale]'"
             ) from exc
+        if storage_options.get("use_listings_cache"):
+            raise ConfigError(
+                f"the store {url} cannot keep a listings cache: other processes and threads write it, and a "
+                "stale listing hides what they wrote; leave use_listings_cache out"
+            )
         try:
             # A fresh filesystem object: fsspec's shared instances would keep the endpoint and credentials
             # of the environment they were first made in. No listings cache: other processes write here, and

@@ -629,57 +629,37 @@ def repair_extracted_text(text: str) -> str:
     return text.replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
 
 
-# A word broken across two lines by a hyphen: its head ends one line, its tail starts the next (`prefix` and
-# `suffix` are the rest of the non-blank run around it, to tell a URL, path or option from a word).
+# A word broken across two lines by a hyphen: its head (from a word's start: a match tried at every letter of a
+# long run would take quadratic time) ends one line, its tail starts the next; `suffix` is the rest of the tail's
+# non-blank run.
 _BROKEN_WORD = re.compile(
-    r"(?P<prefix>\S*?)(?P<head>[^\W\d_]+)[-\u2010][ \t]*\n(?P<tail>[^\W\d_]+)(?P<suffix>\S*)(?P<space>[ \t]?)"
+    r"(?<![^\W\d_])(?P<head>[^\W\d_]+)[-\u2010][ \t]*\n(?P<tail>[^\W\d_]+)(?P<suffix>\S*)(?P<space>[ \t]*)"
 )
 _WORD = re.compile(r"[^\W\d_]+")
-_HYPHENATED = re.compile(r"[^\W\d_]+(?:[-\u2010][^\W\d_]+)+")
-# A run that holds one of these around the break is a URL, address, path or option: its hyphens are its own.
-_TECHNICAL = re.compile(r"[/@=\\]|[:._][^\W_]")
-_OPTION = re.compile(r"-")  # an option name's leading dash ("--no-" "pager")
-# Heads that start compounds far more often than a line break splits a solid word after them.
-_COMPOUND_HEADS = frozenset(
-    {"self", "non", "well", "third", "cross", "e"}
-    | {"twenty", "thirty", "forty", "fifty", "sixty", "seventy"}
-    | {"eighty", "ninety"}
-)
 # "short- and long-term": a hyphen left hanging for the word after the conjunction, not a broken word.
 _CONJUNCTIONS = frozenset({"and", "or", "nor", "to", "und", "oder", "bis", "et", "ou", "y", "o", "e", "en", "of"})
-_JOIN_PASSES = 3  # a word broken twice ("in-" "compre-" "hensible") takes a pass per break
+_JOIN_PASSES = 3  # a word broken twice ("Gewähr-" "leistungs-" "frist") takes a pass per break
 
 
 def join_broken_words(texts: Sequence[str]) -> list[str]:
-    """`texts` (the pages of one document) with every word that a line break split at a hyphen made whole again
-    ("termi-\nnation" -> "termination"), so that the model reads the word, not two fragments.
+    """`texts` (the pages of one document) with every word that a line break split at a hyphen read across the
+    break again ("termi-\nnation" -> "termination"), so that the model reads the word, not two fragments.
 
-    Justified text breaks words at a hyphen it adds; a compound ("self-employed") keeps its own. Which one a break
-    is comes from the document itself: the word goes whole when the document writes it whole elsewhere, keeps
-    its hyphen when the document writes it so elsewhere; without either, the hyphen stays after a head that
-    starts compounds ("self-", "non-", "twenty-", ...) and goes otherwise, as typesetting's hyphens are the usual
-    reason a line ends inside a word. A URL, address, path or option ("acme-" "corp.com", "--no-" "pager") keeps
-    its hyphen. Left as they are: a capital or digit after the break (a new item) unless the word is in capitals
-    throughout ("LIA-" "BILITY"), and a conjunction ("short-" "and long-term"). The rest of the tail's line
-    starts a line of its own."""
+    Justified text breaks words at a hyphen it adds; a compound ("follow-up", "acme-corp.com") keeps its own, and
+    a hyphen cannot tell which it is. So the document decides: the word goes whole where the document writes it
+    whole elsewhere (a contract's "termination", "Agreement"), and otherwise keeps its hyphen ("follow-up",
+    "termi-nation"), which loses nothing. Left as they are: a capital or digit after the break (a new item) unless
+    the word is in capitals throughout ("LIA-" "BILITY"), and a conjunction ("short-" "and long-term"). The rest
+    of the tail's line starts a line of its own."""
     words = {word.lower() for text in texts for word in _WORD.findall(text)}
-    compounds = {word.lower().replace("\u2010", "-") for text in texts for word in _HYPHENATED.findall(text)}
 
     def rejoin(match: re.Match[str]) -> str:
-        prefix, head, tail, suffix = match["prefix"], match["head"], match["tail"], match["suffix"]
+        head, tail = match["head"], match["tail"]
         capitals = len(head) > 1 and head.isupper() and tail.isupper()  # "LIA-" "BILITY" in a heading
         if not (tail[0].islower() or capitals) or tail.lower() in _CONJUNCTIONS:
             return match[0]
-        solid, compound = head + tail, f"{head}-{tail}"
-        if _TECHNICAL.search(prefix) or _OPTION.match(prefix) or _TECHNICAL.search(suffix):
-            word = compound
-        elif solid.lower() in words:
-            word = solid
-        elif compound.lower() in compounds or head.lower() in _COMPOUND_HEADS:
-            word = compound
-        else:
-            word = solid
-        return prefix + word + suffix + ("\n" if match["space"] else "")
+        word = head + tail if (head + tail).lower() in words else f"{head}-{tail}"
+        return word + match["suffix"] + ("\n" if match["space"] else "")
 
     joined = []
     for text in texts:

@@ -212,8 +212,10 @@ def _field_value(widget: DictionaryObject, box: tuple[float, float, float, float
         if isinstance(flags, int) and flags & _PUSH_BUTTON:
             return None
         state = resolved(widget.get("/AS"))
-        if state is None:
-            state = _inherited(widget, "/V")
+        if state is None:  # no state of its own (which the format requires): on if the field's value is its on-state
+            value = _inherited(widget, "/V")
+            on_states = _on_states(widget)
+            state = value if not on_states or value in on_states else NameObject("/Off")
         checked = isinstance(state, NameObject) and state != "/Off"
         return Filled("", box, name, checked)
     if kind not in ("/Tx", "/Ch"):
@@ -225,6 +227,13 @@ def _field_value(widget: DictionaryObject, box: tuple[float, float, float, float
         text = _choice_text(widget, value) if kind == "/Ch" else _text(value)
     text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
     return Filled(text, box, name) if text else None
+
+
+def _on_states(widget: DictionaryObject) -> set[str]:
+    """The names a button's normal appearances give its "on" states (a radio button's own value among them)."""
+    appearances = resolved(widget.get("/AP"))
+    normal = resolved(appearances.get("/N")) if isinstance(appearances, DictionaryObject) else None
+    return {str(key) for key in normal if key != "/Off"} if isinstance(normal, DictionaryObject) else set()
 
 
 def _choice_text(widget: DictionaryObject, value: Any) -> str:

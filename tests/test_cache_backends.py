@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine, cache_backends
+from infokv_rag import (
+    CacheStoreError,
+    CompressedDocument,
+    CompressionConfig,
+    ConfigError,
+    InfoKVEngine,
+    cache_backends,
+)
 from infokv_rag.cache_backends import (
     CACHE,
     CURRENT,
@@ -188,7 +195,8 @@ def test_concurrent_publishers_never_tear_a_cache(
 
 
 def test_a_listing_that_lands_late_does_not_hide_a_publishers_own_object(
-    shared_backend: FsspecBackend,
+    s3_bucket: str,
+    tmp_path: Path,
     random_engine: InfoKVEngine,
     doc_a: CompressedDocument,
     doc_b: CompressedDocument,
@@ -196,7 +204,9 @@ def test_a_listing_that_lands_late_does_not_hide_a_publishers_own_object(
 ) -> None:
     """Publishers of one key share a filesystem object. One thread's listing of the cache directory, begun before
     another thread wrote its temporary CURRENT and stored after, must not make that thread's move fail with
-    "not found" (seen in CI on s3, where a move reads the object's size from a cached listing)."""
+    "not found" (seen in CI on s3, where a move reads the object's size from a cached listing; a local
+    filesystem reads no listing there)."""
+    shared_backend = FsspecBackend(f"{s3_bucket}/{tmp_path.name}")
     shared_backend.publish(KEY, doc_a)
     fs = shared_backend.fs
     directory = f"{shared_backend.root}/{KEY}/{CACHE}"
@@ -211,6 +221,11 @@ def test_a_listing_that_lands_late_does_not_hide_a_publishers_own_object(
     monkeypatch.setattr(fs, "pipe_file", write_then_the_other_listing_lands)
     shared_backend.publish(KEY, doc_b)
     assert_same_document(shared_backend.load(random_engine, KEY), doc_b)
+
+
+def test_a_listings_cache_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot keep a listings cache"):
+        FsspecBackend(f"file://{tmp_path}/store", use_listings_cache=True)
 
 
 def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(

@@ -133,3 +133,17 @@ def test_values_in_bytes_referenced_states_and_rich_text_are_read() -> None:
         _dictionary(Subtype=NameObject("/FreeText"), RC=rich, Rect=_rect(0, 0, 9, 9)),
     )
     assert [value.shown for value in filled_values(page)] == ["Hauptstraße 5", "[x]", "Dana Whitcombe & Co"]
+
+
+def test_radio_buttons_without_a_state_of_their_own_are_on_only_for_the_fields_value() -> None:
+    writer = PdfWriter()
+    group = writer._add_object(_dictionary(FT=NameObject("/Btn"), Ff=NumberObject(1 << 15), V=NameObject("/annual")))
+    kids = []
+    for choice, y in (("/annual", 50), ("/monthly", 0)):
+        appearance = _dictionary(
+            N=DictionaryObject({NameObject(choice): NumberObject(0), NameObject("/Off"): NumberObject(0)})
+        )
+        kid = _dictionary(Subtype=NameObject("/Widget"), AP=appearance, Rect=_rect(0, y, 9, y + 9))
+        kid[NameObject("/Parent")] = group
+        kids.append(kid)
+    assert [value.shown for value in filled_values(_page_with(writer, *kids))] == ["[x]", "[ ]"]
