@@ -13,7 +13,7 @@ import re
 import stat
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -258,8 +258,7 @@ def document_from_pages(
             kept.append(Page(number, body, label))
     if not kept:
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
-    joined = join_broken_words([page.text for page in kept])
-    kept = [Page(page.number, text, page.label) for page, text in zip(kept, joined, strict=True)]
+    kept = _with_words_joined(kept)
     text = PAGE_SEPARATOR.join(page.text for page in kept)
     return Document(
         text=text, pages=tuple(kept), source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -671,6 +670,12 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
     return joined
 
 
+def _with_words_joined(pages: Sequence[Page]) -> list[Page]:
+    """`pages` with their broken words joined (`join_broken_words`, which reads the whole document's spelling)."""
+    joined = join_broken_words([page.text for page in pages])
+    return [replace(page, text=text) for page, text in zip(pages, joined, strict=True)]
+
+
 def _clean_page_text(text: str) -> str:
     """Repair (`repair_extracted_text`), then collapse runs of spaces and blank lines; paragraph breaks survive
     as one blank line."""
@@ -840,8 +845,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 tuple(scanned),
             )
         )
-    joined = join_broken_words([page.text for page in pages])
-    pages = [Page(page.number, text) for page, text in zip(pages, joined, strict=True)]
+    pages = _with_words_joined(pages)
     text = PAGE_SEPARATOR.join(page.text for page in pages)
     skipped = tuple(sorted(failed + scanned))
     told = _warn(issued, stacklevel=4)

@@ -239,7 +239,7 @@ def _on_states(widget: DictionaryObject) -> set[str]:
 def _choice_text(widget: DictionaryObject, value: Any) -> str:
     """A choice's shown text: /Opt pairs an export value with the text a viewer shows for it."""
     chosen = _text(value)
-    options = resolved(_inherited(widget, "/Opt"))
+    options = _inherited(widget, "/Opt")
     if isinstance(options, ArrayObject):
         for option in options:
             pair = resolved(option)
@@ -253,27 +253,23 @@ def _field_name(widget: DictionaryObject) -> str:
     tooltip = _text(_inherited(widget, "/TU"))
     if tooltip:
         return tooltip
-    parts = []
-    node: Any = widget
-    for _ in range(32):  # a cycle of /Parent references in a damaged file ends here
-        if not isinstance(node, DictionaryObject):
-            break
-        part = _text(node.get("/T"))
-        if part:
-            parts.append(part)
-        node = resolved(node.get("/Parent"))
+    parts = [part for part in (_text(node.get("/T")) for node in _lineage(widget)) if part]
     return ".".join(reversed(parts)) or "field"
 
 
-def _inherited(node: Any, key: str) -> Any:
+def _inherited(widget: DictionaryObject, key: str) -> Any:
     """`key` of a widget or of the nearest field above it that has it."""
-    for _ in range(32):
+    return next((resolved(node[key]) for node in _lineage(widget) if key in node), None)
+
+
+def _lineage(widget: DictionaryObject) -> Iterator[DictionaryObject]:
+    """The widget, then each field above it (/Parent), nearest first."""
+    node: Any = widget
+    for _ in range(32):  # a cycle of /Parent references in a damaged file ends here
         if not isinstance(node, DictionaryObject):
-            return None
-        if key in node:
-            return resolved(node[key])
+            return
+        yield node
         node = resolved(node.get("/Parent"))
-    return None
 
 
 def _box(rect: Any) -> tuple[float, float, float, float] | None:
