@@ -607,7 +607,8 @@ class CacheStore:
     """Saved caches keyed by (document sha256, model fingerprint, compression config).
 
     Ingesting the same file again with the same model and config loads the stored cache instead of
-    prefilling; a stored entry that fails verification is replaced by a fresh ingestion.
+    prefilling; a stored entry that fails verification, or that holds other text than the file reads as now
+    (saved by a release that read PDFs otherwise), is replaced by a fresh ingestion.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -639,9 +640,12 @@ class CacheStore:
                 pass  # damaged or stale entry: fall through and rebuild it
             else:
                 # A whole, verified cache may still be another entry's, moved here by hand: it must be this
-                # document's, made with this config, or it is rebuilt too.
+                # document's, made with this config, or it is rebuilt too. The same file read into other text
+                # (by a release that read PDFs otherwise) is rebuilt as well, so that an answer reads what
+                # loading the file reads today.
                 if (
                     stored.document.sha256 == document.sha256
+                    and stored.document.pages == document.pages
                     and stored.config.cache_identity() == config.cache_identity()
                 ):
                     stored.config = config  # the stored cache answers with this config's recall by default

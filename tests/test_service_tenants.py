@@ -175,6 +175,26 @@ def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
         assert ids(client, A1) == set() and ids(client, B) == {doc_b}
 
 
+def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(
+    random_engine: Any, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    with running(random_engine, data, share_caches=True) as client:
+        doc_a = upload_ready(client, A1, "same.txt", SECRET)
+    # What a release that read the file otherwise saved for A: the same sha256, other text.
+    saved = data / "documents" / doc_a / "document.json"
+    document = json.loads(saved.read_text())
+    document["text"] += "\nPage 1"
+    document["pages"][0]["chars"] += len("\nPage 1")
+    saved.write_text(json.dumps(document))
+    with running(random_engine, data, share_caches=True) as client:
+        doc_b = upload_ready(client, B, "same.txt", SECRET)
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (1, 0)
+        assert not os.path.samefile(_tensors(data, doc_a), _tensors(data, doc_b))
+        assert ask(client, B, doc_b).status_code == 200
+
+
 def test_a_cache_moved_under_another_document_is_never_answered_from(random_engine: Any, tmp_path: Path) -> None:
     """A whole, verified cache of tenant B's document (or of the same file read with other options) put in
     place of A's by hand: A's document is read again from its own text, never answered from B's cache."""

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import document_from_text, load_document
+from infokv_rag.documents import Page, document_from_text, load_document
 from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum
 
@@ -502,6 +503,20 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
         doc, reused = store.ingest(random_engine, document, config)
         assert reused is False and doc.document.sha256 == document.sha256 and doc.config.keep == 0.25
         assert random_engine.load(entry).document.sha256 == document.sha256, "and the entry is rebuilt"
+
+
+def test_store_rebuilds_a_cache_of_the_same_file_read_into_other_text(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    # The same bytes (so the same sha256) as a release that read them otherwise saw them: a page footer more.
+    today = document_from_text(TEXT_A, source="msa.txt")
+    earlier = replace(today, text=f"{TEXT_A}\nPage 1", pages=(Page(1, f"{TEXT_A}\nPage 1"),))
+    config = CompressionConfig(keep=0.25)
+    store = CacheStore(tmp_path / "store")
+    store.ingest(random_engine, earlier, config)
+    rebuilt, reused = store.ingest(random_engine, today, config)
+    assert reused is False and rebuilt.document == today
+    assert store.ingest(random_engine, today, config)[1] is True
 
 
 # --- real models ------------------------------------------------------------------------------------
