@@ -17,7 +17,7 @@ kvpress's own uncompressed cache, `kvpress:none`, a sanity row that should agree
 times: KVzipPress masks keys instead of dropping them). A row with `stored_bits=4` or `8` holds its cache in codes
 of that width (`CompressionConfig.stored_bits`), its bytes those of the codes.
 
-Results are cached on disk per (model fingerprint, document sha256, row's resolved config,
+Results are cached on disk per (model fingerprint, document sha256 and text, row's resolved config,
 max_new_tokens), one entry per question, so iterating on one method recomputes only that method's rows:
 `$INFOKV_CACHE_DIR/bench/realdocs` (default ~/.cache/infokv-rag/bench/realdocs). The key holds the
 config, not the code: after changing a method's code, recompute its rows with `--fresh ROW ...`.
@@ -438,6 +438,8 @@ class Bench:
             **({} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}),
             **({} if device.type == "cpu" else {"device": device.type}),
             "document": document.sha256,
+            # The file's bytes do not say how they read: a change to how documents are read is another input.
+            "text": hashlib.sha256(document.text.encode()).hexdigest()[:16],
             "max_new_tokens": self.max_new_tokens,
             "row": identity,
         }

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import realdocs_quality
 from benchmarks.realdocs_quality import (
     DEFAULT_ROWS,
     FULL,
@@ -28,6 +29,7 @@ from benchmarks.realdocs_quality import (
     table,
 )
 from infokv_rag import InfoKVEngine
+from infokv_rag.documents import PAGE_SEPARATOR, Document, load_document
 from infokv_rag.errors import ModelError
 from infokv_rag.models import resolve_model_dir
 from infokv_rag.scorers import method_names
@@ -217,7 +219,7 @@ def tiny(request: pytest.FixtureRequest) -> InfoKVEngine:
 
 @pytest.mark.tiny
 def test_small_run_writes_the_reports_and_reuses_its_cache(
-    tiny: InfoKVEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny: InfoKVEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv = ["--model", "tiny", "--split", "dev", "--docs", "mnda-quillfeather-marrowgate", "--questions", "2"]
     argv += ["--rows", "infokv@0.25", "--no-kvpress", "--max-new-tokens", "8"]
@@ -274,3 +276,15 @@ def test_small_run_writes_the_reports_and_reuses_its_cache(
     assert json.loads((out / "realdocs-dev.json").read_text())["facts"]["dtype"] == "bfloat16"
     keys = [json.loads(path.read_text())["key"] for path in (tmp_path / "cache").glob("*.json")]
     assert sorted(key.get("dtype", "float32") for key in keys) == ["bfloat16"] * 3 + ["float32"] * 3
+
+    # The same file read into other text (as a change to the reader makes it) is another input too.
+    def read_otherwise(path: Path) -> Document:
+        document = load_document(path)
+        last = document.pages[-1]
+        pages = (*document.pages[:-1], dataclasses.replace(last, text=f"{last.text}\nPage {last.number}"))
+        return dataclasses.replace(document, text=PAGE_SEPARATOR.join(page.text for page in pages), pages=pages)
+
+    monkeypatch.setattr(realdocs_quality, "load_document", read_otherwise)
+    assert run(parse_args(argv), engine=tiny) == 0
+    fifth = capsys.readouterr()
+    assert ": cached" not in fifth.err and "infokv@0.25: ingested" in fifth.err
