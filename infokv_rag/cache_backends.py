@@ -173,6 +173,14 @@ class FsspecBackend(CacheBackend):
             raise ConfigError(
                 f"the store {url} needs fsspec (and s3fs for s3://): pip install 'infokv-rag[scale]'"
             ) from exc
+        if "::" in url:
+            # fsspec chains a URL's layers: a caching layer (simplecache::, filecache::) keeps local copies that
+            # other processes' writes never reach, so it would go on reading a replaced CURRENT, or a record
+            # deleted elsewhere; and the layers under it keep their own listings caches.
+            raise ConfigError(
+                f"the store {url} is a chained URL: give the store's own URL (s3://bucket/prefix). A caching layer "
+                "would keep serving objects that other processes replace or delete."
+            )
         if storage_options.get("use_listings_cache"):
             raise ConfigError(
                 f"the store {url} cannot keep a listings cache: other processes and threads write it, and a "

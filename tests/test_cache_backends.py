@@ -228,6 +228,13 @@ def test_a_listings_cache_is_refused(tmp_path: Path) -> None:
         FsspecBackend(f"file://{tmp_path}/store", use_listings_cache=True)
 
 
+def test_a_chained_url_is_refused(tmp_path: Path) -> None:
+    # Through simplecache:: one process kept reading the first CURRENT after another had replaced it.
+    for chain in ("simplecache", "filecache"):
+        with pytest.raises(ConfigError, match="chained URL"):
+            open_backend(f"{chain}::file://{tmp_path}/store")
+
+
 def test_a_replaced_version_stays_an_hour_after_it_was_replaced_however_old(
     shared_backend: FsspecBackend,
     random_engine: InfoKVEngine,
