@@ -648,8 +648,9 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
     a hyphen cannot tell which it is. So the document decides: the word goes whole where the document writes it
     whole elsewhere (a contract's "termination", "Agreement"), and otherwise keeps its hyphen ("follow-up",
     "termi-nation"), which loses nothing. Left as they are: a capital or digit after the break (a new item) unless
-    the word is in capitals throughout ("LIA-" "BILITY"), and a conjunction ("short-" "and long-term"). The rest
-    of the tail's line starts a line of its own."""
+    the word is in capitals throughout ("LIA-" "BILITY"), a conjunction ("short-" "and long-term"), and the lines
+    of a fenced Markdown code block (```, ~~~), whose line breaks are the code's own. The rest of the tail's line
+    starts a line of its own."""
     words = {word.lower() for text in texts for word in _WORD.findall(text)}
 
     def rejoin(match: re.Match[str]) -> str:
@@ -660,14 +661,37 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
         word = head + tail if (head + tail).lower() in words else f"{head}-{tail}"
         return word + match["suffix"] + ("\n" if match["space"] else "")
 
-    joined = []
-    for text in texts:
+    def rejoined(prose: str) -> str:
         for _ in range(_JOIN_PASSES):
-            text, count = _BROKEN_WORD.subn(rejoin, text)
+            prose, count = _BROKEN_WORD.subn(rejoin, prose)
             if not count:
                 break
-        joined.append(text)
-    return joined
+        return prose
+
+    return ["".join(part if code else rejoined(part) for code, part in _fenced_parts(text)) for text in texts]
+
+
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+
+
+def _fenced_parts(text: str) -> list[tuple[bool, str]]:
+    """`text` cut into (is code, part) pieces that join back to it: a fenced code block (from its opening fence
+    line to its closing one, or to the end if it is never closed) is code, the rest prose."""
+    parts: list[tuple[bool, str]] = []
+    part: list[str] = []
+    fence: str | None = None
+    for line in text.splitlines(keepends=True):
+        opening = _FENCE.match(line)
+        if fence is None and opening:
+            parts.append((False, "".join(part)))
+            part, fence = [line], opening[1]
+            continue
+        part.append(line)
+        if fence is not None and (closing := _FENCE.match(line)) and closing[1].startswith(fence):
+            parts.append((True, "".join(part)))
+            part, fence = [], None
+    parts.append((fence is not None, "".join(part)))
+    return parts
 
 
 def _with_words_joined(pages: Sequence[Page]) -> list[Page]:

@@ -509,6 +509,20 @@ def test_document_from_pages_reads_broken_words_whole() -> None:
     )
 
 
+def test_a_fenced_code_blocks_line_breaks_are_the_codes_own() -> None:
+    code = "````sh\ngit --no-\npager log\n```\nstill-\ncode\n````\n"  # a shorter fence does not close it
+    tilde = "~~~\nx = a-\nb\n"  # never closed: code to the end of the page
+    page = f"the termi-\nnation clause\n{code}and the termi-\nnation date\n{tilde}"
+    whole = "termination, still, code, nopager"
+    assert join_broken_words([page, whole]) == [
+        f"the termination\nclause\n{code}and the termination\ndate\n{tilde}",
+        whole,
+    ]
+    # A markdown page from a framework's reader: prose joined, code as written.
+    doc = document_from_pages([(1, page), (2, whole)])
+    assert "git --no-\npager log" in doc.text and "x = a-\nb" in doc.text and "the termination\nclause" in doc.text
+
+
 def test_document_rejects_text_that_is_not_the_joined_pages() -> None:
     with pytest.raises(ValueError):
         Document(text="x", pages=(Page(1, "y"),), source=None, sha256="0" * 64)
