@@ -681,13 +681,13 @@ def _fenced_parts(text: str) -> list[tuple[bool, str]]:
     part: list[str] = []
     fence: str | None = None
     for line in text.splitlines(keepends=True):
-        opening = _FENCE.match(line)
-        if fence is None and opening:
+        marker = _FENCE.match(line)
+        if fence is None and marker:
             parts.append((False, "".join(part)))
-            part, fence = [line], opening[1]
+            part, fence = [line], marker[1]
             continue
         part.append(line)
-        if fence is not None and (closing := _FENCE.match(line)) and closing[1].startswith(fence):
+        if fence is not None and marker and marker[1].startswith(fence):
             parts.append((True, "".join(part)))
             part, fence = [], None
     parts.append((fence is not None, "".join(part)))

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..config import check_recall
-from ..documents import Document
+from ..documents import Document, Page
 from ..errors import CacheStoreError, ConfigError
 from ..files import write_atomic
 from ..loaded import LoadOnceCache
@@ -485,23 +485,21 @@ class Registry:
         """
         if record.sha256 is None:
             return False
-        donor = next(
-            (
-                other
-                for other in self.list()
-                if other is not record
-                and other.status == "ready"
-                and other.sha256 == record.sha256
-                and other.method == record.method
-                and other.keep == record.keep
-                and other.recall == record.recall
-                and other.cold_bits == record.cold_bits
-                and other.stored_bits == record.stored_bits
-                # The same file read into other text (by an older release) is not an identical document.
-                and self._reads_alike(other, record)
-            ),
-            None,
-        )
+        candidates = [
+            other
+            for other in self.list()
+            if other is not record
+            and other.status == "ready"
+            and other.sha256 == record.sha256
+            and other.method == record.method
+            and other.keep == record.keep
+            and other.recall == record.recall
+            and other.cold_bits == record.cold_bits
+            and other.stored_bits == record.stored_bits
+        ]
+        # The same file read into other text (by an older release) is not an identical document.
+        pages = self._saved_pages(record) if candidates else None
+        donor = next((other for other in candidates if pages is not None and self._saved_pages(other) == pages), None)
         if donor is None:
             return False
         with donor.io_lock, record.io_lock:
@@ -525,11 +523,12 @@ class Registry:
             self._save_status(record)
         return True
 
-    def _reads_alike(self, one: DocumentRecord, other: DocumentRecord) -> bool:
+    def _saved_pages(self, record: DocumentRecord) -> tuple[Page, ...] | None:
+        """The pages of the document saved at upload; None where it cannot be read back (it shares nothing)."""
         try:
-            return self.read_document(one).pages == self.read_document(other).pages
+            return self.read_document(record).pages
         except (OSError, ValueError, KeyError):
-            return False  # a document that cannot be read back shares nothing
+            return None
 
     def delete(self, record: DocumentRecord) -> None:
         """Removes the document's files; returns only once they are gone.
