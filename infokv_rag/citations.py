@@ -50,7 +50,7 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     half).
     """
     pages = document.pages
-    if not pages:
+    if not pages or limit < 1:
         return []
     page_words = [normalize_answer(page.text) for page in pages]
     page_terms = [_terms(words) for words in page_words]

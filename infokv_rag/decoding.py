@@ -34,8 +34,7 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
     engine = document.engine
     suffix = engine.check_question_fits(document.cache.document_tokens, turns, options.max_new_tokens)
     budget = recall_budget(document, options.recall)
-    if budget and document.cold_tier is not None:
-        document.cold_tier.check_source()
+    check_cold_source(document, budget)
     protected = document.cache.sink_tokens + len(suffix) + document.config.window
     if options.max_cache_tokens is not None:
         # No more than fits beside what eviction must keep, and the heads' extras, which every answer reads.
@@ -68,6 +67,13 @@ def recall_budget(document: CompressedDocument, recall: float | int | None) -> i
     return tokens
 
 
+def check_cold_source(document: CompressedDocument, recall: int) -> None:
+    """Refuses (`CacheStoreError`) an answer that would recall from a cold tier changed in place on disk since it
+    was verified (`ColdTier.check_source`)."""
+    if recall and document.cold_tier is not None:
+        document.cold_tier.check_source()
+
+
 def working_session(document: CompressedDocument, extra_tokens: int, recall: int) -> tuple[KVCache, Recall | None]:
     """A working cache over the document's cache with room for `extra_tokens` and `recall` cold entries per
     layer, and the recall that fills it during the next forward pass (None when nothing is recalled)."""
@@ -91,6 +97,9 @@ def _decode(
     n = document.cache.document_tokens
     started = time.perf_counter()
     with engine.lock:
+        # Checked again here, where the cold tier is about to be read: an answer may start long after `generate`
+        # (queued by the service), and a map over a file truncated since would kill the process.
+        check_cold_source(document, budget)
         # Room for the start of the answer only: the buffers double as it grows, and most answers stop far
         # short of `max_new_tokens` (reserving it all would take that much memory per layer, on a GPU at once).
         answer_room = min(options.max_new_tokens, ANSWER_ROOM)

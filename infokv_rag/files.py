@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 import struct
 import tempfile
@@ -98,6 +99,35 @@ def fsync_dir(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Renames the complete `staging` directory to `target`, retiring a directory already there (moved into a
+    `.<target name>.old-*` directory beside it, then removed; one a crash leaves is a leftover to sweep).
+
+    Between retiring the old directory and renaming the new one, `target` does not exist: a crash there
+    leaves none, never a mix of two. Another process may install the same target concurrently; the last
+    rename wins (both are complete).
+    """
+    for attempt in range(5):
+        if target.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            try:
+                os.replace(target, retired / "cache")
+            except FileNotFoundError:
+                pass  # another process retired it first
+        else:
+            retired = None
+        try:
+            os.replace(staging, target)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 4:
+                raise
+            # another save installed its cache between our retire and rename: retire that one too
+        finally:
+            if retired is not None:
+                shutil.rmtree(retired, ignore_errors=True)
 
 
 def safetensors_header(buffer: Any) -> tuple[dict[str, Any], int]:

@@ -27,8 +27,8 @@ had none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
 import glob
 import hashlib
 import json
@@ -38,7 +38,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -53,7 +53,7 @@ from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
-from .files import FileStamp, fsync_dir, open_regular, safetensors_views, write_synced
+from .files import FileStamp, fsync_dir, open_regular, replace_directory, safetensors_views, write_synced
 from .ingestion import DocumentStats, ProgressCallback
 from .quantisation import TENSOR_NAMES, QuantisedEntries
 
@@ -170,7 +170,7 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
         for name, data in files.items():
             write_synced(staging / name, data)
         fsync_dir(staging)
-        _install(staging, target)
+        replace_directory(staging, target)
         fsync_dir(target.parent)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -178,34 +178,6 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
             raise CacheStoreError(f"cannot write the cache to {target}: {exc}") from exc
         raise
     return target
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Renames the complete `staging` directory to `target`, retiring a cache already there.
-
-    Between retiring the old cache and renaming the new one, `target` does not exist: a crash there
-    leaves no cache, never a mix of two. Another process may install the same target concurrently;
-    the last rename wins (both caches are complete).
-    """
-    for attempt in range(5):
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            try:
-                os.replace(target, retired / "cache")
-            except FileNotFoundError:
-                pass  # another process retired it first
-        else:
-            retired = None
-        try:
-            os.replace(staging, target)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 4:
-                raise
-            # another save installed its cache between our retire and rename: retire that one too
-        finally:
-            if retired is not None:
-                shutil.rmtree(retired, ignore_errors=True)
 
 
 def _sweep_leftovers(target: Path) -> None:
@@ -346,14 +318,21 @@ def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> Sa
 
 def load_files(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     """Loads and verifies the saved cache `files`; refuses one made by another model or damaged in any way."""
-    try:
+    with _malformed_manifest(files.where):
         return _load_verified(engine, files)
-    except (KeyError, TypeError, ValueError) as exc:
+
+
+@contextlib.contextmanager
+def _malformed_manifest(where: str) -> Iterator[None]:
+    """Refuses (`CacheStoreError`) what a manifest that passes its checksum but lacks fields, or holds them in
+    other shapes, makes fail: one written by a broken tool."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, InfoKVError):
             raise
-        # A manifest that passes its checksum but lacks fields was written by a broken tool.
         raise CacheStoreError(
-            f"{files.where} holds an incomplete manifest ({exc!r}); ingest the document again"
+            f"{where} holds an incomplete or malformed manifest ({exc!r}); ingest the document again"
         ) from exc
 
 
@@ -404,6 +383,8 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
+    if information is not None and information.dim() != 1:
+        raise CacheStoreError(f"{path} holds information values of shape {tuple(information.shape)}, not (n,)")
     summaries = _summaries(tensors, config, runner, path) if "summary_keys.0" in tensors or config.summaries else None
     sinks = int(manifest["tokens"]["sink_tokens"])
     cache: ResidentCache
@@ -414,6 +395,8 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     else:
         cache = _coded_cache(tensors, config.stored_bits, n, sinks, summaries, config.heads_differ, runner, path)
     cold = None
+    if config.recall and COLD not in manifest["files"]:
+        raise CacheStoreError(f"{path} was made with recall {config.recall} but holds no cold tier; ingest again")
     if COLD in manifest["files"]:
         cold_tensors, stamp = _read_cold_tensors(files, manifest["files"][COLD])
         bits, apart = int(manifest["cold_tier"]["bits"]), manifest["format_version"] >= EXTRAS_APART_FROM
@@ -442,8 +425,12 @@ def _layer_positions(
         or positions.shape[0] != runner.kv_heads
         or scores.shape != positions.shape
         or (positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < n)
+        or not bool((positions[:, 1:] > positions[:, :-1]).all())  # kept in the document's order, each once
     ):
-        raise CacheStoreError(f"{path} layer {index} holds positions that do not fit the model and the document {n}")
+        raise CacheStoreError(
+            f"{path} layer {index} holds positions that do not fit the model and the document {n} (out of range, "
+            "repeated or out of order); ingest the document again"
+        )
     return positions.to(runner.device), scores.to(runner.device)
 
 
@@ -666,18 +653,19 @@ def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """A summary of a saved cache for `infokv-rag info`: manifest and file checksums verified."""
-    manifest = verify_files(directory)
-    return {
-        "path": str(Path(directory).expanduser().resolve()),
-        "model": manifest["model"],
-        "config": manifest["config"],
-        "document": {**manifest["document"], "pages": len(manifest["document"]["pages"])},
-        "tokens": manifest["tokens"],
-        "stats": manifest["stats"],
-        "cold_tier": _describe_cold_tier(manifest),
-        "library_version": manifest["library_version"],
-        "format_version": manifest["format_version"],
-    }
+    with _malformed_manifest(str(directory)):
+        manifest = verify_files(directory)
+        return {
+            "path": str(Path(directory).expanduser().resolve()),
+            "model": manifest["model"],
+            "config": manifest["config"],
+            "document": {**manifest["document"], "pages": len(manifest["document"]["pages"])},
+            "tokens": manifest["tokens"],
+            "stats": manifest["stats"],
+            "cold_tier": _describe_cold_tier(manifest),
+            "library_version": manifest["library_version"],
+            "format_version": manifest["format_version"],
+        }
 
 
 def _describe_cold_tier(manifest: dict[str, Any]) -> dict[str, Any] | None:

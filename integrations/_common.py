@@ -300,6 +300,17 @@ def adapter_model_name(model: str | None, document: Any) -> str:
     return DEFAULT_MODEL
 
 
+def token_ids(adapter: AdapterFields, text: str) -> list[int]:
+    """`text`'s tokens by the adapter's model's own tokenizer (its weights load on first use; no document is read):
+    a `CompressedDocument`'s engine when that is the model, else the shared engine of the model named."""
+    document = adapter.document
+    if isinstance(document, CompressedDocument) and adapter.model in (None, document.engine.name):
+        engine = document.engine
+    else:
+        engine = get_engine(adapter_model_name(adapter.model, document), adapter.device, adapter.dtype)
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
 """The call kwargs that choose another document than the adapter's own."""
 
@@ -351,7 +362,7 @@ CALL_KWARGS = frozenset((*CALL_OPTIONS, *DOCUMENT_OPTIONS, "stop"))
 """Every kwarg a call takes: a misspelt option (or the core's `max_new_tokens`) must not pass unseen."""
 
 
-def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: Sequence[str] | None) -> GenerationOptions:
+def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: str | Sequence[str] | None) -> GenerationOptions:
     """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`); ConfigError
     for a kwarg that no call takes (`CALL_KWARGS`)."""
     unknown = sorted(set(kwargs) - CALL_KWARGS)
@@ -362,7 +373,7 @@ def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: Sequence[
         max_new_tokens=options["max_tokens"],
         temperature=options["temperature"],
         top_p=options["top_p"],
-        stop=[s for s in (stop or ()) if s],
+        stop=[s for s in ([stop] if isinstance(stop, str) else stop or ()) if s],  # a string is one sequence
         seed=options["seed"],
         max_cache_tokens=options["max_cache_tokens"],
         recall=options["recall"],

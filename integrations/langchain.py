@@ -60,6 +60,7 @@ from ._common import (
     document_identity,
     open_call_document,
     optional_config,
+    token_ids,
 )
 
 __all__ = ["ChatInfoKV", "InfoKVLLM", "messages_to_turns"]
@@ -97,8 +98,12 @@ def messages_to_turns(messages: Sequence[BaseMessage]) -> list[Turn]:
     for message in messages:
         if isinstance(message, ChatMessage):
             role = _ROLES.get(message.role)
-        elif isinstance(message, (HumanMessage, AIMessage, SystemMessage)):
-            role = _ROLES.get(message.type)
+        elif isinstance(message, HumanMessage):  # the chunk classes too (a streamed answer kept in the history)
+            role = "user"
+        elif isinstance(message, AIMessage):
+            role = "assistant"
+        elif isinstance(message, SystemMessage):
+            role = "system"
         else:
             role = None
         if role is None:
@@ -254,6 +259,10 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
     def _llm_type(self) -> str:
         return "infokv-chat"
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """By the model's own tokenizer (`get_num_tokens`, `trim_messages`), not LangChain's GPT-2 fallback."""
+        return token_ids(self, text)
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
@@ -361,6 +370,10 @@ class InfoKVLLM(LLM, _InfoKVFields):
     def _llm_type(self) -> str:
         return "infokv"
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """By the model's own tokenizer (`get_num_tokens`, `trim_messages`), not LangChain's GPT-2 fallback."""
+        return token_ids(self, text)
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
@@ -403,6 +416,12 @@ class InfoKVLLM(LLM, _InfoKVFields):
             },
         }
 
+    @staticmethod
+    def _check_prompts(prompts: list[str]) -> None:
+        """Refuses a batch holding a prompt that cannot be asked before any prompt of it is answered."""
+        for prompt in prompts:
+            check_conversation([("user", prompt)])
+
     def _call(
         self,
         prompt: str,
@@ -420,6 +439,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        self._check_prompts(prompts)
         generations = []
         for prompt in prompts:
             if self.streaming:  # pieces reach on_llm_new_token as they are generated
@@ -463,6 +483,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        self._check_prompts(prompts)
         generations = []
         for prompt in prompts:
             if self.streaming:

@@ -115,6 +115,14 @@ def wait_settled(client: HTTPClient, doc_id: str, headers: dict[str, str], timeo
         time.sleep(0.05)
 
 
+def wait_queue(client: HTTPClient, **counts: int) -> None:
+    """Wait until /healthz's queue shows at least these counts (`active_generations=1`, ...)."""
+    deadline = time.monotonic() + 60
+    while any(admin_health(client)["queue"][name] < count for name, count in counts.items()):
+        assert time.monotonic() < deadline, (counts, admin_health(client)["queue"])
+        time.sleep(0.02)
+
+
 def upload_ready(client: HTTPClient, headers: dict[str, str], name: str, data: bytes, **fields: str) -> str:
     created = upload(client, headers, name, data, **fields)
     assert created.status_code == 202, created.text

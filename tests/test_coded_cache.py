@@ -154,6 +154,22 @@ def resign(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
+def test_positions_repeated_or_out_of_order_are_refused_even_with_a_consistent_manifest(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """Kept entries stay in the document's order, each once: a layer that holds one position twice (or out of
+    order) would answer from a document that never was."""
+    for stored_bits in (None, 4):
+        path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.4, stored_bits=stored_bits)).save(
+            tmp_path / f"doc-{stored_bits}"
+        )
+        tensors = load((path / TENSORS).read_bytes())
+        for broken in (torch.zeros_like, lambda positions: positions.flip(1).contiguous()):
+            resign(path, {**tensors, "positions.0": broken(tensors["positions.0"])})
+            with pytest.raises(CacheStoreError, match="repeated or out of order"):
+                random_engine.load(path)
+
+
 def test_codes_that_do_not_fit_the_model_are_refused_even_with_a_consistent_manifest(
     random_engine: InfoKVEngine, tmp_path: Path
 ) -> None:

@@ -323,8 +323,11 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
     assert loaded.ask(QUESTION, max_new_tokens=8) == answer
     (path / COLD).write_bytes(good)
 
-    for change in ("written over", "truncated"):
+    for change in ("written over", "truncated"):  # written over first: without the check it fails, not crashes
         loaded = random_engine.load(path)
+        # An answer asked before the change and read after it (as the service queues answers) reads the cold tier
+        # only then: it is checked then.
+        asked_before = loaded.generate(question_turns(QUESTION), GenerationOptions(max_new_tokens=8))
         time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
         with open(path / COLD, "r+b") as handle:
             if change == "written over":
@@ -332,6 +335,8 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
                 handle.write(bytes(4096))
             else:
                 handle.truncate(len(good) // 2)
+        with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+            asked_before.text()
         with pytest.raises(CacheStoreError, match="written over or truncated in place"):
             loaded.ask(QUESTION, max_new_tokens=8)
         assert loaded.ask(QUESTION, max_new_tokens=8, recall=0) == without_recall, "the hot cache is in memory"
@@ -393,6 +398,21 @@ def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
     with pytest.raises(
         CacheStoreError, match="cold tier of layer 0, beside the hot cache, head 0: key_codes does not match"
     ):
+        random_engine.load(path)
+
+
+def test_a_cache_made_with_recall_whose_cold_tier_is_gone_is_refused(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """The cold tier dropped from a consistent manifest: refused at the load (a `CacheStore` then reads the document
+    again), not loaded for every answer that recalls by default to fail."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
+    (path / COLD).unlink()
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["files"][COLD]
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CacheStoreError, match="made with recall 0.1 but holds no cold tier"):
         random_engine.load(path)
 
 

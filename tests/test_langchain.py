@@ -17,7 +17,15 @@ pytest.importorskip("pytest_asyncio")
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.load import dumpd, dumps
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    HumanMessageChunk,
+    SystemMessage,
+    SystemMessageChunk,
+    ToolMessage,
+)
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import Runnable
@@ -30,7 +38,7 @@ from infokv_rag.documents import document_from_text
 from infokv_rag.errors import CacheStoreError, ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
-from infokv_rag.integrations._common import get_engine, open_document
+from infokv_rag.integrations._common import call_options, get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
 from infokv_rag.store import save_document
 
@@ -131,6 +139,14 @@ def test_messages_to_turns_folds_roles_and_rejects_non_text() -> None:
         messages_to_turns([HumanMessage([{"type": "image", "base64": "AAAA", "mime_type": "image/png"}])])
     with pytest.raises(ValueError, match="no tool calling"):
         messages_to_turns([HumanMessage("q"), ToolMessage("3", tool_call_id="x")])
+    # A streamed answer kept in the history is a chunk of its message class (LangChain's `full = full + chunk`).
+    chunks = [
+        SystemMessageChunk(content="Be brief."),
+        HumanMessageChunk(content="Hi"),
+        AIMessageChunk(content="Hello"),
+        HumanMessage("Q?"),
+    ]
+    assert messages_to_turns(chunks) == turns
 
 
 def test_weights_load_lazily(tmp_path: Path) -> None:
@@ -165,6 +181,14 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
         for kind, message, call in refusals:
             with pytest.raises(kind, match=message):
                 call(llm)
+    # A completion batch is checked whole before any prompt of it is answered (this document would be read first).
+    for batch in (
+        lambda llm: llm.generate(["What is the fee?", " "]),
+        lambda llm: llm.batch(["What is the fee?", "Who pays?", ""]),
+        lambda llm: asyncio.run(llm.agenerate(["What is the fee?", "\x00"])),
+    ):
+        with pytest.raises(EmptyQuestionError, match="empty"):
+            batch(InfoKVLLM(model="tiny", document_text=f"{SUITE_TEXT} Read by no batch."))
     # A chat's question is its last user message: an empty one there is refused, whatever came before.
     chat = ChatInfoKV(model="tiny", document_text=f"{SUITE_TEXT} Read by no chat.")
     with pytest.raises(EmptyQuestionError, match="last user message"):
@@ -387,6 +411,19 @@ def test_recall_from_compression_and_per_call(random_model_dir: Path) -> None:
     info = result.generations[0][0].generation_info
     assert info is not None and info["recalled_tokens"] == 4 * layers
     assert llm._identifying_params["recall"] == 4 and llm._identifying_params["compression"]["recall"] == 0.1
+
+
+def test_tokens_are_counted_and_stop_strings_read_as_the_model_does(random_model_dir: Path) -> None:
+    text = "Either party may terminate this agreement with ninety days written notice."
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=6)
+    tokenizer = chat.compressed_document().engine.tokenizer
+    expected = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    for adapter in (chat, InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT)):
+        assert adapter.get_num_tokens(text) == expected  # not LangChain's GPT-2 fallback
+    assert chat.get_num_tokens_from_messages([HumanMessage(text)]) >= expected
+    # A stop given as a string is one sequence, as the core takes it, not a stop at any of its characters.
+    assert call_options(chat, {}, "ninety").stop == ("ninety",)
+    assert call_options(chat, {}, ["ninety", ""]).stop == ("ninety",)
 
 
 def test_recall_without_a_cold_tier_is_refused(random_model_dir: Path) -> None:

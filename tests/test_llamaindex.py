@@ -54,6 +54,7 @@ def test_supporting_pages_prefer_the_page_holding_the_answer() -> None:
     assert supporting_pages(document, "zzz qqq") == []
     single = document_from_text("Only one page here.")
     assert supporting_pages(single, "nothing related") == [(0, 0.0)]
+    assert supporting_pages(single, "nothing related", limit=0) == [], "max_sources=0: no page at all"
 
 
 def test_citations_match_whole_words() -> None:

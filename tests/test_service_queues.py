@@ -39,6 +39,7 @@ from .service_helpers import (  # noqa: E402
     random_model_settings,
     upload,
     upload_ready,
+    wait_queue,
 )
 
 KEY_A, KEY_B, KEY_C = "queues-key-tenant-a", "queues-key-tenant-b", "queues-key-tenant-c"
@@ -104,14 +105,6 @@ def wait_status(client: httpx.Client, doc_id: str, headers: dict[str, str], stat
     deadline = time.monotonic() + 120
     while client.get(f"/v1/documents/{doc_id}", headers=headers).json()["status"] != status:
         assert time.monotonic() < deadline, f"{doc_id} never {status}"
-        time.sleep(0.02)
-
-
-def wait_queue(client: httpx.Client, **counts: int) -> None:
-    """Wait until /healthz's queue shows at least these counts (`active_generations=1`, ...)."""
-    deadline = time.monotonic() + 60
-    while any(admin_health(client)["queue"][name] < count for name, count in counts.items()):
-        assert time.monotonic() < deadline, (counts, admin_health(client)["queue"])
         time.sleep(0.02)
 
 

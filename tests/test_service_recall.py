@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from .service_helpers import (  # noqa: E402
     server_counters,
     upload,
     upload_ready,
+    wait_queue,
     wait_settled,
 )
 
@@ -136,6 +138,39 @@ def test_a_restart_and_a_lost_cache_keep_the_cold_tier(random_engine: InfoKVEngi
         assert wait_settled(client, doc_id, A)["status"] == "ready"
         assert ask(client, doc_id).json()["answer"] == answer.json()["answer"]
         assert server_counters(client)["prefills"] == 1
+
+
+def test_a_cold_tier_changed_while_its_question_waits_is_not_read(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """A question about a document with a cold tier waits behind another answer; meanwhile the cold tier is written
+    over in place. When its turn comes, the question gets 409 `cache_rebuilding` (never an answer read through the
+    changed map), and the document is read again."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        busy = upload_ready(client, A, "other.txt", LONG)
+        doc_id = upload_ready(client, A, "contract.txt", LONG, recall="16")
+    with running(random_engine, data, max_new_tokens=800, max_active_generations=1) as client:
+        expected = ask(client, doc_id).json()["answer"]  # loaded from disk: its cold tier is mapped
+        answers: dict[str, Any] = {}
+
+        def ask_in_thread(name: str, doc: str, max_tokens: int) -> None:
+            answers[name] = ask(client, doc, max_tokens=max_tokens)
+
+        running_answer = threading.Thread(target=ask_in_thread, args=("busy", busy, 800))
+        running_answer.start()
+        wait_queue(client, active_generations=1)
+        waiting = threading.Thread(target=ask_in_thread, args=("waiting", doc_id, 2))
+        waiting.start()
+        wait_queue(client, queued_generations=1)
+        time.sleep(0.05)  # file times tick coarsely: the change must come after the load's stamp
+        with open(data / "documents" / doc_id / "cache" / "cold.safetensors", "r+b") as handle:
+            handle.seek(-4096, 2)
+            handle.write(bytes(4096))
+        assert client.delete(f"/v1/documents/{busy}", headers=A).status_code == 200  # the waiting one's turn
+        running_answer.join()
+        waiting.join()
+        assert_error(answers["waiting"], 409, "cache_rebuilding")
+        assert wait_settled(client, doc_id, A)["status"] == "ready"
+        assert ask(client, doc_id).json()["answer"] == expected
 
 
 def test_the_shared_store_publishes_and_loads_the_cold_tier(

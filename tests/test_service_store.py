@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from .service_helpers import (  # noqa: E402
     random_model_settings,
     server_counters,
     upload_ready,
+    wait_queue,
     wait_settled,
 )
 
@@ -103,6 +105,37 @@ def test_another_process_answers_from_the_store_without_a_prefill(
         assert second.delete(f"/v1/documents/{doc_id}", headers=A).status_code == 200
         assert_error(first.get(f"/v1/documents/{doc_id}", headers=A), 404, "document_not_found")
         assert first.get("/v1/documents", headers=A).json()["data"] == []
+
+
+def test_a_delete_elsewhere_ends_the_answers_in_flight_here(
+    random_engine: InfoKVEngine, second_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """Process 1 is answering a question about a document, with another one queued; process 2 deletes it. Neither
+    answer goes on: the running one ends within about a second (`DeleteWatcher`), the queued one never starts."""
+    store = f"file://{tmp_path}/store"
+    limits = {"max_new_tokens": 3000, "max_active_generations": 1}
+    with (
+        TestClient(create_app(settings_for(tmp_path / "a", store, **limits), engine=random_engine)) as first,
+        TestClient(create_app(settings_for(tmp_path / "b", store, **limits), engine=second_engine)) as second,
+    ):
+        doc_id = upload_ready(first, A, "memo.txt", SECRET)
+        answers: dict[str, Any] = {}
+
+        def ask(name: str, max_tokens: int) -> None:
+            body = {**QUESTION, "max_tokens": max_tokens}
+            answers[name] = first.post(f"/v1/documents/{doc_id}/ask", json=body, headers=A)
+
+        running = threading.Thread(target=ask, args=("running", 3000))
+        running.start()
+        wait_queue(first, active_generations=1)
+        queued = threading.Thread(target=ask, args=("queued", 4))
+        queued.start()
+        wait_queue(first, queued_generations=1)
+        assert second.delete(f"/v1/documents/{doc_id}", headers=A).status_code == 200
+        running.join()
+        queued.join()
+        for name in ("running", "queued"):  # a running answer that had gone on to its end would be a 200
+            assert_error(answers[name], 404, "document_not_found")
 
 
 def put_orphan(backend: CacheBackend, doc_id: str, **meta: Any) -> None:

@@ -195,6 +195,52 @@ def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(
         assert ask(client, B, doc_b).status_code == 200
 
 
+def test_a_shared_cache_read_again_replaces_the_lost_one(random_engine: Any, tmp_path: Path) -> None:
+    """B's cache, shared from A's, loses a file: B is read again, and its identical twin's cache replaces what is
+    left of the lost one (a verified copy, no prefill); a restart after a kill in the middle reads it again too."""
+    data = tmp_path / "data"
+    with running(random_engine, data, share_caches=True) as client:
+        upload_ready(client, A1, "same.txt", SECRET)
+        doc_b = upload_ready(client, B, "same.txt", SECRET)
+        answer = ask(client, B, doc_b).json()["answer"]
+    os.unlink(_tensors(data, doc_b))  # B's own link only: A's files are whole
+    with running(random_engine, data, share_caches=True) as client:
+        assert_error(ask(client, B, doc_b), 409, "cache_rebuilding")
+        info = wait_settled(client, doc_b, B)
+        assert (info["status"], info["prefill_seconds"]) == ("ready", 0.0)
+        assert ask(client, B, doc_b).json()["answer"] == answer
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (0, 1)
+    # Killed after the shared cache was in place but before B's record said ready: read again at the restart.
+    meta = data / "documents" / doc_b / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "status": "queued"}))
+    with running(random_engine, data, share_caches=True) as client:
+        assert wait_settled(client, doc_b, B)["status"] == "ready"
+        assert ask(client, B, doc_b).json()["answer"] == answer
+
+
+@pytest.mark.parametrize("damage", ["lost", "damaged"])
+def test_a_twin_whose_cache_cannot_be_used_shares_nothing(random_engine: Any, tmp_path: Path, damage: str) -> None:
+    """A's listed cache is gone or damaged: B's upload of the same file is read as any other (never ready on a
+    copy that cannot answer, never failed for A's sake), and A is read again when next asked."""
+    data = tmp_path / "data"
+    with running(random_engine, data, share_caches=True) as client:
+        doc_a = upload_ready(client, A1, "same.txt", SECRET)
+        expected = ask(client, A1, doc_a).json()["answer"]
+    if damage == "lost":
+        shutil.rmtree(data / "documents" / doc_a / "cache")
+    else:
+        _tensors(data, doc_a).unlink()
+    with running(random_engine, data, share_caches=True) as client:
+        doc_b = upload_ready(client, B, "same.txt", SECRET)
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (1, 0)
+        assert ask(client, B, doc_b).json()["answer"] == expected
+        assert_error(ask(client, A1, doc_a), 409, "cache_rebuilding")
+        assert wait_settled(client, doc_a, A1)["status"] == "ready"
+        assert ask(client, A1, doc_a).json()["answer"] == expected
+
+
 def test_a_cache_moved_under_another_document_is_never_answered_from(random_engine: Any, tmp_path: Path) -> None:
     """A whole, verified cache of tenant B's document (or of the same file read with other options) put in
     place of A's by hand: A's document is read again from its own text, never answered from B's cache."""
@@ -498,6 +544,39 @@ def test_write_failures_are_507_and_keep_nothing(client: TestClient, tmp_path: P
     assert ids(client, A1) == set() and list(documents.iterdir()) == []
     assert list((tmp_path / "data" / "uploads").iterdir()) == []
     assert upload_ready(client, A1, "memo.txt", SECRET)  # and it works again once the disk does
+
+
+def test_a_status_the_disk_refuses_is_not_shown_either(random_engine: Any, tmp_path: Path) -> None:
+    """A lost cache found while the disk refuses the document's new status: 507, and the document stays as its
+    files say (ready); the next question, once the disk allows it, has it read again."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        doc = upload_ready(client, A1, "memo.txt", SECRET)
+    _tensors(data, doc).unlink()
+    with running(random_engine, data) as client:
+        with read_only(data / "documents" / doc):
+            error = assert_error(ask(client, A1, doc), 507, "storage_error")
+            assert "could not save the document's status" in error["message"]
+            assert client.get(f"/v1/documents/{doc}", headers=A1).json()["status"] == "ready"
+        assert_error(ask(client, A1, doc), 409, "cache_rebuilding")
+        assert wait_settled(client, doc, A1)["status"] == "ready"
+        assert ask(client, A1, doc).status_code == 200
+
+
+def test_an_upload_killed_before_it_was_listed_leaves_nothing_after_a_restart(
+    random_engine: Any, tmp_path: Path
+) -> None:
+    """What a kill between an upload's text and its meta file leaves (the text alone) is removed at the restart:
+    the upload was never listed nor answered to its uploader, and nobody could see or delete it."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        doc = upload_ready(client, A1, "memo.txt", SECRET)
+    half_made = data / "documents" / ("doc_" + "h" * 22)
+    half_made.mkdir()
+    shutil.copy(data / "documents" / doc / "document.json", half_made / "document.json")
+    with running(random_engine, data) as client:
+        assert ids(client, ADMIN) == {doc}
+    assert not half_made.exists() and (data / "documents" / doc / "document.json").exists()
 
 
 def test_delete_answers_success_only_when_the_files_are_gone(random_engine: Any, tmp_path: Path) -> None:

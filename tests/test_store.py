@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Page, document_from_text, load_document
 from infokv_rag.signals import LayerBudgetSettings
-from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum
+from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum, describe
 
 from .conftest import CORPUS
 from .helpers import document_cache
@@ -203,6 +203,15 @@ DAMAGE = {
         rf"uses cache format {FORMAT_VERSION + 1}, "
         rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7 and {FORMAT_VERSION}",
     ),
+    # Consistent manifests (re-signed, as a broken tool would) holding fields in other shapes.
+    "manifest-stats-a-list": (
+        lambda d: _edit_manifest(d, lambda m: m.update(stats=list(m["stats"])), True),
+        r"incomplete or malformed manifest \(AttributeError",
+    ),
+    "manifest-files-a-list": (
+        lambda d: _edit_manifest(d, lambda m: m.update(files=list(m["files"])), True),
+        r"incomplete or malformed manifest|cannot be parsed",
+    ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
         r"uses cache format '2\.0'",
@@ -219,6 +228,27 @@ def test_damaged_cache_is_refused(damage: str, random_engine: InfoKVEngine, save
     with pytest.raises(CacheStoreError, match=message) as refused:
         random_engine.load(copy)
     assert "ingest" in str(refused.value), "the message says what to do"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(files=list(m["files"])),
+        lambda m: m.update(document="contract"),
+        lambda m: m["document"].update(pages=3),
+        lambda m: m.pop("tokens"),
+    ],
+)
+def test_info_refuses_a_malformed_manifest_as_load_does(
+    edit: Callable[[dict[str, Any]], object], random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
+) -> None:
+    """`infokv-rag info` (`describe`) on a re-signed manifest whose fields are missing or of other shapes: the same
+    `CacheStoreError` as a load, not a traceback."""
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    _edit_manifest(copy, edit, True)
+    for read in (describe, random_engine.load):
+        with pytest.raises(CacheStoreError, match="malformed manifest|cannot be parsed"):
+            read(copy)
 
 
 @pytest.fixture(scope="module")

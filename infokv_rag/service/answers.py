@@ -60,11 +60,12 @@ def _rebuild(service: Service, record: DocumentRecord, exc: CacheStoreError) -> 
     """Reads the document again, its saved cache being unusable; the error that tells the client so. Of the
     questions that find it unusable at once, the first starts the one read; a deleted document is a 404."""
     assert service.worker is not None
-    if not record.deleted:
-        service.registry.forget_loaded(record.id)
-        if service.registry.update(record, if_status="ready", status="queued", reason=None, reason_code=None):
-            log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
-            service.worker.read_again(record)
+    service.worker.read_cache_again(record, exc)
+    return _rebuilding(record)
+
+
+def _rebuilding(record: DocumentRecord) -> ServiceError:
+    """What a question gets whose document's saved cache could not be used (`ModelWorker.read_cache_again`)."""
     if record.deleted:  # its files went while it loaded: that is the failure, not a damaged cache
         return document_not_found()
     if record.status == "failed":
@@ -158,12 +159,16 @@ async def start_answer(
         raise exc.refusal(retry_after=2) from exc
 
 
-def event_error(event: Event) -> ServiceError:
+def event_error(job: GenerationJob, event: Event) -> ServiceError:
     if event.kind == "cancelled":
         return ServiceError(503, "cancelled", "the answer was cancelled because the server is shutting down")
     if event.kind == "deleted":
         return document_not_found()
     exc = event.error
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, CacheStoreError):  # found unusable as the answer began (the worker reads it again)
+        return _rebuilding(job.record)
     if isinstance(exc, InfoKVError):
         error = from_core(exc)
         if error.status < 500:
@@ -186,7 +191,7 @@ async def collect(job: GenerationJob, request: Request) -> str:
         elif event.kind == "done":
             return "".join(pieces)
         elif event.kind in ("error", "cancelled", "deleted"):
-            raise event_error(event)
+            raise event_error(job, event)
     raise ServiceError(500, "internal_error", "the answer ended unexpectedly")
 
 
@@ -207,5 +212,5 @@ async def sse_events(job: GenerationJob) -> AsyncIterator[tuple[str, Any]]:
         elif event.kind == "done":
             yield "done", None
         else:
-            error = event_error(event)
+            error = event_error(job, event)
             yield "error", error.body()

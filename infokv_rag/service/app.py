@@ -39,7 +39,7 @@ from .errors import error_body, install_error_handlers, status_on
 from .openapi import openapi_with_limits
 from .routers import documents, health, openai, page
 from .settings import Settings
-from .shared_registry import LeaseKeeper, StoreRegistry, open_registry
+from .shared_registry import DeleteWatcher, LeaseKeeper, StoreRegistry, open_registry
 
 if TYPE_CHECKING:
     from ..engine import InfoKVEngine
@@ -161,7 +161,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         from ..engine import InfoKVEngine
         from .worker import ModelWorker
 
-        leases: LeaseKeeper | None = None
+        keepers: list[LeaseKeeper | DeleteWatcher] = []
         try:
             if service.engine is None:
                 log.info("loading model %s", settings.model)
@@ -175,16 +175,17 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             worker.start()
             service.worker = worker
             if isinstance(service.registry, StoreRegistry):
-                leases = LeaseKeeper(service.registry, worker, settings)
-                leases.start()
+                keepers = [LeaseKeeper(service.registry, worker, settings), DeleteWatcher(service.registry, worker)]
+                for keeper in keepers:
+                    keeper.start()
             for record in pending:
                 log.info("reading %s again (interrupted by the last shutdown)", record.id)
                 worker.read_again(record)
             service.started_at = time.time()
             yield
         finally:
-            if leases is not None:
-                await run_in_threadpool(leases.stop)
+            for keeper in keepers:
+                await run_in_threadpool(keeper.stop)
             if service.worker is not None:
                 await run_in_threadpool(service.worker.stop)
             service.registry.close()  # releases the data directory for the next server

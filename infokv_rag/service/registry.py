@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..config import check_recall
 from ..documents import Document, Page
 from ..errors import CacheStoreError, ConfigError
-from ..files import write_atomic
+from ..files import replace_directory, write_atomic
 from ..loaded import LoadOnceCache
 from .errors import StorageError
 
@@ -334,8 +334,9 @@ class Registry:
     def open(self) -> list[DocumentRecord]:
         """Reads the data directory; returns the documents whose ingestion must (re)start.
 
-        Whatever a killed process left half-done is settled first: half-received uploads and temporary
-        files are removed, interrupted deletions are finished (or shown as `delete_incomplete`).
+        Whatever a killed process left half-done is settled first: half-received uploads, uploads whose meta
+        file was never written and temporary files are removed, interrupted deletions are finished (or shown as
+        `delete_incomplete`).
         """
         self.documents_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.uploads_dir.glob("upload-*"):
@@ -346,6 +347,10 @@ class Registry:
                 self._finish_interrupted_delete(directory)
                 continue
             if not directory.is_dir() or not valid_document_id(directory.name):
+                continue
+            if not (directory / META).exists():
+                # `create` writes the meta file last: this upload was never listed, nor answered to its uploader.
+                shutil.rmtree(directory, ignore_errors=True)
                 continue
             record = self._read_meta(directory, directory.name)
             if record is None:
@@ -427,22 +432,37 @@ class Registry:
     def update(self, record: DocumentRecord, *, if_status: str | None = None, **changes: Any) -> bool:
         """Changes and persists a record; False when it was deleted meanwhile (also when a delete elsewhere is
         only found out by writing it), or when its status is not `if_status` (a check and change in one step).
-        StorageError when the meta file cannot be written (the change then holds in memory only)."""
+        StorageError when the meta file cannot be written: the record is then left as it was, so that what this
+        process serves is what a restart would find."""
         with record.io_lock:
             if record.deleted or (if_status is not None and record.status != if_status):
                 return False
+            before = {name: getattr(record, name) for name in (*changes, "updated_at")}
             for name, value in changes.items():
                 setattr(record, name, value)
-            self._save_status(record)
+            try:
+                self._save_status(record)
+            except StorageError:
+                for name, value in before.items():
+                    setattr(record, name, value)
+                raise
             return not record.deleted
 
+    def confirm_listed(self, record: DocumentRecord) -> bool:
+        """False once `record` is deleted (a delete here marks the record at once; `StoreRegistry` also looks for
+        deletes by other processes)."""
+        return not record.deleted
+
     def fail(self, record: DocumentRecord, code: str, reason: str) -> None:
+        """Marks the record failed. Where the disk refuses, the failure still stands in memory (nothing here will
+        read it again); after a restart the meta file still says queued or processing, and it is read again."""
         try:
             self.update(record, status="failed", reason=reason, reason_code=code)
         except StorageError:
-            # The failure stands in memory; after a restart the meta file still says queued or processing,
-            # and the document is read again.
             log.exception("could not persist the failure of %s", record.id)
+            with record.io_lock:
+                if not record.deleted:
+                    record.status, record.reason, record.reason_code = "failed", reason, code
         self.forget_loaded(record.id)
 
     def finish(self, record: DocumentRecord, document: CompressedDocument) -> bool:
@@ -477,11 +497,15 @@ class Registry:
     def _load_cache(self, engine: InfoKVEngine, doc_id: str) -> CompressedDocument:
         return engine.load(self.cache_path(doc_id))
 
-    def share(self, record: DocumentRecord) -> bool:
-        """Gives `record` a copy of an identical ready document's cache (`share_caches`); False when none.
+    def share(self, record: DocumentRecord, engine: InfoKVEngine) -> bool:
+        """Gives `record` a copy of an identical ready document's cache (`share_caches`); False when no such
+        document's cache can be used, and `record` is then read as any other upload.
 
-        The files are hard links where the filesystem allows (the cache is never modified in place: a
-        new save replaces the directory), so sharing costs no space.
+        The copy is verified as a load verifies a saved cache, and must hold `record`'s document, before it replaces
+        whatever `record` has (a document read again after its cache was lost may have a twin): a donor whose
+        cache is lost or damaged shares nothing (it is read again itself when next asked). The files are hard
+        links where the filesystem allows (a cache is never modified in place: a new save replaces the
+        directory), so sharing costs no space. `StorageError` when a verified copy cannot be put in place.
         """
         if record.sha256 is None:
             return False
@@ -499,18 +523,28 @@ class Registry:
         ]
         # The same file read into other text (by an older release) is not an identical document.
         pages = self._saved_pages(record) if candidates else None
-        donor = next((other for other in candidates if pages is not None and self._saved_pages(other) == pages), None)
-        if donor is None:
-            return False
+        donors = (other for other in candidates if pages is not None and self._saved_pages(other) == pages)
+        return any(self._share_from(donor, record, engine) for donor in donors)
+
+    def _share_from(self, donor: DocumentRecord, record: DocumentRecord, engine: InfoKVEngine) -> bool:
         with donor.io_lock, record.io_lock:
             if donor.deleted or record.deleted:
                 return False
-            staging = Path(tempfile.mkdtemp(prefix=".cache.sharing-", dir=self.directory(record.id)))
             try:
-                shutil.copytree(self.cache_path(donor.id), staging / CACHE, copy_function=_link_or_copy)
-                os.replace(staging / CACHE, self.cache_path(record.id))
+                staging = Path(tempfile.mkdtemp(prefix=".cache.sharing-", dir=self.directory(record.id)))
             except OSError as exc:
                 raise StorageError("copy a shared cache", exc) from exc
+            try:
+                try:
+                    shutil.copytree(self.cache_path(donor.id), staging / CACHE, copy_function=_link_or_copy)
+                    _check_belongs(record, engine.load(staging / CACHE))
+                except (OSError, CacheStoreError) as exc:
+                    log.warning("%s cannot share the cache of %s, reading it instead: %s", record.id, donor.id, exc)
+                    return False
+                try:
+                    replace_directory(staging / CACHE, self.cache_path(record.id))
+                except OSError as exc:
+                    raise StorageError("copy a shared cache", exc) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
             for name in ("tokens", "kept_tokens", "cache_bytes", "cold_bytes", "full_cache_bytes", "compression_ratio"):

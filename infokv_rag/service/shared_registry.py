@@ -58,6 +58,8 @@ PENDING_STATUSES = ("queued", "processing")
 PROBE = "probes"
 DELETED = "deleted"
 TOMBSTONE = "tombstone"
+DELETE_CHECK_SECONDS = 1.0
+"""How often a process looks for the tombstones of the documents it is answering (`DeleteWatcher`)."""
 CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
 
@@ -244,7 +246,23 @@ class StoreRegistry(Registry):
         data = json.loads(self.backend.get(_key(record.id), DOCUMENT))
         return Document.from_layout(data.pop("text"), data)
 
-    def share(self, record: DocumentRecord) -> bool:
+    def confirm_listed(self, record: DocumentRecord) -> bool:
+        """False once `record` is deleted, by this process or any other (its tombstone is looked up in the store);
+        a store that cannot be read leaves the record as this process knows it."""
+        if not record.deleted:
+            try:
+                deleted = self._deleted(record.id)
+            except OSError as exc:
+                log.warning("cannot look for the tombstone of %s: %s", record.id, exc)
+                return True
+            if deleted:
+                record.deleted = True
+                self.forget_loaded(record.id)
+                with self._lock:
+                    self._records.pop(record.id, None)
+        return not record.deleted
+
+    def share(self, record: DocumentRecord, engine: InfoKVEngine) -> bool:
         raise ConfigError("share_caches is not available with a shared store")  # refused by Settings first
 
     def delete(self, record: DocumentRecord) -> None:
@@ -312,15 +330,13 @@ class StoreRegistry(Registry):
         return won
 
 
-class LeaseKeeper:
-    """Renews the leases of the documents this process reads, and takes over those whose reader died."""
+class _Ticker:
+    """A daemon thread that calls `tick` every `interval` seconds until stopped, surviving its failures."""
 
-    def __init__(self, registry: StoreRegistry, worker: ModelWorker, settings: Settings) -> None:
-        self.registry = registry
-        self.worker = worker
-        self.settings = settings
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="infokv-leases", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"infokv-{type(self).__name__}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -330,12 +346,39 @@ class LeaseKeeper:
         self._thread.join(10)
 
     def _run(self) -> None:
-        interval = self.registry.lease_seconds / 3
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self.interval):
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the keeper must survive a store that fails for a while
-                log.exception("renewing or taking over ingestion leases failed")
+            except Exception:  # noqa: BLE001 - it must survive a store that fails for a while
+                log.exception("%s failed", type(self).__name__)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+
+class DeleteWatcher(_Ticker):
+    """Ends the answers of documents another process deleted: every `DELETE_CHECK_SECONDS` it looks up the
+    tombstones of the documents this process is answering (`StoreRegistry.confirm_listed`), and the decoding
+    thread ends the answers of those found deleted with `document_not_found`."""
+
+    def __init__(self, registry: StoreRegistry, worker: ModelWorker) -> None:
+        super().__init__(DELETE_CHECK_SECONDS)
+        self.registry = registry
+        self.worker = worker
+
+    def tick(self) -> None:
+        for record in self.worker.answering():
+            self.registry.confirm_listed(record)
+
+
+class LeaseKeeper(_Ticker):
+    """Renews the leases of the documents this process reads, and takes over those whose reader died."""
+
+    def __init__(self, registry: StoreRegistry, worker: ModelWorker, settings: Settings) -> None:
+        super().__init__(registry.lease_seconds / 3)
+        self.registry = registry
+        self.worker = worker
+        self.settings = settings
 
     def tick(self) -> None:
         busy = self.worker.ingestions()

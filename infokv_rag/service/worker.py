@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import CompressionConfig
-from ..errors import ConfigError, InfoKVError
+from ..errors import CacheStoreError, ConfigError, InfoKVError
 from .errors import ServiceError, StorageError
 from .registry import DocumentRecord, Registry
 from .scheduling import FairLock
@@ -292,7 +292,9 @@ class ModelWorker:
         if job.cancelled.is_set() or self._stopping:
             self._close(job)
             return self._end(job, Event("cancelled"), "cancelled")
-        if job.record.deleted:  # nothing of a deleted document is served, not even the rest of an answer
+        # Nothing of a deleted document is served, not even the rest of an answer. Its first turn asks the registry,
+        # which sees a delete by another process too (later turns: `DeleteWatcher`).
+        if job.record.deleted or (job.started is None and not self.registry.confirm_listed(job.record)):
             self._close(job)
             return self._end(job, Event("deleted"), "cancelled")
         if job.started is None:
@@ -305,7 +307,12 @@ class ModelWorker:
             self.counters["generated_tokens"] += job.generation.usage.completion_tokens
             return self._end(job, Event("done"), "completed")
         except Exception as exc:  # noqa: BLE001 - reported to the client as a clean error
-            if not isinstance(exc, InfoKVError):
+            if isinstance(exc, CacheStoreError):
+                try:
+                    self.read_cache_again(job.record, exc)
+                except StorageError as storage:
+                    exc = storage  # the client is told that, not that the document is being read again
+            elif not isinstance(exc, InfoKVError):
                 log.exception("generation failed")
             self._close(job)
             return self._end(job, Event("error", error=exc), "failed")
@@ -387,6 +394,23 @@ class ModelWorker:
         self.submit_ingestion(IngestJob(record, config))
         return True
 
+    def answering(self) -> list[DocumentRecord]:
+        """The documents of the answers waiting or being generated here, each once."""
+        with self._cond:
+            jobs = [*self._pending, *self._active, *([self._stepping] if self._stepping else [])]
+        return list({id(job.record): job.record for job in jobs}.values())
+
+    def read_cache_again(self, record: DocumentRecord, exc: CacheStoreError) -> None:
+        """Reads a ready document again, its saved cache having been found unusable (`exc`: why). Of the questions
+        that find it so at once, the first starts the one read; a deleted document is left alone.
+        `StorageError` when its new status cannot be saved: it then stays ready, and the next question tries again."""
+        if record.deleted:
+            return
+        self.registry.forget_loaded(record.id)
+        if self.registry.update(record, if_status="ready", status="queued", reason=None, reason_code=None):
+            log.warning("cache of %s unusable, reading the document again: %s", record.id, exc)
+            self.read_again(record)
+
     def ingestions(self) -> list[str]:
         """Ids of the documents queued or being read here."""
         return list(self._ingest_jobs)
@@ -417,7 +441,7 @@ class ModelWorker:
         if job.cancelled.is_set() or record.deleted:
             return
         try:
-            if self.settings.share_caches and self.registry.share(record):
+            if self.settings.share_caches and self.registry.share(record, self.engine):
                 return  # an identical upload's cache serves it: no prefill
             self._prefill_and_save(job)
         except StorageError as exc:
