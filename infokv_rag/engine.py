@@ -154,7 +154,16 @@ class InfoKVEngine:
 
     @functools.cached_property
     def _token_texts(self) -> list[str]:
-        return self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        """Each token's text as it reads inside a text. SentencePiece decoders (Llama 2, Mistral, Phi-3) drop the
+        space that begins a text's first token ("▁the" reads "the"), which alone would start no word: so each token
+        is decoded after an anchor token, whose own text is then cut off (alone where that is not a prefix)."""
+        anchor = self.tokenizer.encode("a", add_special_tokens=False)
+        prefix = self.tokenizer.decode(anchor)
+        after = self.tokenizer.batch_decode([[*anchor, i] for i in range(len(self.tokenizer))])
+        return [
+            text[len(prefix) :] if text.startswith(prefix) else self.tokenizer.decode([i])
+            for i, text in enumerate(after)
+        ]
 
     def _token_flags(self, test: Callable[[str], bool]) -> Tensor:
         """(vocab,) `test` of each token's text; False for ids the tokenizer does not decode (LM-head padding)."""

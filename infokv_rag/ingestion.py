@@ -6,8 +6,9 @@ input (when the method reads it), a reconstruction pass (when the method reads i
 tokens by how much the model needs them to repeat it, and when the resident cache exceeds the budget
 (always after the last chunk) every layer is scored by the method's scorer and cut to its budget. A last
 remainder shorter than the observation window joins the chunk before it (`chunk_bounds`). So a layer never
-holds more than budget + chunk tokens (a chunk: at most chunk_size + window - 1); with global layer budgets
-the layers together never hold more than layers x (budget + chunk). What each compression drops is folded
+holds more than budget + chunk tokens (a chunk: at most chunk_size + window - 1), and while a reconstruction
+pass repeats the chunk, budget + 2 x chunk + the repeat prompt; with global layer budgets the layers together
+never hold more than layers times that. What each compression drops is folded
 into the layer's summaries (`infokv_rag.summaries`) when the config keeps them. A config that keeps a cold
 tier holds every entry until the end, and is compressed once, after the last chunk.
 """
@@ -274,7 +275,9 @@ class Ingestion:
             chunk = [capture.predicted_reconstruction[layer] for layer in range(self.runner.num_layers)]
             self._append_aligned(PREDICTED_RECONSTRUCTION, chunk)
         if RECONSTRUCTION_ATTENTION in self.aligned:
-            chunk = reconstruction_attention(self.runner, self.engine.prompt, cache, self.ids, start, end, self.sinks)
+            chunk = reconstruction_attention(
+                self.runner, self.engine.prompt, cache, self.ids, start, end, self.sinks, self.note_peak
+            )
             self._append_aligned(RECONSTRUCTION_ATTENTION, chunk)
         final = end == self.n
         over = (

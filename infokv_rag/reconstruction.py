@@ -13,6 +13,8 @@ attention probabilities recomputed here (about 2.7x a plain prefill on CPU, READ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -91,12 +93,14 @@ def reconstruction_attention(
     start: int,
     end: int,
     sinks: int,
+    while_repeated: Callable[[KVCache], None] | None = None,
 ) -> list[Tensor]:
     """Per layer (kv_heads, end - start) reconstruction importance of document tokens [start, end).
 
     ids: (tokens,) the document prefix ids; tokens [start, end) must be the last `end - start` resident
     entries of every layer of `cache`, and its first `sinks` entries the protected head. Tokens before
-    `sinks` are not repeated (they are protected) and score 1.
+    `sinks` are not repeated (they are protected) and score 1. `while_repeated` sees the cache while it holds
+    the repeated chunk too (the repeat prompt and up to `end - start` tokens more per layer), before the rollback.
     """
     first = max(start, sinks)
     scored = end - first
@@ -108,6 +112,8 @@ def reconstruction_attention(
     capture = ReconstructionCapture(scored, sinks, lengths)
     positions = torch.arange(end, end + len(repeated), device=ids.device)
     runner.forward(repeated, positions, cache, capture)
+    if while_repeated is not None:
+        while_repeated(cache)
     cache.rollback(lengths)
     protected = torch.ones(runner.kv_heads, first - start, device=ids.device)
     return [torch.cat([protected, capture.scores[layer]], dim=1) for layer in range(len(lengths))]

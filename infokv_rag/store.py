@@ -374,9 +374,17 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         if isinstance(exc, InfoKVError):
             raise
         raise CacheStoreError(f"{path}/{TENSORS} cannot be parsed ({exc}); ingest the document again") from exc
+    _check_finite(tensors, f"{path}/{TENSORS}")
     text = _read_verified(files, TEXT, manifest["files"][TEXT]).decode("utf-8")
     runner = engine.runner
     n = int(manifest["tokens"]["document"])
+    read_as = len(engine.prompt.document_ids(text))
+    if read_as != n:
+        # Positions index the text's tokens: a cache of another text would cite, and answer from, the wrong one.
+        raise CacheStoreError(
+            f"{path} says its document is {n} tokens, but its text reads as {read_as} with this model's tokenizer; "
+            "ingest the document again"
+        )
     try:
         config = _config(manifest["config"], manifest["format_version"])
     except (ConfigError, TypeError) as exc:
@@ -399,6 +407,7 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         raise CacheStoreError(f"{path} was made with recall {config.recall} but holds no cold tier; ingest again")
     if COLD in manifest["files"]:
         cold_tensors, stamp = _read_cold_tensors(files, manifest["files"][COLD])
+        _check_finite(cold_tensors, f"{path}/{COLD}")
         bits, apart = int(manifest["cold_tier"]["bits"]), manifest["format_version"] >= EXTRAS_APART_FROM
         cold = ColdTier.from_tensors(cold_tensors, cache, bits, path, extras_apart=apart)
         cold.source = stamp
@@ -410,6 +419,22 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         information.to(runner.device) if information is not None else None,
         cold,
     )
+
+
+MAY_BE_INFINITE = ("scores.", "summary_log_counts.")
+"""Saved tensors where an infinity means something: eviction priorities (+inf: kept first) and the summaries' log
+counts (-inf: a padding slot). NaN means nothing anywhere."""
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuses NaN anywhere, and infinities in keys, values and code ranges: attention over them answers nothing
+    the document says, and a checksum does not tell (a broken tool, or an ingestion that overflowed, writes them)."""
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        wrong = tensor.isnan() if name.startswith(MAY_BE_INFINITE) else ~tensor.isfinite()
+        if bool(wrong.any()):
+            raise CacheStoreError(f"{where} holds NaN or infinite values in {name}; ingest the document again")
 
 
 def _layer_positions(

@@ -190,6 +190,15 @@ class _InfoKVFields(BaseModel):
     def _dtype(cls, value: Any) -> str | None:
         return coerce_dtype(value)
 
+    @field_validator("document")
+    @classmethod
+    def _fingerprinted(cls, value: Any) -> Any:
+        """A `CompressedDocument`'s model fingerprint is part of the answer cache's key, which `ainvoke` reads on
+        the event loop; for a `from_model` engine it hashes every weight, so that is done here, once per engine."""
+        if isinstance(value, CompressedDocument):
+            value.engine.fingerprint  # noqa: B018 (a cached property: computed now, read later)
+        return value
+
     @field_validator("password", mode="before")
     @classmethod
     def _secret(cls, value: Any) -> Any:

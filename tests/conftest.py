@@ -29,24 +29,34 @@ CORPUS = [
 ]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import ByteLevelBPETokenizer
+def build_tokenizer(sentencepiece: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2, Qwen, SmolLM) trained on `CORPUS`, or with `sentencepiece` one of the kind
+    Llama 2, Mistral and Phi-3 use (its decoder drops the space that begins a text)."""
+    import string
+
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS * 20, vocab_size=400, min_frequency=1, special_tokens=["<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>"
-    )
+    special = ["<|im_start|>", "<|im_end|>"]
+    if sentencepiece:
+        pieces = SentencePieceBPETokenizer(unk_token="<unk>")
+        pieces.train_from_iterator(CORPUS * 20 + [string.printable], vocab_size=500, special_tokens=["<unk>", *special])
+        trained = pieces._tokenizer
+    else:
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(CORPUS * 20, vocab_size=400, min_frequency=1, special_tokens=special)
+        trained = bpe._tokenizer
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained, eos_token="<|im_end|>", bos_token="<|im_start|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def build_random_model_dir(target: Path, max_positions: int = 4096) -> Path:
-    """A 3-layer GQA Llama with random weights, saved like any local HF model directory."""
+def build_random_model_dir(target: Path, max_positions: int = 4096, sentencepiece: bool = False) -> Path:
+    """A 3-layer GQA Llama with random weights, saved like any local HF model directory (`sentencepiece`: with
+    that kind of tokenizer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(sentencepiece)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

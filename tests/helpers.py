@@ -1,9 +1,11 @@
 """What several test modules share: the framework adapters' facts, running an example as a user does, a
-document's cache at the model's dtype, and a Hugging Face hub cache built from a local model."""
+document's cache at the model's dtype, a saved cache re-signed, and a Hugging Face hub cache built from a local
+model."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -11,8 +13,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+from safetensors.torch import save
+
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.cache import DocumentCache
+from infokv_rag.store import MANIFEST, TENSORS, _manifest_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +78,16 @@ def document_cache(document: CompressedDocument) -> DocumentCache:
     cache = document.cache
     assert isinstance(cache, DocumentCache), type(cache)
     return cache
+
+
+def resign(path: Path, tensors: dict[str, torch.Tensor], name: str = TENSORS) -> None:
+    """Writes `tensors` as the saved cache's file `name` and re-signs the manifest, as a broken tool would."""
+    data = save(tensors)
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 # A Hugging Face hub cache, laid out as huggingface_hub lays it out -----------------------------------

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from infokv_rag import CacheStoreError, CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
@@ -17,9 +16,9 @@ from infokv_rag.coded_cache import CodedCache, DecodedOnRead, ExtrasOnRead
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
 from infokv_rag.quantisation import QuantisedEntries
-from infokv_rag.store import FORMAT_VERSION, MANIFEST, TENSORS, _manifest_checksum
+from infokv_rag.store import COLD, FORMAT_VERSION, MANIFEST, TENSORS, _manifest_checksum
 
-from .helpers import document_cache
+from .helpers import document_cache, resign
 
 TEXT = " ".join(f"Clause {i}: the fee is {i * 37} euros within {i + 3} days." for i in range(40))
 QUESTION = "What is the fee of clause 7?"
@@ -144,16 +143,6 @@ def test_an_answer_leaves_the_codes_as_they_were(random_engine: InfoKVEngine) ->
     assert all(torch.equal(a.entries.key_codes, b) for a, b in zip(coded.cache.layers, before, strict=True))
 
 
-def resign(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Writes `tensors` as the saved cache's tensors and re-signs the manifest, as a broken tool would."""
-    data = save(tensors)
-    (path / TENSORS).write_bytes(data)
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest["files"][TENSORS] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest["checksum"] = _manifest_checksum(manifest)
-    (path / MANIFEST).write_text(json.dumps(manifest))
-
-
 def test_positions_repeated_or_out_of_order_are_refused_even_with_a_consistent_manifest(
     random_engine: InfoKVEngine, tmp_path: Path
 ) -> None:
@@ -190,4 +179,28 @@ def test_codes_that_do_not_fit_the_model_are_refused_even_with_a_consistent_mani
     manifest["checksum"] = _manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CacheStoreError, match="key_codes does not match"):
+        random_engine.load(path)
+
+
+def test_non_finite_entries_are_refused_even_with_a_consistent_manifest(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """NaN or infinite keys, values or code ranges, hot or cold, answer nothing the document says: refused at load
+    (an ingestion that overflowed writes them as well as a broken tool)."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.4, stored_bits=4, recall=0.1)).save(tmp_path / "d")
+    random_engine.load(path)
+    tensors = load((path / TENSORS).read_bytes())
+    for name, value in (("codes.key_low.1", float("nan")), ("codes.value_high.0", float("inf"))):
+        broken = tensors[name].clone()
+        broken.view(-1)[0] = value
+        resign(path, {**tensors, name: broken})
+        with pytest.raises(CacheStoreError, match=f"NaN or infinite values in {name}"):
+            random_engine.load(path)
+    resign(path, tensors)
+    cold = load((path / COLD).read_bytes())
+    name = next(name for name, tensor in cold.items() if tensor.is_floating_point())
+    broken = cold[name].clone()
+    broken.view(-1)[-1] = float("nan")
+    resign(path, {**cold, name: broken}, COLD)
+    with pytest.raises(CacheStoreError, match=f"cold.safetensors holds NaN or infinite values in {name}"):
         random_engine.load(path)

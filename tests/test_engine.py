@@ -145,7 +145,11 @@ def test_chunked_global_budgets_bound_the_resident_cache_and_keep_the_total(
     doc = random_engine.ingest_text(TEXT, config)
     n = doc.stats.document_tokens
     budget = config.budget_for(n, random_engine.prompt.head_tokens)
-    assert doc.stats.peak_resident_tokens <= 3 * (budget + config.summaries + config.chunk_size)
+    plain = 3 * (budget + config.summaries + config.chunk_size)
+    if method == "infokv":
+        assert doc.stats.peak_resident_tokens <= plain
+    else:  # a reconstruction pass holds the chunk twice, after the prompt asking for it (under 64 tokens here)
+        assert plain < doc.stats.peak_resident_tokens <= plain + 3 * (config.chunk_size + 64)
     assert doc.stats.kept_tokens == 3 * budget
     assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "layers keep what their scores earn"
     for layer in document_cache(doc).layers:
@@ -445,6 +449,33 @@ def test_clauses_and_sentences_end_at_marks_before_a_word_or_at_a_line_break(ran
         " Version 1.13.22 applies;",
         " see below\n",
         "SYS_UID_MIN 101\n",
+        "End",
+    ]
+
+
+def test_a_sentencepiece_tokenizer_splits_words_and_sentences_as_a_byte_level_one(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """SentencePiece decoders read "▁the" alone as "the": words and sentences must not depend on that, or every
+    line becomes one word and word-level scores (the default's) one score per line."""
+    pieces_engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, sentencepiece=True)))
+    text = "Fees are USD 3,500,000, due in 30 days. Version 1.13.22 applies; see below\nSYS_UID_MIN 101\nEnd"
+    split = []
+    for engine in (random_engine, pieces_engine):
+        ids = torch.tensor(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        words, sentences = engine.word_starts[ids].long().cumsum(0), engine.segments(ids, engine.sentence_marks)
+        split.append(
+            (
+                [engine.tokenizer.decode(ids[words == i]).strip() for i in words.unique().tolist()],
+                [engine.tokenizer.decode(ids[sentences == i]).strip() for i in range(int(sentences[-1]) + 1)],
+            )
+        )
+    assert split[1] == split[0]
+    assert split[0][1] == [
+        "Fees are USD 3,500,000, due in 30 days.",
+        "Version 1.13.22 applies;",
+        "see below",
+        "SYS_UID_MIN 101",
         "End",
     ]
 

@@ -594,3 +594,21 @@ def test_a_saved_cache_is_answered_as_saved_or_refuses_another_compression(
     assert document.cold_tier is not None
     recalled = fewer.invoke("What is the notice period?").response_metadata["recalled_tokens"]
     assert recalled == 4 * len(document.cold_tier.layers)
+
+
+def test_a_bound_document_of_a_model_in_memory_is_fingerprinted_before_any_async_call(
+    random_model_dir: Path,
+) -> None:
+    """`ainvoke` reads the answer cache's key on the event loop, and a `from_model` engine's fingerprint hashes
+    every weight (InfoKV reads it at ingestion for its surrogate; other methods do not): it is computed when the
+    document is bound, so no call blocks the loop on it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infokv_rag import InfoKVEngine
+
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    engine = InfoKVEngine.from_model(model, AutoTokenizer.from_pretrained(random_model_dir))
+    document = engine.ingest_text(SUITE_TEXT, CompressionConfig(method="snapkv", keep=0.5))  # no surrogate read
+    assert "fingerprint" not in vars(engine)
+    ChatInfoKV(document=document, max_tokens=2)
+    assert "fingerprint" in vars(engine)

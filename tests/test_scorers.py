@@ -462,3 +462,5 @@ def test_rank_normalisation_gives_tied_scores_their_average_rank() -> None:
     torch.testing.assert_close(normalize(scores, "rank"), expected)
     distinct = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(average_ranks(distinct), distinct.argsort(dim=-1).argsort(dim=-1).float())
+    one = torch.tensor([[0.3], [0.7]])  # one token per head: rank 0, as minmax gives 0
+    assert torch.equal(normalize(one, "rank"), torch.zeros(2, 1)) and torch.equal(normalize(one), torch.zeros(2, 1))

@@ -491,6 +491,7 @@ def test_restart_answers_from_disk_without_prefill(
     assert {d["id"] for d in listing} == ids and all(d["status"] == "ready" for d in listing)
     info = client.get(f"/v1/documents/{doc_id}", headers=AUTH).json()
     assert info["cache_origin"] is None and info["tokens"] == contract["info"]["tokens"]
+    assert info["progress"] == contract["info"]["progress"] and info["progress"]["fraction"] == 1.0
     assert info["cache_bytes"] == contract["info"]["cache_bytes"]
     after = ask(client, doc_id, max_tokens=12)
     assert after.status_code == 200 and after.json()["answer"] == before

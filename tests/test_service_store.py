@@ -84,7 +84,8 @@ def test_another_process_answers_from_the_store_without_a_prefill(
         reference = first.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
         assert reference.status_code == 200, reference.text
 
-        assert second.get(f"/v1/documents/{doc_id}", headers=A).json()["status"] == "ready"
+        seen_here, seen_there = (client.get(f"/v1/documents/{doc_id}", headers=A).json() for client in (first, second))
+        assert seen_there["status"] == "ready" and seen_there["progress"] == seen_here["progress"] is not None
         answer = second.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
         assert answer.status_code == 200, answer.text
         assert answer.json()["answer"] == reference.json()["answer"]

@@ -380,6 +380,10 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
     for keep in ("inf", "nan", "-1", "1e400", "0"):
         assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")
     assert_error(upload(client, A1, "a.txt", SECRET, colour="blue"), 422, "unknown_field")
+    twice = client.post("/v1/documents", files={"file": ("a.txt", SECRET)}, data={"keep": ["0.5", "0.25"]}, headers=A1)
+    assert_error(twice, 422, "repeated_field")
+    two_files = [("file", ("a.txt", SECRET)), ("file", ("b.txt", SECRET))]
+    assert_error(client.post("/v1/documents", files=two_files, headers=A1), 400, "bad_request")  # the parser's limit
 
 
 def _numeric_properties(schema: dict[str, Any], node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

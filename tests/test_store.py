@@ -30,7 +30,7 @@ from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum, describe
 
 from .conftest import CORPUS
-from .helpers import document_cache
+from .helpers import document_cache, resign
 
 TEXT_A = " ".join(CORPUS * 2)
 TEXT_B = " ".join(reversed(CORPUS * 3))
@@ -179,6 +179,12 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+def _with_nan(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    broken = tensors[name].clone()
+    broken.view(-1)[0] = float("nan")
+    return {**tensors, name: broken}
+
+
 DAMAGE = {
     # one flipped bit deep inside the key/value data
     "tensors-one-byte": (lambda d: _flip_byte(d / TENSORS, 0.7), r"tensors\.safetensors fails its sha256 check"),
@@ -211,6 +217,14 @@ DAMAGE = {
     "manifest-files-a-list": (
         lambda d: _edit_manifest(d, lambda m: m.update(files=list(m["files"])), True),
         r"incomplete or malformed manifest|cannot be parsed",
+    ),
+    "manifest-token-count-other": (
+        lambda d: _edit_manifest(d, lambda m: m["tokens"].update(document=m["tokens"]["document"] - 1), True),
+        r"says its document is \d+ tokens, but its text reads as \d+",
+    ),
+    "keys-nan": (
+        lambda d: resign(d, _with_nan(load_file(d / TENSORS), "keys.1")),
+        r"tensors\.safetensors holds NaN or infinite values in keys\.1",
     ),
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),

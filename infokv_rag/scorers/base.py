@@ -127,7 +127,7 @@ def average_ranks(scores: Tensor) -> Tensor:
     values, order = scores.sort(dim=-1)
     index = torch.arange(values.shape[-1], device=values.device).expand_as(values)
     differs = values[..., 1:] != values[..., :-1]
-    edge = torch.ones_like(differs[..., :1])
+    edge = torch.ones(*values.shape[:-1], 1, dtype=torch.bool, device=values.device)
     first = torch.where(torch.cat([edge, differs], dim=-1), index, 0).cummax(dim=-1).values
     last = torch.where(torch.cat([differs, edge], dim=-1), index, index.shape[-1]).flip(-1).cummin(dim=-1).values
     return torch.empty_like(values).scatter_(-1, order, (first + last.flip(-1)) / 2)

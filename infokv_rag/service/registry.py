@@ -168,6 +168,8 @@ class DocumentRecord:
             check_recall(record.recall)
         except ConfigError as exc:
             raise ValueError(f"the record's recall is malformed ({exc})") from None
+        if record.status == "ready":  # progress is kept in memory only; a ready document was read to its end
+            record.progress_done = record.progress_total = record.tokens
         return record
 
 

@@ -196,8 +196,9 @@ class StoreRegistry(Registry):
                 known = self._records[doc_id] = fresh
             elif _lease(data).get("holder") != self.holder:
                 # Another process wrote it last (read it, failed it): the store is right. Records this
-                # process writes itself are newer in memory (progress) than in the store.
-                for name in DocumentRecord.PERSISTED:
+                # process writes itself are newer in memory (progress) than in the store. Another's progress is
+                # unknown here but for a ready record, which was read to its end.
+                for name in (*DocumentRecord.PERSISTED, "progress_done", "progress_total"):
                     setattr(known, name, getattr(fresh, name))
         if data is None:
             self.forget_loaded(doc_id)

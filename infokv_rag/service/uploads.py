@@ -162,6 +162,10 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
                 "unknown_field",
                 f"unknown form field {unknown[0][:40]!r}; an upload has the fields file, {', '.join(_FIELDS)}",
             )
+        repeated = sorted(key for key in set(form.keys()) if len(form.getlist(key)) > 1)
+        if repeated:
+            # Which of two values was meant cannot be known: neither is taken.
+            raise ServiceError(422, "repeated_field", f"the form field '{repeated[0]}' is sent more than once")
         fields: dict[str, str | None] = {}
         for name in _FIELDS:
             value = form.get(name)
