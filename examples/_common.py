@@ -1,4 +1,4 @@
-"""What the framework examples share: the sample document, its questions and the command line.
+"""What the examples share: the sample document, its questions, the command line and its exit codes.
 
 Imported as `_common`: `python examples/<name>.py` puts the examples folder on sys.path.
 """
@@ -6,9 +6,11 @@ Imported as `_common`: `python examples/<name>.py` puts the examples folder on s
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from infokv_rag.cli import ratio_or_count
+from infokv_rag.cli import STDOUT_CLOSED_EXIT, ratio_or_count, stdout_closed
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError, InfoKVError
@@ -28,7 +30,7 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     checked `CompressionConfig` and `source` the loaded `Document` (None for a saved cache directory). A wrong
     value, or a document that cannot be read (damaged, encrypted without the right --password, not a document),
     stops here, before the model loads."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, epilog=exit_codes())
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
     parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
@@ -56,3 +58,33 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         except (InfoKVError, OSError) as error:
             parser.error(f"--document: {error}")
     return args
+
+
+ERROR_EXIT = 2
+
+
+def exit_codes(*own: str) -> str:
+    """The exit codes an example's --help lists: 0, then `own` (its own codes, "N what"), then the shared ones."""
+    codes = [
+        "0 done",
+        *own,
+        f"{ERROR_EXIT} a wrong option or document, a model that cannot load, a cache of another model or any other "
+        "error (one line on stderr)",
+        f"{STDOUT_CLOSED_EXIT} stdout closed early (`| head`)",
+    ]
+    return "exit codes: " + "; ".join(codes)
+
+
+def run(main: Callable[[], int], script: str) -> int:
+    """`main()`'s exit code, or the example's own when it fails: an error of infokv-rag's (or of the system: a full
+    disk, a file that cannot be read) is one line on stderr naming `script` and `ERROR_EXIT`, as `infokv-rag`
+    reports it, never a traceback; a stdout closed early ends quietly (`infokv_rag.cli.stdout_closed`)."""
+    try:
+        code = main()
+        sys.stdout.flush()  # a stdout closed early shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        return stdout_closed()
+    except (InfoKVError, OSError) as error:
+        print(f"{Path(script).name}: error: {error}", file=sys.stderr)
+        return ERROR_EXIT

@@ -26,10 +26,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from _common import exit_codes, run
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar, ratio_or_count
 from infokv_rag.documents import load_document
-from infokv_rag.errors import InfoKVError
+from infokv_rag.errors import DocumentError, InfoKVError
 from infokv_rag.evaluation import answer_matches
 from infokv_rag.models import cache_root
 from infokv_rag.scorers import method_names
@@ -37,6 +38,7 @@ from infokv_rag.scorers import method_names
 SAMPLE = Path(__file__).resolve().parent / "sample"
 PDF = SAMPLE / "apache-license-2.0.pdf"
 QUESTIONS = SAMPLE / "QUESTIONS.md"
+WRONG_ANSWER_EXIT = 1
 
 
 def read_questions(path: Path) -> list[tuple[str, list[str]]]:
@@ -47,7 +49,7 @@ def read_questions(path: Path) -> list[tuple[str, list[str]]]:
         if len(cells) >= 3 and cells[0].isdigit():
             rows.append((cells[1], re.findall(r"`([^`]+)`", cells[2])))
     if not rows:
-        raise SystemExit(f"no questions found in {path}")
+        raise DocumentError(f"no questions found in {path}: restore it from the repository (git checkout {path})")
     return rows
 
 
@@ -84,7 +86,11 @@ def megabytes(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=exit_codes(f"{WRONG_ANSWER_EXIT} with --strict, an answer lacked the expected text"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument(
         "--method", default="infokv", choices=method_names(), help="compression method (default: infokv)"
@@ -110,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--store", default=None, help="cache store (default: $INFOKV_CACHE_DIR/documents)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when an answer lacks the expected text")
+    parser.add_argument(
+        "--strict", action="store_true", help=f"exit {WRONG_ANSWER_EXIT} when an answer lacks the expected text"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
         document = load_document(PDF)  # before the model loads: a document that cannot be read fails in seconds
+        questions = read_questions(QUESTIONS)
     except (InfoKVError, OSError) as error:
         parser.error(str(error))
     if args.threads:
@@ -165,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     correct = {"compressed": 0, "recalled": 0}
-    questions = read_questions(QUESTIONS)
     ways = {"compressed": 0.0, "recalled": None} if doc.cold_tier is not None else {"compressed": None}
     for number, (question, expected) in enumerate(questions, start=1):
         print(f"Q{number}: {question}")
@@ -216,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({stats.compression_ratio:.0%} of the full cache's bytes){recalled}, "
         f"{full_correct}/{len(questions)} from the full cache"
     )
-    return 1 if args.strict and final < len(questions) else 0
+    return WRONG_ANSWER_EXIT if args.strict and final < len(questions) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, __file__))

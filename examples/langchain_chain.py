@@ -15,7 +15,7 @@ from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
-from _common import parse_args
+from _common import parse_args, run
 from infokv_rag.integrations.langchain import ChatInfoKV
 
 
@@ -55,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, __file__))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from _common import parse_args
+from _common import parse_args, run
 from infokv_rag.integrations.llama_index import DocumentQueryEngine
 
 
@@ -39,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, __file__))

@@ -95,7 +95,7 @@ class LocalBackend(CacheBackend):
         return self.root.joinpath(*key.split("/"))
 
     def publish(self, key: str, document: CompressedDocument) -> None:
-        store.save_document(document, self._directory(key) / CACHE)
+        store.save_document(document, self._directory(key) / CACHE, owned=True)
 
     def load(self, engine: InfoKVEngine, key: str) -> CompressedDocument:
         return engine.load(self._directory(key) / CACHE)

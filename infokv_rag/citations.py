@@ -1,18 +1,23 @@
 """Which pages of a document support an answer: the citations a query engine returns beside its answer.
 
 The answer comes from the compressed cache, which holds no page map; the pages are found afterwards by
-matching the answer (and the question) against each page's text.
+matching the answer (and the question) against each page's text, in any script: text is normalised with
+`normalize_answer(..., unicode=True)`, where a script written without spaces (Chinese, Japanese, Thai) is one word
+per character, and its content words are the pairs of neighbouring characters (most Chinese words are two
+characters, and a single character is too common to tell pages apart).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from .documents import Document
-from .evaluation import normalize_answer
+from .evaluation import UNSPACED_CHARACTER, normalize_answer
 
 __all__ = ["supporting_pages"]
 
+_normalised = partial(normalize_answer, unicode=True)
 _STOPWORDS = frozenset(
     "the a an and or of to in on at by for with from is are was were be been this that these those it its "
     "as any all not no shall may will which who whom what when where how per such than then there their".split()
@@ -20,13 +25,18 @@ _STOPWORDS = frozenset(
 
 
 def _terms(words: str) -> set[str]:
-    """The content words of normalised text (`normalize_answer`)."""
-    return {w for w in words.split() if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())}
+    """The content words of normalised text (`_normalised`); in a script without spaces, each pair of neighbouring
+    characters."""
+    split = words.split()
+    terms = {w for w in split if w not in _STOPWORDS and (len(w) > 2 or w.isdigit())}
+    pairs = zip(split, split[1:], strict=False)
+    terms.update(a + b for a, b in pairs if UNSPACED_CHARACTER.fullmatch(a) and UNSPACED_CHARACTER.fullmatch(b))
+    return terms
 
 
 def _verbatim_pages(pages: list[str], needle: str) -> set[int]:
     """Indices of the pages that hold `needle` as whole words, both pages of a pair that hold it across the page
-    break between them. `pages` and `needle` are normalised (`normalize_answer`: words joined by single spaces)."""
+    break between them. `pages` and `needle` are normalised (`_normalised`: words joined by single spaces)."""
     found = {index for index, page in enumerate(pages) if f" {needle} " in f" {page} "}
     for index in range(len(pages) - 1):
         joined = f" {pages[index]} {pages[index + 1]} "
@@ -44,7 +54,7 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     """(index in `document.pages`, score) of the pages that best support an answer, best first (an index, not
     a page number: pages gathered from several files may share numbers).
 
-    A page holding the whole answer verbatim, as whole words (`normalize_answer`'s: "ten" is not in "tenant",
+    A page holding the whole answer verbatim, as whole words (`_normalised`'s: "ten" is not in "tenant",
     nor "50%" in "150%"), scores highest, and so do both pages of an answer split across a page break; otherwise
     pages are ranked by the rarity-weighted share of the answer's words they contain (the question's words count
     half).
@@ -52,16 +62,16 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     pages = document.pages
     if not pages or limit < 1:
         return []
-    page_words = [normalize_answer(page.text) for page in pages]
+    page_words = [_normalised(page.text) for page in pages]
     page_terms = [_terms(words) for words in page_words]
     frequency: dict[str, int] = {}
     for terms in page_terms:
         for term in terms:
             frequency[term] = frequency.get(term, 0) + 1
     weight = {term: math.log(1 + len(pages) / count) for term, count in frequency.items()}
-    needle = normalize_answer(answer)
+    needle = _normalised(answer)
     answer_terms = _terms(needle)
-    question_terms = _terms(normalize_answer(question)) - answer_terms
+    question_terms = _terms(_normalised(question)) - answer_terms
     total = sum(weight.get(t, 0.0) for t in answer_terms) + 0.5 * sum(weight.get(t, 0.0) for t in question_terms)
     # A needle of one or two characters ("5", "no") would be found on most pages.
     verbatim = _verbatim_pages(page_words, needle) if len(needle) >= 3 else set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -227,16 +228,22 @@ def _config(args: argparse.Namespace) -> CompressionConfig:
     )
 
 
+def _calibration_bar(enabled: bool) -> ProgressBar:
+    """The progress of fitting a model's reconstruction surrogate, whether asked for (`calibrate`) or on first use."""
+    return ProgressBar("fitting the reconstruction surrogate (once per model): documents", enabled=enabled)
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from .engine import InfoKVEngine
-    from .surrogate import cached_path, fit_and_cache
+    from .surrogate import cached_path, fit_and_cache, fit_progress
 
     engine = InfoKVEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     started = time.perf_counter()
     if args.refit:
-        surrogate = fit_and_cache(engine, ProgressBar("calibration documents", enabled=True))
+        surrogate = fit_and_cache(engine, _calibration_bar(enabled=True))
     else:
-        surrogate = engine.reconstruction_surrogate
+        with fit_progress(_calibration_bar(enabled=True)):  # shown when there is no fit yet to load
+            surrogate = engine.reconstruction_surrogate
     cached = cached_path(surrogate.fingerprint)
     report = {
         "model": args.model,
@@ -309,11 +316,15 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.command == "ask":  # what needs the tokenizer, before the prefill: every question must fit
         _check_questions_fit(engine, document.text, questions, args.max_new_tokens)
-    progress = ProgressBar(f"reading {Path(args.file).name}", enabled=sys.stderr.isatty() or args.verbose)
+    from .surrogate import fit_progress
+
+    shown = sys.stderr.isatty() or args.verbose
+    progress = ProgressBar(f"reading {Path(args.file).name}", enabled=shown)
     if args.command == "ingest":
         from .store import save_document
 
-        doc = engine.ingest_document(document, config, progress=progress)
+        with fit_progress(_calibration_bar(shown)):  # a model's first ingestion may fit its surrogate first
+            doc = engine.ingest_document(document, config, progress=progress)
         path = save_document(doc, args.out)
         print(json.dumps({"saved": str(path), **doc.stats.to_dict()}, indent=2))
         return 0
@@ -321,7 +332,8 @@ def _run(args: argparse.Namespace) -> int:
     from .store import CacheStore
 
     store = CacheStore(store_root)
-    doc, reused = store.ingest(engine, document, config, progress=progress)
+    with fit_progress(_calibration_bar(shown)):
+        doc, reused = store.ingest(engine, document, config, progress=progress)
     cache_path = store.path_for(engine, document, config)
     _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
     options = _options(args)
@@ -435,13 +447,33 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
     print(f"infokv-rag: warning: {message}", file=sys.stderr)
 
 
+STDOUT_CLOSED_EXIT = 141
+"""The exit code when stdout closes early (`... | head`): 128 + SIGPIPE, what a shell reports for a Unix tool that
+the closed pipe ended."""
+
+
+def stdout_closed() -> int:
+    """Ends quietly once a reader closed stdout, as Python's documentation advises
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe): the rest of stdout goes to /dev/null, so that
+    the flush at exit raises no second BrokenPipeError, and the code to exit with is returned."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout without a descriptor (one in memory)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return STDOUT_CLOSED_EXIT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()  # a stdout closed early shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        return stdout_closed()
     except (InfoKVError, OSError) as error:
         # Typed errors carry an actionable message; OS errors (a missing file, a full disk) name the path.
         print(f"infokv-rag: error: {error}", file=sys.stderr)

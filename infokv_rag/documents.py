@@ -39,7 +39,7 @@ from .pdf_damage import (
     pypdf_detail,
     pypdf_reports,
 )
-from .pdf_forms import page_text
+from .pdf_forms import draws_images, page_text
 
 __all__ = [
     "Document",
@@ -64,6 +64,9 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 # 1024; we use the same tolerances so that we accept what common viewers accept.
 PDF_HEADER_WINDOW = 1024
 _EOF_WINDOW = 1024
+# The last 1024 bytes are counted before padding: NULs and whitespace that a transfer or a disk image left after the
+# file (a file cut short ends in its content, not in padding).
+_PADDING = b"\x00\t\n\x0c\r "
 
 
 def reads_as_pdf(head: bytes, name: str) -> bool:
@@ -717,7 +720,8 @@ def _repair_hint(name: str) -> str:
 def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
     # A file cut short loses its trailing %%EOF. pypdf (strict=False) can sometimes rebuild the
     # cross-reference table of such a file and would then silently return partial content.
-    if b"%%EOF" not in data[-_EOF_WINDOW:]:
+    end = _end_before_padding(data)
+    if b"%%EOF" not in data[max(0, end - _EOF_WINDOW) : end]:
         raise CorruptPDFError(
             f"{name} is truncated: there is no %%EOF marker at its end ({len(data)} bytes), so the "
             "download or copy was probably cut short. " + _repair_hint(name)
@@ -763,6 +767,19 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
             "Check it and pass the right one with password=... (command line: --password)."
         )
     return reader
+
+
+def _end_before_padding(data: bytes, step: int = 1 << 16) -> int:
+    """Where `data` ends without its trailing `_PADDING`, found a slice at a time (stripping the whole of a large
+    file would copy it)."""
+    end = len(data)
+    while end > 0:
+        piece = data[max(0, end - step) : end]
+        kept = len(piece.rstrip(_PADDING))
+        if kept:
+            return end - len(piece) + kept
+        end -= len(piece)
+    return 0
 
 
 def _needs_password(name: str) -> EncryptedPDFError:
@@ -833,7 +850,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 # as nothing: the page is not blank, its text failed to extract.
                 failed.append(index + 1)
                 first_error = first_error or PdfReadError(f"its text is drawn in font {font}, which it does not hold")
-            elif _draws_images(page):
+            elif draws_images(page):
                 scanned.append(index + 1)
 
     if damaged or missing is not None:
@@ -874,16 +891,6 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
     skipped = tuple(sorted(failed + scanned))
     told = _warn(issued, stacklevel=4)
     return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped, load_warnings=told)
-
-
-def _draws_images(page: PageObject) -> bool:
-    """Whether a page without text draws images, as a scan does; a blank page draws none."""
-    try:
-        return len(page.images) > 0
-    except MemoryError:
-        raise
-    except Exception:  # images pypdf cannot even list: not known to be a scan
-        return False
 
 
 def _ocr_command(name: str, *options: str) -> str:

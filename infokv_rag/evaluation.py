@@ -109,20 +109,48 @@ def make_fact_document(seed: int, target_words: int = 1200, facts: int = 4) -> F
     return FactDocument(text=text, facts=tuple(chosen), depths=depths)
 
 
-def normalize_answer(text: str) -> str:
+UNSPACED_CHARACTER = re.compile(
+    "["
+    "\u0e00-\u0eff"  # Thai, Lao
+    "\u1000-\u109f"  # Myanmar
+    "\u1780-\u17ff"  # Khmer
+    "\u3040-\u30ff"  # Hiragana, Katakana
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # Han
+    "]"
+)
+"""A character of a script written without spaces between words: `normalize_answer(..., unicode=True)` makes each
+one a word of its own."""
+
+
+def normalize_answer(text: str, *, unicode: bool = False) -> str:
     """Lower case, thousands separators dropped ("7,400" -> "7400"), "%" -> " percent ", zero decimals dropped
     ("265.00" -> "265") and a cents figure's trailing zero too ("2.50" -> "2.5"), letters and digits apart
     ("RFC2373" -> "rfc 2373"), a number's decimal or version dots and its sign kept with it ("0.5" -> "0p5",
     "1.20.1" -> "1p20p1", "-10" -> "minus10": none of them contains "5", "1" or "10"), other punctuation ->
-    spaces, whitespace collapsed."""
-    text = unicodedata.normalize("NFKC", text).lower().replace("%", " percent ")
+    spaces, whitespace collapsed.
+
+    By default only ASCII letters and digits are kept (the benchmarks' answer checker, `answer_matches`, whose
+    verdicts must not move). `unicode`: every script's letters, marks and digits are kept, case-folded ("Straße"
+    as "strasse"), so that text in Cyrillic or Greek reads as words; ASCII text normalises exactly as by default.
+    A script written without spaces (Chinese, Japanese, Thai: `UNSPACED_CHARACTER`) has no words to find, so each of
+    its characters is a word: "通知期为三十天" -> "通 知 期 为 三 十 天", in which "三十天" is found as the words
+    "三 十 天" and "十" is not found in "三十" by accident of a neighbouring word. Characters rather than a
+    dictionary's words (a segmenter would be a dependency and guess on legal terms) or n-grams (which a caller
+    can build from the characters, as `infokv_rag.citations` does)."""
+    text = unicodedata.normalize("NFKC", text)
+    text = (text.casefold() if unicode else text.lower()).replace("%", " percent ")
+    letter, word = (r"[^\W\d_]", r"[^\W_]") if unicode else ("[a-z]", "[0-9a-z]")
     text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
     text = re.sub(r"(?<![\d.])(\d+)\.0+(?!\d|\.\d)", r"\1", text)
     text = re.sub(r"(?<![\d.])(\d+\.\d)0(?!\d|\.\d)", r"\1", text)
-    text = re.sub(r"(?<=[a-z])(?=\d)|(?<=\d)(?=[a-z])", " ", text)
+    text = re.sub(rf"(?<={letter})(?=\d)|(?<=\d)(?={letter})", " ", text)
     text = re.sub(r"(?<=\d)\.(?=\d)", "p", text)
-    text = re.sub(r"(?<![0-9a-z])-(?=\d)", "minus", text)
-    text = re.sub(r"[^0-9a-z]+", " ", text)
+    text = re.sub(rf"(?<!{word})-(?=\d)", "minus", text)
+    if unicode:
+        text = "".join(char if unicodedata.category(char)[0] in "LMN" else " " for char in text)
+        text = UNSPACED_CHARACTER.sub(r" \g<0> ", text)
+    else:
+        text = re.sub(r"[^0-9a-z]+", " ", text)
     return " ".join(text.split())
 
 

@@ -5,24 +5,34 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+@dataclass
+class _KeyLoad:
+    """One key's load lock and how many callers hold or wait on it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    callers: int = 0
+
+
 class LoadOnceCache(Generic[K, V]):
     """The `capacity` most recently used values, by key; `get_or_load` loads a missing key once.
 
-    Callers that want the same missing key wait for one load (one lock per key); other keys load in
-    parallel. `on_drop` hears of each key evicted for room, outside the cache's lock.
+    Callers that want the same missing key wait for one load (one lock per key, kept while any of them waits);
+    other keys load in parallel. A failed load raises to its own caller; the next caller in line tries again.
+    `on_drop` hears of each key evicted for room, outside the cache's lock.
     """
 
     def __init__(self, capacity: int, on_drop: Callable[[K], None] | None = None) -> None:
         self.capacity = capacity
         self.on_drop = on_drop
         self._values: OrderedDict[K, V] = OrderedDict()
-        self._loading: dict[K, threading.Lock] = {}
+        self._loading: dict[K, _KeyLoad] = {}
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
@@ -52,14 +62,18 @@ class LoadOnceCache(Generic[K, V]):
         if value is not None:
             return value
         with self._lock:
-            lock = self._loading.setdefault(key, threading.Lock())
+            loading = self._loading.setdefault(key, _KeyLoad())
+            loading.callers += 1
         try:
-            with lock:
+            with loading.lock:
                 value = self.get(key)
-                if value is None:
+                if value is None:  # not loaded yet, or the load before this one failed
                     value = load()
                     self.put(key, value)
         finally:
+            # Only the last caller lets the key's lock go: a newcomer while any wait must queue behind them.
             with self._lock:
-                self._loading.pop(key, None)
+                loading.callers -= 1
+                if loading.callers == 0:
+                    del self._loading[key]
         return value

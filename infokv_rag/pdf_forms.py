@@ -11,8 +11,10 @@ Each value goes into the extracted text after the text fragment that labels it: 
 (a boxed form's cell), else the nearest fragment to its left on the same row ("Monthly fee: USD 7,400"), else the
 nearest one just above it. A check box or radio button is "[x]" when on and "[ ]" when off, put before the nearest
 fragment to its right (its caption), else after its label. A value with no label found is added at the end of the
-page as "field name: value". Fields without a value add nothing, and a page whose content has no text (a scan)
-gets none: it is still a page without text, to be OCR'd.
+page as "field name: value", as is every value of a page whose content has no text (a form filled in on a blank page,
+a note typed onto an empty one). Fields without a value add nothing, and neither do fields and notes a viewer does
+not show (flagged hidden or no-view). A page whose content has no text but draws images (a scan, perhaps signed with
+a note) gets no values: they alone would hide that its text is not read; it is still a page to be OCR'd.
 
 Known limits: pypdf reports text positions per line of a text object, so labels that one text object writes on a
 row ("Monthly fee: ____ Start date: ____" in one run) are one fragment, and every value of the row follows it; a
@@ -39,6 +41,8 @@ _ROW_TOLERANCE = 3.0
 _ABOVE_REACH = 28.0
 # Field flags (PDF 32000-1, table 226): a button that is a push button, not a check box or radio button.
 _PUSH_BUTTON = 1 << 16
+# Annotation flags (PDF 32000-1, table 165): Hidden and NoView, never shown on screen (a form's working values).
+_NOT_SHOWN = (1 << 1) | (1 << 5)
 _MARKUP = re.compile(r"<[^>]*>")
 
 
@@ -70,8 +74,8 @@ class Filled:
 
 
 def page_text(page: PageObject) -> str:
-    """The page's text as pypdf extracts it, with its filled-in values placed beside their labels (none on a page
-    whose content has no text)."""
+    """The page's text as pypdf extracts it, with its filled-in values placed beside their labels (none on a scan:
+    a page whose content has no text but draws images)."""
     values = filled_values(page)
     if not values:
         return page.extract_text()
@@ -89,16 +93,29 @@ def page_text(page: PageObject) -> str:
             )
 
     text = page.extract_text(visitor_text=collect)
-    return with_filled_values(text, fragments, values) if text.strip() else text
+    if not text.strip() and draws_images(page):
+        return text
+    return with_filled_values(text, fragments, values)
+
+
+def draws_images(page: PageObject) -> bool:
+    """Whether a page draws images, as a scan does; a blank page draws none."""
+    try:
+        return len(page.images) > 0
+    except MemoryError:
+        raise
+    except Exception:  # images pypdf cannot even list: not known to be a scan
+        return False
 
 
 def filled_values(page: PageObject) -> list[Filled]:
-    """The form field values and free-text annotations on `page`, top to bottom, left to right."""
+    """The form field values and free-text annotations that `page` shows, top to bottom, left to right."""
     found = []
     for annotation in _annotations(page):
         subtype = annotation.get("/Subtype")
         box = _box(annotation.get("/Rect"))
-        if box is None:
+        flags = resolved(annotation.get("/F"))
+        if box is None or (isinstance(flags, int) and flags & _NOT_SHOWN):
             continue
         if subtype == "/FreeText":
             text = _text(annotation.get("/Contents")) or _rich_text(annotation.get("/RC"))

@@ -57,12 +57,13 @@ def check_conversation(turns: Sequence[Turn]) -> None:
 
 
 def conversation_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
-    """A conversation's turns as the chat template's messages: every content Unicode text (`ConfigError`), roles
-    system, user or assistant, the first message a user's.
+    """A conversation's turns as the chat template's messages: every turn a (role, content) pair of strings, every
+    content Unicode text (`ConfigError`), roles system, user or assistant, the first message a user's.
 
     System turns are folded into the next user turn because the template's system slot sits before the document,
     which is already cached; those after the last user turn join it.
     """
+    _check_shape(turns)
     messages: list[dict[str, str]] = []
     pending_system: list[str] = []
     for role, content in turns:
@@ -84,12 +85,20 @@ def conversation_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
 
 
 class PromptFormat:
-    """Builds token ids for the document prefix and question suffixes with one tokenizer."""
+    """Builds token ids for the document prefix and question suffixes with one tokenizer.
+
+    The template head is rendered once, when the format is made, so every document it reads (and `head_tokens`)
+    shares one head even where the template prints today's date (Llama 3.x's "Today Date").
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        rendered = self._render([{"role": "user", "content": _SENTINEL}], _SENTINEL)
-        self._head, _ = rendered.split(_SENTINEL)
+        self._head = self._head_now()
+
+    def _head_now(self) -> str:
+        """What the chat template renders before the first user turn's text, read at this moment."""
+        head, _ = self._render([{"role": "user", "content": _SENTINEL}], _SENTINEL).split(_SENTINEL)
+        return head
 
     @property
     def chat_template(self) -> str:
@@ -123,7 +132,9 @@ class PromptFormat:
             marker += "\u2063"
         messages[0] = {"role": "user", "content": marker + messages[0]["content"]}
         head, suffix = self._render(messages, marker).split(marker)
-        if head != self._head:
+        # A head that prints today's date changes at midnight, after documents were cached behind the old one (or
+        # saved on another day); the suffix never holds the head, so it only has to agree with today's.
+        if head != self._head and head != self._head_now():
             raise ConfigError("the chat template renders the document turn differently for this conversation")
         return self._encode(suffix)
 
@@ -137,6 +148,22 @@ def _add_turn(messages: list[dict[str, str]], role: str, content: str) -> None:
         messages[-1]["content"] += "\n\n" + content
     else:
         messages.append({"role": role, "content": content})
+
+
+def _check_shape(turns: object) -> None:
+    """Refuses (`ConfigError`) a conversation that is not a sequence of (role, content) pairs of strings, such as
+    OpenAI-style message dicts or a bare question."""
+    # A sequence, not any iterable: a generator would be spent here, before the turns are read.
+    if isinstance(turns, (str, bytes)) or not isinstance(turns, Sequence):
+        raise ConfigError(f"a conversation must be a list of (role, content) pairs of strings, not {_shortened(turns)}")
+    for turn in turns:
+        if not (isinstance(turn, (tuple, list)) and len(turn) == 2 and all(isinstance(part, str) for part in turn)):
+            raise ConfigError(f"each turn must be a (role, content) pair of strings, not {_shortened(turn)}")
+
+
+def _shortened(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _check_content(content: object) -> None:

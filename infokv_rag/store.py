@@ -35,6 +35,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import time
@@ -103,6 +104,7 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         "document": document.document.layout(),
         "tokens": {
             "document": document.cache.document_tokens,
+            "head": document.engine.prompt.head_tokens,
             "sink_tokens": document.cache.sink_tokens,
             "kept_per_layer": document.cache.kept_per_layer,
         },
@@ -132,33 +134,68 @@ def _encode_cold_tier(cold_tier: ColdTier) -> bytes:
 CACHE_FILES = frozenset((MANIFEST, TENSORS, TEXT, COLD))
 
 
-def check_save_target(directory: str | os.PathLike[str]) -> Path:
-    """The resolved path a cache may be saved to: one that does not exist, an empty directory, or a directory of
-    a saved cache's files only (a cache, or what is left of a damaged one), which a save replaces. Anything else
-    (a file, a directory holding other files) is refused with `CacheStoreError`: a save must never delete what
-    is not a cache."""
+def check_save_target(directory: str | os.PathLike[str], *, owned: bool = False) -> Path:
+    """The resolved path a cache may be saved to: one that does not exist and can be made, an empty directory, or
+    an earlier cache (`is_saved_cache`), which a save replaces. Anything else (a file, a directory holding other
+    files or files that only share a cache's names, a path under a file) is refused with `CacheStoreError`: a save
+    must never delete what is not a cache. An `owned` directory (named by a store for its own caches: a
+    `CacheStore` entry, the service's, never a path a user gave) may also be what is left of a damaged cache: a
+    cache's file names only, its manifest unreadable."""
     target = Path(directory).expanduser().resolve()
-    if not target.exists() and not target.is_symlink():
-        return target
-    if not target.is_dir() or target.is_symlink():
-        raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
-    try:
-        others = sorted(entry.name for entry in target.iterdir() if entry.name not in CACHE_FILES)
-    except OSError as exc:
-        raise CacheStoreError(f"cannot read {target} ({exc}): save the cache to another path") from exc
-    if others:
-        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        raise CacheStoreError(
-            f"{target} holds other files than a saved cache ({shown}): a save replaces the whole directory, so "
-            "save the cache to a new or empty directory"
-        )
+    if target.exists() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
+            raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
+        try:
+            names = {entry.name for entry in target.iterdir()}
+        except OSError as exc:
+            raise CacheStoreError(f"cannot read {target} ({exc}): save the cache to another path") from exc
+        others = sorted(names - CACHE_FILES)
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise CacheStoreError(
+                f"{target} holds other files than a saved cache ({shown}): a save replaces the whole directory, so "
+                "save the cache to a new or empty directory"
+            )
+        if names and not owned and not is_saved_cache(target):
+            raise CacheStoreError(
+                f"{target} is not a cache that infokv-rag saved (no readable {MANIFEST} of ours), so a save will not "
+                "replace it: save the cache to a new or empty directory"
+            )
+    _check_can_make(target)
     return target
 
 
-def save_document(document: CompressedDocument, directory: str | os.PathLike[str]) -> Path:
+def is_saved_cache(directory: Path) -> bool:
+    """Whether `directory` holds a manifest that infokv-rag wrote (a JSON object of a known format whose checksum
+    holds): its other files may be damaged, but the directory is a cache, never a user's files of the same names."""
+    try:
+        with open_regular(directory / MANIFEST) as handle:
+            manifest = json.loads(handle.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(manifest, dict)
+        and manifest.get("format_version") in READABLE_VERSIONS
+        and manifest.get("checksum") == _manifest_checksum(manifest)
+    )
+
+
+def _check_can_make(target: Path) -> None:
+    """Refuses (`CacheStoreError`) a target whose parent cannot be made or written, before any work is done: the
+    nearest existing directory above it must be a directory this process may write."""
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CacheStoreError(f"cannot make {target}: {existing} is not a directory; save the cache to another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CacheStoreError(f"cannot write into {existing}: save the cache to another path")
+
+
+def save_document(document: CompressedDocument, directory: str | os.PathLike[str], *, owned: bool = False) -> Path:
     """Writes `document` to `directory` atomically, replacing a cache there (`check_save_target` says what may
-    be replaced)."""
-    target = check_save_target(directory)
+    be replaced; a replaced directory keeps its permissions)."""
+    target = check_save_target(directory, owned=owned)
     files = encode_document(document)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +206,8 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     try:
         for name, data in files.items():
             write_synced(staging / name, data)
+        with contextlib.suppress(FileNotFoundError):  # a directory the user made or shared keeps its mode
+            staging.chmod(stat.S_IMODE(target.stat().st_mode))
         fsync_dir(staging)
         replace_directory(staging, target)
         fsync_dir(target.parent)
@@ -378,9 +417,11 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     text = _read_verified(files, TEXT, manifest["files"][TEXT]).decode("utf-8")
     runner = engine.runner
     n = int(manifest["tokens"]["document"])
-    read_as = len(engine.prompt.document_ids(text))
+    # Positions index the text's tokens: a cache of another text would cite, and answer from, the wrong one. The
+    # template head before the text is counted as saved: one that prints the date may read longer on another day.
+    head_now = engine.prompt.head_tokens
+    read_as = len(engine.prompt.document_ids(text)) - head_now + int(manifest["tokens"].get("head", head_now))
     if read_as != n:
-        # Positions index the text's tokens: a cache of another text would cite, and answer from, the wrong one.
         raise CacheStoreError(
             f"{path} says its document is {n} tokens, but its text reads as {read_as} with this model's tokenizer; "
             "ingest the document again"
@@ -632,8 +673,10 @@ class CacheStore:
         material = json.dumps([document_sha256, fingerprint, config.cache_identity()], sort_keys=True)
         return _sha256(material.encode())[:32]
 
-    def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig) -> Path:
-        return self.root / self.key(document.sha256, engine.fingerprint, config)
+    def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig | None = None) -> Path:
+        """Where `ingest` stores (or finds) `document`'s cache made by `engine` with `config`, resolved as ingestion
+        resolves it (`InfoKVEngine.resolve_config`: what is left to the model is part of the key)."""
+        return self.root / self.key(document.sha256, engine.fingerprint, engine.resolve_config(config))
 
     def ingest(
         self,
@@ -663,7 +706,7 @@ class CacheStore:
                     stored.config = config  # the stored cache answers with this config's recall by default
                     return stored, True
         compressed = engine.ingest_document(document, config, progress=progress)
-        save_document(compressed, path)
+        save_document(compressed, path, owned=True)
         return compressed, False
 
 

@@ -11,14 +11,17 @@ benchmark's documents) and applied during the prefill for one (hidden x kv_heads
 Where a fit comes from, in order: the package's `data/surrogates/<fingerprint>.safetensors` (shipped for
 the registry's models), the cache directory's `surrogates/`, or a fit made on first use (a prefill and a
 reconstruction pass over the calibration documents: about three minutes for `default` on a 2-core CPU;
-`infokv-rag calibrate` does it ahead of time).
+`infokv-rag calibrate` does it ahead of time). A fit on first use is logged at INFO and otherwise quiet, unless the
+caller asks for its progress (`fit_progress`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -50,6 +53,21 @@ FLOOR = 1e-6
 
 CalibrationProgress = Callable[[int, int], None]
 """Called with (documents done, documents) while a surrogate is fitted."""
+
+
+_fit_progress: ContextVar[CalibrationProgress | None] = ContextVar("surrogate_fit_progress", default=None)
+
+
+@contextlib.contextmanager
+def fit_progress(progress: CalibrationProgress) -> Iterator[None]:
+    """Within this block, a surrogate fitted on first use (`surrogate_for`: a model's first ingestion by a method
+    that predicts reconstruction, which takes minutes) reports to `progress` as `fit_and_cache(engine, progress)`
+    does; the fit happens deep in an ingestion, so the callback comes from the caller's context, not an argument."""
+    token = _fit_progress.set(progress)
+    try:
+        yield
+    finally:
+        _fit_progress.reset(token)
 
 
 def features(residual: Tensor) -> Tensor:
@@ -161,7 +179,8 @@ def cached_path(fingerprint: str) -> Path:
 
 
 def surrogate_for(engine: InfoKVEngine) -> ReconstructionSurrogate:
-    """The model's surrogate: shipped, cached, or fitted now and cached (logged: it takes minutes on a CPU).
+    """The model's surrogate: shipped, cached, or fitted now and cached (logged: it takes minutes on a CPU; its
+    progress goes to the callback of an enclosing `fit_progress`).
 
     A shipped or cached fit that does not verify is refitted, never used.
     """
@@ -180,7 +199,7 @@ def surrogate_for(engine: InfoKVEngine) -> ReconstructionSurrogate:
         except CacheStoreError as error:
             log.warning("ignoring the reconstruction surrogate in %s: %s", source, error)
     log.info("fitting the reconstruction surrogate of %s (once per model; `infokv-rag calibrate`)", engine.name)
-    return fit_and_cache(engine)
+    return fit_and_cache(engine, _fit_progress.get())
 
 
 def fit_and_cache(engine: InfoKVEngine, progress: CalibrationProgress | None = None) -> ReconstructionSurrogate:

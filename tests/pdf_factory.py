@@ -255,10 +255,28 @@ def filled_form_pdf(path: Path) -> Path:
     return add_free_text(path, "Dana Whitcombe", (130, 465, 300, 482))
 
 
-def add_free_text(path: Path, text: str, rect: tuple[float, float, float, float] = (72, 72, 300, 90)) -> Path:
-    """Type `text` onto the PDF's first page as a viewer's "fill and sign" does: a free-text annotation."""
+def form_only_pdf(path: Path) -> Path:
+    """A form filled in on pages without any content text: page 1 holds a filled field and a hidden one (a form's
+    working value, never shown), page 2 nothing; add a note to it with `add_free_text(..., page=1)`."""
+    buf = io.BytesIO()
+    pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
+    pdf.acroForm.textfield(name="rent", tooltip="Monthly rent", value="EUR 1,900", x=160, y=725, width=150, height=18)
+    pdf.acroForm.textfield(
+        name="internal", value="USD 99999", x=160, y=700, width=150, height=18, annotationFlags="hidden"
+    )
+    pdf.showPage()
+    pdf.showPage()
+    pdf.save()
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def add_free_text(
+    path: Path, text: str, rect: tuple[float, float, float, float] = (72, 72, 300, 90), page: int = 0
+) -> Path:
+    """Type `text` onto the PDF's `page` (0-based) as a viewer's "fill and sign" does: a free-text annotation."""
     writer = PdfWriter(clone_from=PdfReader(path))
-    writer.add_annotation(0, FreeText(text=text, rect=rect))
+    writer.add_annotation(page, FreeText(text=text, rect=rect))
     with path.open("wb") as fh:
         writer.write(fh)
     return path

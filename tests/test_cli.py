@@ -28,21 +28,24 @@ TEXT = " ".join(CORPUS * 2)
 
 
 def run_cli(
-    *args: str, cache_dir: Path, timeout: float = 180, env: dict[str, str] | None = None
+    *args: str, cache_dir: Path, timeout: float = 180, env: dict[str, str] | None = None, closed_stdout: bool = False
 ) -> subprocess.CompletedProcess[str]:
+    """The CLI run in a subprocess; with `closed_stdout`, its stdout a pipe whose reader has gone (`... | head`)."""
     env = {
         **os.environ,
         "INFOKV_CACHE_DIR": str(cache_dir),
         "PYTHONWARNINGS": "ignore::DeprecationWarning",
         **(env or {}),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "infokv_rag.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-m", "infokv_rag.cli", *args]
+    if not closed_stdout:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(command, stdout=writer, stderr=subprocess.PIPE, text=True, env=env, timeout=timeout)
+    finally:
+        os.close(writer)
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess[str], *phrases: str) -> None:
@@ -195,8 +198,10 @@ def test_ask_json_then_again_reuses_the_stored_cache(tmp_path: Path, random_mode
     assert stats["method"] == "infokv" and stats["keep"] == 0.25
     assert stats["document_tokens"] > 100 and 0 < stats["cache_bytes"] < stats["full_cache_bytes"]
     assert Path(out["cache"]).parent == store and (Path(out["cache"]) / "manifest.json").is_file()
-    # --verbose shows the prefill progress bar (tokens/s, ETA) on stderr, never on stdout.
+    # --verbose shows the prefill progress bar (tokens/s, ETA) on stderr, never on stdout, and before it the fit
+    # of the model's surrogate that infokv's first use makes (minutes on a real model).
     assert "tok/s" in first.stderr and "ETA" in first.stderr and "tok/s" not in first.stdout
+    assert "fitting the reconstruction surrogate (once per model): documents" in first.stderr
 
     second = run_cli(*args, cache_dir=tmp_path / "cache")
     assert second.returncode == 0, second.stderr
@@ -242,6 +247,9 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     assert described["tokens"]["kept_per_layer"] == kept
     assert described["model"]["name"] == str(random_model_dir)
     assert described["format_version"] == FORMAT_VERSION
+    # A reader that stops early (`| head -c 3`) ends the run quietly, as it ends a Unix tool (128 + SIGPIPE).
+    closed = run_cli("info", str(out_dir), cache_dir=tmp_path / "cache", closed_stdout=True)
+    assert (closed.returncode, closed.stderr) == (141, "")
 
     # `info` verifies checksums: a damaged cache is reported, not described.
     tensors = out_dir / "tensors.safetensors"
@@ -252,19 +260,30 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
 
 
 def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
-    """`--out` names a directory that a save replaces whole: a file or a directory of other files is refused
-    before the model loads (a model that does not exist shows that it never loaded), and left as it was."""
+    """`--out` names a directory that a save replaces whole: a file, a directory of other files (or of files that
+    only share a cache's names) or a path that cannot be made is refused before the model loads (a model that does
+    not exist shows that it never loaded), and left as it was."""
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "thesis.docx").write_text("important")
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "document.txt").write_text("my input")
     notes = _write(tmp_path / "notes.txt", b"my notes")
-    for out in (victim, notes):
+    refusals = (
+        (victim, "other files", "new or empty directory"),
+        (inputs, "not a cache that infokv-rag saved", "new or empty directory"),
+        (notes, "not a cache directory", "another path"),
+        (notes / "cache", "is not a directory", "another path"),
+    )
+    for out, *phrases in refusals:
         result = run_cli(
             "ingest", str(doc), "--out", str(out), "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path
         )
-        assert_clean_failure(result, str(out))
+        assert_clean_failure(result, str(out), *phrases)
     assert (victim / "thesis.docx").read_text() == "important" and notes.read_bytes() == b"my notes"
+    assert (inputs / "document.txt").read_text() == "my input"
     # An ask store that cannot be written, likewise before the model loads (not after reading the document).
     store = run_cli("ask", str(doc), "-q", "Q?", "--store", str(notes / "store"), "--model", "nope", cache_dir=tmp_path)
     assert_clean_failure(store, "cache store", "pass another --store")
@@ -390,8 +409,12 @@ def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path)
         str(tmp_path / "store"),
     )
     ask += ("--max-new-tokens", "2", "--json")
-    first = json.loads(run_cli(*ask, "--recall", "16", cache_dir=tmp_path / "cache").stdout)
+    first_run = run_cli(*ask, "--recall", "16", "--verbose", cache_dir=tmp_path / "cache")
+    first = json.loads(first_run.stdout)
     assert first["reused_cache"] is False and first["answers"][0]["recalled_tokens"] == 16 * 3
+    # The cache named is the one written (its cold tier's width, left to the model, is part of its key).
+    assert (Path(first["cache"]) / "manifest.json").is_file() and (Path(first["cache"]) / "cold.safetensors").is_file()
+    assert f"stored the cache in {first['cache']}\n" in first_run.stderr
     assert first["stats"]["cold_bytes"] > 0 and first["stats"]["cache_bytes"] > 0
     # Another budget asks the stored cache (no second prefill); 0 recalls nothing, from the hot cache alone.
     second = json.loads(run_cli(*ask, "--recall", "4", cache_dir=tmp_path / "cache").stdout)
@@ -457,12 +480,16 @@ def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, 
     report = json.loads(first.stdout)
     cached = Path(report["cached"])
     assert cached.parent == tmp_path / "surrogates" and cached.is_file()
+    # A fit made because there is none yet shows its progress as --refit does (it takes minutes on a real model).
+    assert "fitting the reconstruction surrogate" in first.stderr and "3/3" in first.stderr, first.stderr
     stamp = cached.stat().st_mtime_ns
     again = run_cli("calibrate", "--model", str(random_model_dir), "--device", "cpu", cache_dir=tmp_path)
     assert again.returncode == 0, again.stderr
+    assert "fitting" not in again.stderr, "nothing to show when the fit is loaded"
     assert json.loads(again.stdout)["fingerprint"] == report["fingerprint"] and cached.stat().st_mtime_ns == stamp
     refit = run_cli("calibrate", "--model", str(random_model_dir), "--refit", cache_dir=tmp_path)
     assert refit.returncode == 0, refit.stderr
+    assert "fitting the reconstruction surrogate" in refit.stderr and "3/3" in refit.stderr
     assert cached.stat().st_mtime_ns != stamp
 
 
@@ -517,6 +544,13 @@ def test_examples_refuse_bad_options_before_the_model_loads(script: str, tmp_pat
     if script != "demo.py":
         missing = run_example_script(script, "--document", str(tmp_path / "nope.pdf"), cache_dir=tmp_path)
         assert missing.returncode == 2 and "no such file" in missing.stderr.lower(), missing.stderr[-800:]
+    # An error after the options (here a model that cannot load) is one line and exit 2 too, as the CLI reports it;
+    # --help lists the codes (the demo's --strict has its own).
+    unknown = run_example_script(script, "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path)
+    assert unknown.returncode == 2, unknown.stderr[-800:]
+    assert unknown.stderr.startswith(f"{script}: error: cannot resolve model") and unknown.stderr.count("\n") == 1
+    usage = run_example_script(script, "--help", cache_dir=tmp_path).stdout
+    assert "exit codes: 0 done;" in usage and ("1 with --strict" in usage) == (script == "demo.py")
 
 
 def test_examples_take_keep_as_a_token_count(tmp_path: Path, random_model_dir: Path) -> None:

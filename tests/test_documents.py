@@ -171,6 +171,18 @@ def test_missing_crypto_dependency_says_what_to_install(tmp_path: Path, monkeypa
 # --- scanned, damaged and partly broken PDFs ----------------------------------------------------
 
 
+def test_pages_holding_only_filled_in_values_are_read(tmp_path: Path) -> None:
+    """A form filled in on a blank page and a note typed onto an empty one are the pages' text (not a scan to refuse
+    or a blank page to drop); a hidden field's value, which no viewer shows, is not."""
+    path = pdfs.add_free_text(pdfs.form_only_pdf(tmp_path / "form.pdf"), "Addendum: rent from 1 May 2026", page=1)
+    document = load_document(path)
+    assert [(page.number, page.text) for page in document.pages] == [
+        (1, "Monthly rent: EUR 1,900"),
+        (2, "note: Addendum: rent from 1 May 2026"),
+    ]
+    assert document.skipped_pages == ()
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_image_only_pdf_needs_ocr(tmp_path: Path, signed: bool) -> None:
     path = pdfs.image_only_pdf(tmp_path / "scan.pdf", n_pages=2)
@@ -184,6 +196,19 @@ def test_truncated_pdf(tmp_path: Path) -> None:
     path = pdfs.truncated_pdf(tmp_path / "cut.pdf", PAGES, keep=0.6)
     message = _refusal(CorruptPDFError, path)
     assert "cut.pdf" in message and "truncated" in message and "again" in message
+
+
+def test_a_whole_pdf_followed_by_padding_is_read(tmp_path: Path) -> None:
+    """NULs or whitespace after a whole PDF (a transfer's or a disk image's padding) hide no truncation: the %%EOF is
+    looked for before them. A file cut short and then padded is still refused."""
+    data = pdfs.text_pdf_bytes(PAGES)
+    expected = load_document(pdfs.text_pdf(tmp_path / "plain.pdf", PAGES)).text
+    path = tmp_path / "padded.pdf"
+    for padding in (b"\x00" * 5000, b"\n" * 3000, b"\x00" * 70_000):
+        path.write_bytes(data + padding)
+        assert _load_quietly(path).text == expected
+    path.write_bytes(data[: len(data) // 2] + b"\x00" * 5000)
+    assert "truncated" in _refusal(CorruptPDFError, path)
 
 
 @pytest.mark.parametrize("keep", [0.2, 0.5, 0.9, 0.99])

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import chat_template_utils
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
 from infokv_rag.errors import DocumentError, EmptyQuestionError
@@ -15,7 +19,7 @@ from infokv_rag.ingestion import chunk_bounds
 from infokv_rag.prompt import check_conversation, is_blank, question_turns
 from infokv_rag.scorers import method_names
 
-from .conftest import CORPUS, build_random_model_dir
+from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir
 from .helpers import document_cache
 
 TEXT = " ".join(CORPUS * 12)
@@ -238,6 +242,23 @@ def test_questions_and_options_that_are_not_what_they_claim_are_refused(random_e
     assert everything.usage.recalled_tokens == ratio.usage.recalled_tokens > 0
 
 
+def test_a_conversation_that_is_not_role_content_pairs_is_refused_by_what_it_is(random_engine: InfoKVEngine) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    for turns, shown in (
+        ([{"role": "user", "content": "Q?"}], "not {'role': 'user', 'content': 'Q?'}"),  # OpenAI-style messages
+        ({"role": "user", "content": "Q?"}, "not {'role': 'user', 'content': 'Q?'}"),
+        ([("user", "Q?", "extra")], "not ('user', 'Q?', 'extra')"),
+        ("What is the notice period?", "not 'What is the notice period?'"),  # a bare question
+        ([("user", None)], "not ('user', None)"),
+        ((turn for turn in [("user", "Q?")]), "not <generator object"),  # it would be spent by the check
+        ([("user", "why? " * 40, "extra")], "not ('user', 'why? why? why? why? why? why? why? why? why? wh..."),
+    ):
+        with pytest.raises(ConfigError, match="\\(role, content\\) pairs? of strings") as error:
+            doc.generate(turns)  # type: ignore[arg-type]
+        assert shown in str(error.value)
+    check_conversation([["user", "Q?"]])  # type: ignore[list-item]  # pairs decoded from JSON arrive as lists
+
+
 def test_an_empty_question_is_refused_whatever_asks_it(random_engine: InfoKVEngine) -> None:
     """Whitespace, control and format characters (NUL, a zero-width space, a byte-order mark) are no question: one
     check in the core refuses it for `ask`, `stream` and `generate`, whose last user turn is the question."""
@@ -278,6 +299,59 @@ def test_a_system_message_after_the_question_joins_it(random_engine: InfoKVEngin
     prompt = random_engine.prompt
     joined = prompt.conversation_ids([("user", "Q?\n\nBe brief.")])
     assert prompt.conversation_ids([("user", "Q?"), ("system", "Be brief.")]) == joined
+
+
+def test_a_template_that_prints_today_s_date_still_answers_after_midnight(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama 3.x's template prints today's date before the document turn, in the head every document is cached
+    behind: the next day's questions are still answered, and later documents keep the engine's head."""
+    dated = (
+        "{%- if strftime_now is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+        "{{ '<|im_start|>system\\nToday Date: ' + date_string + '<|im_end|>\\n' }}"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+    tokenizer.chat_template = dated + CHAT_TEMPLATE
+    engine = InfoKVEngine.from_model(AutoModelForCausalLM.from_pretrained(random_model_dir), tokenizer)
+    doc = engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    document_ids = engine.prompt.document_ids(TEXT)
+    answer = doc.ask("What is the notice period?", max_new_tokens=4)
+
+    tomorrow = SimpleNamespace(now=lambda: datetime.datetime.now() + datetime.timedelta(days=1))
+    monkeypatch.setattr(chat_template_utils, "datetime", tomorrow)  # what the template's strftime_now reads
+    assert doc.ask("What is the notice period?", max_new_tokens=4) == answer
+    assert engine.prompt.document_ids(TEXT) == document_ids
+    # A template that places the document turn otherwise when a conversation goes on is still refused.
+    tokenizer.chat_template = dated + "{% if messages | length > 1 %}{{ 'Dialogue:\\n' }}{% endif %}" + CHAT_TEMPLATE
+    with pytest.raises(ConfigError, match="renders the document turn differently"):
+        doc.generate([("user", "Q?"), ("assistant", "A."), ("user", "And the notice?")])
+
+
+def test_a_cache_saved_behind_a_dated_head_loads_on_a_day_whose_head_reads_longer(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load checks that the saved text still reads as the saved token count: the head before it is counted as it
+    was saved, so a template that prints the date in words (as many tokens as they take) does not refuse the cache."""
+    spelled = "%A %-d %B"
+    tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+    tokenizer.chat_template = f"{{{{ '<|im_start|>system\\nIt is ' + strftime_now('{spelled}') + '<|im_end|>\\n' }}}}"
+    tokenizer.chat_template += CHAT_TEMPLATE
+
+    def engine() -> InfoKVEngine:
+        return InfoKVEngine.from_model(AutoModelForCausalLM.from_pretrained(random_model_dir), tokenizer)
+
+    def length(day: datetime.datetime) -> int:
+        return len(tokenizer(f"{day:{spelled}}")["input_ids"])
+
+    today = engine()
+    path = today.ingest_text(TEXT, CompressionConfig(keep=0.5)).save(tmp_path / "doc")
+    answer = today.load(path).ask("What is the notice period?", max_new_tokens=4)
+    now = datetime.datetime.now()
+    later = next(day for d in range(1, 60) if length(day := now + datetime.timedelta(days=d)) != length(now))
+    monkeypatch.setattr(chat_template_utils, "datetime", SimpleNamespace(now=lambda: later))
+    another_day = engine()
+    assert another_day.prompt.head_tokens != today.prompt.head_tokens
+    assert another_day.load(path).ask("What is the notice period?", max_new_tokens=4) == answer
 
 
 def test_a_question_may_quote_the_prompt_s_own_split_marker(random_engine: InfoKVEngine) -> None:

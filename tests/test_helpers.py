@@ -62,6 +62,59 @@ def test_a_failed_load_is_retried_by_the_next_caller() -> None:
     assert cache.get_or_load("k", lambda: 7) == 7
 
 
+def test_after_a_failed_load_callers_still_share_one_load_at_a_time() -> None:
+    """A load fails while callers wait on it: one of them loads again while the rest, and a newcomer, wait for it."""
+    cache: LoadOnceCache[str, object] = LoadOnceCache(capacity=2)
+    first_started, fail_first, retry_started, finish_retry = (threading.Event() for _ in range(4))
+    guard = threading.Lock()
+    loads = active = most_at_once = 0
+
+    def load() -> object:
+        nonlocal loads, active, most_at_once
+        with guard:
+            loads += 1
+            first = loads == 1
+            active += 1
+            most_at_once = max(most_at_once, active)
+        try:
+            (first_started if first else retry_started).set()
+            (fail_first if first else finish_retry).wait(5)
+            if first:
+                raise OSError("transient read error")
+            return object()
+        finally:
+            with guard:
+                active -= 1
+
+    results: dict[str, object] = {}
+
+    def caller(name: str) -> None:
+        try:
+            results[name] = cache.get_or_load("k", load)
+        except OSError as error:
+            results[name] = error
+
+    def start(name: str) -> threading.Thread:
+        thread = threading.Thread(target=caller, args=(name,))
+        thread.start()
+        thread.join(0.05)  # time to queue on the key's lock (a load of their own would not wait for a signal)
+        return thread
+
+    first = start("first")
+    assert first_started.wait(5)
+    waiting = [start("waiting 1"), start("waiting 2")]
+    fail_first.set()
+    assert retry_started.wait(5)
+    newcomer = start("newcomer")
+    finish_retry.set()
+    for thread in (first, *waiting, newcomer):
+        thread.join(5)
+    assert isinstance(results.pop("first"), OSError)
+    assert (loads, most_at_once) == (2, 1)
+    assert len({id(value) for value in results.values()}) == 1 and len(results) == 3
+    assert cache._loading == {}  # the key's lock is let go once nobody waits
+
+
 def test_the_page_map_rebuilds_the_document() -> None:
     pages = (Page(1, "First page."), Page(3, "Third page,\nafter a skipped one."))
     text = PAGE_SEPARATOR.join(page.text for page in pages)

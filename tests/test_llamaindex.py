@@ -76,6 +76,30 @@ def test_citations_match_whole_words() -> None:
     assert [index for index, _ in supporting_pages(shares, "50%", "What share of the shares is control?")] == [0]
 
 
+@pytest.mark.parametrize(
+    ("pages", "answer", "question"),
+    [
+        (  # Cyrillic: the figure alone ("30") is on the first page too, the answer's words only on the second
+            ["Статья 30. Оплата производится ежемесячно.", "Срок уведомления составляет 30 дней.", "Подписи сторон."],
+            "30 дней",
+            "Какой срок уведомления?",
+        ),
+        (  # case-folded: "ß" is "ss" in capitals
+            ["Die Miete steigt um 5 Prozent.", "Anschrift: HAUPTSTRASSE 5, Berlin.", "Die Zahlung erfolgt monatlich."],
+            "Hauptstraße 5",
+            "Wie lautet die Anschrift?",
+        ),
+        (["本合同由甲方和乙方签订。", "通知期为三十天。", "付款按月进行。"], "三十天", "通知期是多长？"),
+        # No verbatim answer: the pairs of characters it shares with the page (通知, 知期) find it.
+        (["本合同由甲方和乙方签订。", "通知期为三十天。", "付款按月进行。"], "通知期是一个月", ""),
+        (["この契約は甲と乙の間で結ばれる。", "通知期間は三十日です。", "支払いは毎月。"], "三十日", "通知期間は？"),
+    ],
+)
+def test_citations_find_the_page_in_any_script(pages: list[str], answer: str, question: str) -> None:
+    document = document_from_pages(list(enumerate(pages, start=1)))
+    assert [index for index, _ in supporting_pages(document, answer, question)] == [1]
+
+
 def test_an_answer_across_a_page_break_cites_both_pages() -> None:
     document = document_from_pages(
         [

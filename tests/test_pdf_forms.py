@@ -54,9 +54,23 @@ def test_only_values_a_reader_sees_count() -> None:
         _dictionary(
             Subtype=NameObject("/Widget"), FT=NameObject("/Tx"), V=TextStringObject("bad box"), Rect=_rect(1, 2)
         ),
+        # What a viewer never shows: a hidden field (a form's working value) and a note flagged no-view.
+        _dictionary(
+            Subtype=NameObject("/Widget"),
+            FT=NameObject("/Tx"),
+            V=TextStringObject("hidden"),
+            F=NumberObject(2),
+            Rect=_rect(0, 0, 9, 9),
+        ),
+        _dictionary(
+            Subtype=NameObject("/FreeText"),
+            Contents=TextStringObject("no view"),
+            F=NumberObject(32),
+            Rect=_rect(0, 0, 9, 9),
+        ),
     )
     assert filled_values(page) == [Filled("USD 900", (300.0, 100.0, 400.0, 118.0), "fees")]
-    assert page_text(page) == ""  # a page whose content has no text (a scan) gets no values: it is to be OCR'd
+    assert page_text(page) == "fees: USD 900"  # a page whose content has no text keeps its values all the same
 
 
 def test_a_cycle_of_parents_and_odd_entries_are_survived() -> None:

@@ -142,19 +142,34 @@ def test_save_replaces_an_existing_cache(
     assert doc_b.save(target) == target
     assert_same_document(random_engine.load(target), doc_b)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the retired cache is removed"
-    # So is what is left of a damaged one (a cache's files only), and an empty directory is filled.
-    (target / MANIFEST).unlink()
+    # A damaged cache is replaced too, keeping the directory's permissions; an empty directory is filled.
+    _flip_byte(target / TENSORS)
+    target.chmod(0o750)
     assert doc_a.save(target) == target
+    assert (target.stat().st_mode & 0o777) == 0o750
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty").chmod(0o751)
     assert_same_document(random_engine.load(doc_a.save(tmp_path / "empty")), doc_a)
+    assert ((tmp_path / "empty").stat().st_mode & 0o777) == 0o751
     # Never what is not a cache: a save replaces the whole directory.
     (target / "notes.txt").write_text("mine")
     (tmp_path / "file").write_text("mine")
-    for refused in (target, tmp_path / "file"):
+    for refused in (target, tmp_path / "file", tmp_path / "file" / "under"):
         with pytest.raises(CacheStoreError, match="another path|other files"):
             doc_b.save(refused)
     assert (target / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
     assert_same_document(random_engine.load(target), doc_a)
+    # Nor files that only share a cache's names: the user's own document.txt, or a cache's files whose manifest
+    # is not one infokv-rag wrote.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / TEXT).write_text("my input")
+    (target / "notes.txt").unlink()
+    (target / MANIFEST).write_text('{"format_version": 8}')
+    for refused in (mine, target):
+        with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
+            doc_b.save(refused)
+    assert (mine / TEXT).read_text() == "my input" and (target / TENSORS).is_file()
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -357,7 +372,7 @@ def rebuild(path):
     ] if "extra_keys.0" in tensors else None
     text = open(os.path.join(path, store.TEXT), encoding="utf-8").read()
     return SimpleNamespace(
-        engine=SimpleNamespace(**manifest["model"]),
+        engine=SimpleNamespace(**manifest["model"], prompt=SimpleNamespace(head_tokens=manifest["tokens"]["head"])),
         cache=DocumentCache(layers, manifest["tokens"]["document"], summaries=summaries, extras=extras),
         config=CompressionConfig.from_dict(manifest["config"]),
         document=Document.from_layout(text, manifest["document"]),
@@ -525,6 +540,10 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
     rebuilt, reused = store.ingest(random_engine, document, config)
     assert reused is False
     assert_same_document(random_engine.load(entry), rebuilt)
+    # The store owns its entries: one whose manifest is unreadable is rebuilt too (a plain save would refuse it).
+    _truncate(entry / MANIFEST)
+    assert store.ingest(random_engine, document, config)[1] is False
+    assert random_engine.load(entry).document.sha256 == document.sha256
     assert all(
         torch.equal(a.keys, b.keys)
         for a, b in zip(document_cache(rebuilt).layers, document_cache(made).layers, strict=True)

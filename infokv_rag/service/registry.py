@@ -44,6 +44,7 @@ from ..documents import Document, Page
 from ..errors import CacheStoreError, ConfigError
 from ..files import replace_directory, write_atomic
 from ..loaded import LoadOnceCache
+from ..store import save_document
 from .errors import StorageError
 
 if TYPE_CHECKING:
@@ -494,7 +495,7 @@ class Registry:
         return True
 
     def _save_cache(self, doc_id: str, document: CompressedDocument) -> None:
-        document.save(self.cache_path(doc_id))
+        save_document(document, self.cache_path(doc_id), owned=True)  # a damaged cache of ours is replaced
 
     def _load_cache(self, engine: InfoKVEngine, doc_id: str) -> CompressedDocument:
         return engine.load(self.cache_path(doc_id))
