@@ -6,11 +6,10 @@ Imported as `_common`: `python examples/<name>.py` puts the examples folder on s
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from infokv_rag.cli import STDOUT_CLOSED_EXIT, ratio_or_count, stdout_closed
+from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError, InfoKVError
@@ -60,9 +59,6 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     return args
 
 
-ERROR_EXIT = 2
-
-
 def exit_codes(*own: str) -> str:
     """The exit codes an example's --help lists: 0, then `own` (its own codes, "N what"), then the shared ones."""
     codes = [
@@ -76,15 +72,5 @@ def exit_codes(*own: str) -> str:
 
 
 def run(main: Callable[[], int], script: str) -> int:
-    """`main()`'s exit code, or the example's own when it fails: an error of infokv-rag's (or of the system: a full
-    disk, a file that cannot be read) is one line on stderr naming `script` and `ERROR_EXIT`, as `infokv-rag`
-    reports it, never a traceback; a stdout closed early ends quietly (`infokv_rag.cli.stdout_closed`)."""
-    try:
-        code = main()
-        sys.stdout.flush()  # a stdout closed early shows here, not as a traceback at exit
-        return code
-    except BrokenPipeError:
-        return stdout_closed()
-    except (InfoKVError, OSError) as error:
-        print(f"{Path(script).name}: error: {error}", file=sys.stderr)
-        return ERROR_EXIT
+    """`main()`'s exit code, or the example's own when it fails, as `infokv-rag` reports it (`run_reporting`)."""
+    return run_reporting(main, Path(script).name)

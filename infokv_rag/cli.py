@@ -447,6 +447,8 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
     print(f"infokv-rag: warning: {message}", file=sys.stderr)
 
 
+ERROR_EXIT = 2
+"""The exit code of any error: a wrong option or document, a model that cannot load, a cache of another model."""
 STDOUT_CLOSED_EXIT = 141
 """The exit code when stdout closes early (`... | head`): 128 + SIGPIPE, what a shell reports for a Unix tool that
 the closed pipe ended."""
@@ -463,23 +465,37 @@ def stdout_closed() -> int:
     return STDOUT_CLOSED_EXIT
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    shown, warnings.showwarning = warnings.showwarning, _show_warning
+def run_reporting(
+    command: Callable[[], int], name: str, on_error: Callable[[InfoKVError | OSError], None] | None = None
+) -> int:
+    """`command()`'s exit code, or: an error of infokv-rag's (an actionable message) or of the system (a missing
+    file, a full disk: its path named) as one line on stderr after `name`, then `on_error`, and `ERROR_EXIT`, never a
+    traceback; a stdout closed early, quietly (`stdout_closed`). Shared by the CLI and the examples."""
     try:
-        code = _run(args)
+        code = command()
         sys.stdout.flush()  # a stdout closed early shows here, not as a traceback at exit
         return code
     except BrokenPipeError:
         return stdout_closed()
     except (InfoKVError, OSError) as error:
-        # Typed errors carry an actionable message; OS errors (a missing file, a full disk) name the path.
-        print(f"infokv-rag: error: {error}", file=sys.stderr)
+        print(f"{name}: error: {error}", file=sys.stderr)
+        if on_error is not None:
+            on_error(error)
+        return ERROR_EXIT
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+
+    def as_json(error: InfoKVError | OSError) -> None:
         if getattr(args, "json", False):  # a caller reading JSON gets the error as JSON too
             print(json.dumps({"error": _error_json(error)}))
-        return 2
+
+    try:
+        return run_reporting(lambda: _run(args), "infokv-rag", as_json)
     except KeyboardInterrupt:
         print("infokv-rag: interrupted", file=sys.stderr)
         return 130
