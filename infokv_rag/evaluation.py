@@ -137,7 +137,8 @@ def normalize_answer(text: str, *, unicode: bool = False) -> str:
     "三 十 天" and "十" is not found in "三十" by accident of a neighbouring word. Characters rather than a
     dictionary's words (a segmenter would be a dependency and guess on legal terms) or n-grams (which a caller
     can build from the characters, as `infokv_rag.citations` does)."""
-    text = unicodedata.normalize("NFKC", text)
+    # NFKC leaves a minus sign or an en dash before a figure as it is: it is a sign as "-" is (U+2212 10 is not 10).
+    text = re.sub(r"[\u2212\u2013](?=\d)", "-", unicodedata.normalize("NFKC", text))
     text = (text.casefold() if unicode else text.lower()).replace("%", " percent ")
     letter, word = (r"[^\W\d_]", r"[^\W_]") if unicode else ("[a-z]", "[0-9a-z]")
     text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
@@ -162,10 +163,11 @@ def answer_matches(answer: str, accepted: Sequence[str]) -> bool:
     "basis" does not hold "as is", nor "148213" "48213", nor "Section 5.3" "53").
 
     An answer that is nothing but several different figures ("100000, 600100000, 65536") lists candidates:
-    it is right only as a whole accepted answer ("1024:524288", "15-20")."""
+    it is right only as a whole accepted answer ("1024:524288", "15-20"), or when every figure it lists is one
+    (both IDs a question asks for: "65535, 4294967295")."""
     normalised = normalize_answer(answer)
     targets = [target for target in map(normalize_answer, accepted) if target]
     words = normalised.split()
     if len(set(words)) > 1 and all(_NUMBER_WORD.fullmatch(word) for word in words):
-        return normalised in targets
+        return normalised in targets or set(words) <= set(targets)
     return any(f" {target} " in f" {normalised} " for target in targets)

@@ -68,6 +68,8 @@ def test_split_is_fixed() -> None:
         ("10.5 days", "5 days", False),
         ("version 1.21.3", "3", False),
         ("Pin-Priority: -10", "10", False),
+        ("The nice level is \u221210.", "10", False),  # a minus sign (U+2212), as "-"
+        ("The nice level is \u201310.", "-10", True),  # an en dash before a figure
         ("about 2373.5", "2373", False),
         ("14000 cases", "1400", False),
         ("either party may terminate as set out in Section 5.3.", "53", False),
@@ -86,6 +88,13 @@ def test_split_is_fixed() -> None:
 )
 def test_the_checker_takes_a_number_whole(answer: str, accepted: str, right: bool) -> None:
     assert answer_matches(answer, [accepted]) is right
+
+
+def test_a_list_of_figures_is_right_when_every_one_is_accepted() -> None:
+    """Both IDs a question asks for are one answer; one candidate among figures that are not accepted is none."""
+    accepted = ["65535", "4294967295"]
+    assert answer_matches("65535, 4294967295", accepted) and answer_matches("65535", accepted)
+    assert not answer_matches("65535, 100000", accepted)
 
 
 def test_unicode_normalisation_leaves_ascii_text_as_it_was() -> None:
