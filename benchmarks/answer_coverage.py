@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -42,7 +43,8 @@ from infokv_rag.evaluation import answer_matches
 
 
 def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str]) -> list[range]:
-    """Token index ranges of every occurrence of any of `answers` in the document prefix `ids`."""
+    """Token index ranges of every occurrence of any of `answers` in the document prefix `ids`, as whole words
+    ("42" is not in "1,420" nor "420", as the checker takes a number whole)."""
     pieces = [engine.tokenizer.decode([token]) for token in ids]
     starts, offset = [], 0
     for piece in pieces:
@@ -51,11 +53,13 @@ def answer_spans(engine: InfoKVEngine, ids: Sequence[int], answers: Sequence[str
     text = "".join(pieces).lower()
     spans = []
     for answer in answers:
-        needle, begin = answer.lower(), 0
-        while needle and (found := text.find(needle, begin)) >= 0:
+        if not answer:
+            continue
+        # Not inside a word or a longer number: no letter or digit beside it, nor a decimal or thousands separator.
+        whole = re.compile(rf"(?<!\w)(?<!\d[.,]){re.escape(answer.lower())}(?!\w)(?![.,]\d)")
+        for found in whole.finditer(text):
             # The tokens from the one the answer starts in to the one it ends in.
-            spans.append(range(bisect.bisect_right(starts, found) - 1, bisect.bisect_left(starts, found + len(needle))))
-            begin = found + len(needle)
+            spans.append(range(bisect.bisect_right(starts, found.start()) - 1, bisect.bisect_left(starts, found.end())))
     return spans
 
 

@@ -25,6 +25,13 @@ def test_answers_are_found_in_the_document_tokens_wherever_they_occur(random_eng
         assert "30 days" not in piece(span.start + 1, span.stop) and "30 days" not in piece(span.start, span.stop - 1)
 
 
+def test_an_answer_inside_another_number_or_word_is_not_found(random_engine: InfoKVEngine) -> None:
+    ids = random_engine.prompt.document_ids("USD 1,420 per month, 420 in all, 4.42 each; 42 reporting feeds.")
+    spans = answer_spans(random_engine, ids, ["42"])
+    assert len(spans) == 1
+    assert random_engine.tokenizer.decode(ids[spans[0].start : spans[0].stop]).strip() == "42"
+
+
 def test_coverage_is_the_best_occurrences_share_of_kept_entries(random_engine: InfoKVEngine) -> None:
     kept = torch.zeros(2, 2, 10, dtype=torch.bool)
     kept[:, :, 2:4] = True
