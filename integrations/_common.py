@@ -153,6 +153,7 @@ def open_document(
     device: str | None = None,
     dtype: str | None = None,
     password: str | None = None,
+    how_to_bind: str = "at construction or per call",
 ) -> CompressedDocument:
     """The compressed document for a source, ingested (or loaded) once per model and config.
 
@@ -161,13 +162,15 @@ def open_document(
     cache belongs to that model.
 
     `config` None (an adapter's `compression` left unset) means the defaults for a file or text, and a saved cache
-    as it was saved. A config given for a saved cache must be the one it was saved with (`ConfigError` naming both
-    otherwise: the cache cannot be compressed again); one that differs only in `recall`, each answer's default, is
-    answered with its own, and one whose `cold_bits` is None takes the cache's.
+    or a `CompressedDocument` as it was compressed. A config given for either must be the one it was compressed
+    with (`ConfigError` naming both otherwise: a cache cannot be compressed again); one that differs only in
+    `recall`, each answer's default, is answered with its own, and one whose `cold_bits` is None takes the cache's.
 
     `password` opens an encrypted PDF file. It is checked against the file on every call (`_check_password`), also
     when the file was read already, and never kept: a document read once is shared in the process whatever password
     opened it, and a wrong or missing one is refused (`EncryptedPDFError`) before any model work.
+
+    `how_to_bind` ends the error for no document: where the caller's framework takes one.
     """
     if isinstance(source, CompressedDocument) and text is None:
         if model is not None and model != source.engine.name:
@@ -175,18 +178,22 @@ def open_document(
                 f"the document was read by model {source.engine.name!r}; it cannot be answered by {model!r}. "
                 "Pass the file (or its text) instead, so that it is read by the requested model"
             )
-        return source
+        if config is None:
+            return source
+        return _as_compressed("the CompressedDocument given is a cache", source, coerce_config(config))
     if source is None and text is None:
         raise ValueError(
             "no document bound: pass document= (a .pdf/.txt/.md path, a saved cache directory or a "
-            "CompressedDocument) or document_text=, at construction or per call with .bind(document=...)"
+            f"CompressedDocument) or document_text=, {how_to_bind}"
         )
     model = model or DEFAULT_MODEL
     kind, *identity = _source_key(source, text)
     if kind == "cache":
         key: tuple[Any, ...] = (model, device, dtype_name(dtype), kind, *identity)
         saved = _DOCUMENTS.get_or_load(key, lambda: get_engine(model, device, dtype).load(identity[0]))
-        return saved if config is None else _as_saved(identity[0], saved, coerce_config(config))
+        return (
+            saved if config is None else _as_compressed(f"{identity[0]} is a saved cache", saved, coerce_config(config))
+        )
     if kind == "file":
         _check_password(Path(identity[0]), identity[1], identity[2], password)
     config = coerce_config(config)
@@ -203,17 +210,18 @@ def open_document(
     return _DOCUMENTS.get_or_load(key, ingest)
 
 
-def _as_saved(path: str, saved: CompressedDocument, given: CompressionConfig) -> CompressedDocument:
-    """The saved cache at `path` answered with the compression `given` for it; `ConfigError` naming both when the
-    cache was not made with it."""
+def _as_compressed(described: str, saved: CompressedDocument, given: CompressionConfig) -> CompressedDocument:
+    """A cache already compressed (a saved cache, or a `CompressedDocument` given as the source; `described` says
+    which, for the error) answered with the compression `given` for it; `ConfigError` naming both when the cache was
+    not made with it."""
     if given.recall and saved.config.recall and given.cold_bits is None:  # left to the model: the cache's width
         given = dataclasses.replace(given, cold_bits=saved.config.cold_bits)
     if given.cache_identity() != saved.config.cache_identity():
         differ = _differences(saved.config.to_dict(), given.to_dict())
         raise ConfigError(
-            f"{path} is a saved cache compressed with {_describe(saved.config, differ)}, but the compression given "
-            f"has {_describe(given, differ)}. A saved cache is answered as it was saved: leave compression unset "
-            "(None) to use it, or pass the document's file or text to read it again with this compression"
+            f"{described} compressed with {_describe(saved.config, differ)}, but the compression given has "
+            f"{_describe(given, differ)}. A compressed cache is answered as it was compressed: leave compression "
+            "unset (None) to use it, or pass the document's file or text to read it again with this compression"
         )
     if given.recall == saved.config.recall:
         return saved
@@ -336,10 +344,10 @@ def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password
 
 
 def open_call_document(
-    adapter: AdapterFields, kwargs: dict[str, Any], password: str | None = None
+    adapter: AdapterFields, kwargs: dict[str, Any], password: str | None, how_to_bind: str
 ) -> CompressedDocument:
     """The document of one call (`_call_source`: the call's `DOCUMENT_OPTIONS` over the adapter's fields);
-    `password` opens an encrypted PDF."""
+    `password` opens an encrypted PDF; `how_to_bind` says, when there is no document, how the adapter takes one."""
     source, text = _call_source(adapter, kwargs)
     return open_document(
         source,
@@ -349,6 +357,7 @@ def open_call_document(
         device=adapter.device,
         dtype=adapter.dtype,
         password=password,
+        how_to_bind=how_to_bind,
     )
 
 

@@ -214,7 +214,9 @@ class _InfoKVFields(BaseModel):
 
         kwargs as per call: `document`, `document_text`, `model`, `compression`.
         """
-        return open_call_document(self, kwargs, self._password())
+        return open_call_document(
+            self, kwargs, self._password(), how_to_bind="as a field or per call with .bind(document=...)"
+        )
 
     def _password(self) -> str | None:
         return self.password.get_secret_value() if isinstance(self.password, SecretStr) else self.password

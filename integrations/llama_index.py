@@ -14,6 +14,7 @@ chat messages follow it in the model's chat template. Needs the `llamaindex` ext
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +37,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.schema import BaseNode, NodeWithScore, TextNode
 from llama_index.core.schema import Document as LlamaDocument
-from llama_index.core.schema import NodeWithScore, TextNode
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
@@ -53,8 +54,10 @@ from ._common import (
     aiter_pieces,
     answer_info,
     call_options,
+    check_call_password,
     check_turns,
     coerce_dtype,
+    document_identity,
     get_engine,
     open_call_document,
     optional_config,
@@ -89,6 +92,21 @@ def messages_to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
                 raise ValueError(f"InfoKV reads text only; a {role} message holds a {type(block).__name__}")
         turns.append((role, "".join(parts)))
     return check_turns(turns)
+
+
+_HOW_TO_BIND = "as a field (InfoKV(document=...)) or as a call's kwarg (llm.complete(prompt, document=...))"
+"""Where an `InfoKV` takes its document: LlamaIndex LLMs have no `.bind`."""
+
+
+def _refuse_llama_documents(value: Any) -> None:
+    """TypeError for LlamaIndex `Document`s (or nodes) as `InfoKV`'s document: their pages come in through
+    `DocumentQueryEngine.from_documents`, which keeps their page numbers."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(item, BaseNode) for item in values):
+        raise TypeError(
+            "InfoKV's document is a .pdf/.txt/.md path, a saved cache directory or a CompressedDocument, not "
+            "LlamaIndex Documents: pass those to DocumentQueryEngine.from_documents(documents)"
+        )
 
 
 class InfoKV(CustomLLM):
@@ -126,11 +144,19 @@ class InfoKV(CustomLLM):
 
     _opened: CompressedDocument | None = PrivateAttr(default=None)
     """The document of the latest call that used the fields' own (for `to_payload`, which must not read one)."""
+    _opened_for: str | None = PrivateAttr(default=None)
+    """What in the fields chose `_opened` (`_fields_choice`): while that holds, calls answer from `_opened`."""
 
     @field_validator("compression", mode="before")
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_validator("document", mode="before")
+    @classmethod
+    def _document(cls, value: Any) -> Any:
+        _refuse_llama_documents(value)
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -149,10 +175,30 @@ class InfoKV(CustomLLM):
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The compressed document this LLM answers from: read on first use, then shared while the fields (or
         the call's kwargs) that choose it stay the same; a field changed later chooses another."""
-        document = open_call_document(self, kwargs, self.password)
-        if not any(key in kwargs for key in DOCUMENT_OPTIONS):
-            self._opened = document
+        if any(key in kwargs for key in DOCUMENT_OPTIONS):
+            _refuse_llama_documents(kwargs["document"] if "document" in kwargs else None)
+            return open_call_document(self, kwargs, self.password, _HOW_TO_BIND)
+        # Held here, not only in the process's shared cache: that one evicts documents other instances opened
+        # since, and this instance would read its own again on every call.
+        choice = self._fields_choice()
+        if self._opened is not None and choice == self._opened_for:
+            check_call_password(self, {}, self.password)  # a password set since is checked as on a first read
+            return self._opened
+        document = open_call_document(self, {}, self.password, _HOW_TO_BIND)
+        self._opened, self._opened_for = document, choice
         return document
+
+    def _fields_choice(self) -> str:
+        """What the fields' document depends on (its content, model, compression, device and dtype), as text."""
+        compression = None if self.compression is None else self.compression.to_dict()
+        choice = [
+            document_identity(self.document, self.document_text),
+            self.model,
+            compression,
+            self.device,
+            self.dtype,
+        ]
+        return json.dumps(choice, sort_keys=True)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -204,7 +250,13 @@ class InfoKV(CustomLLM):
         return [*turns, ("user", prompt)]
 
     def _chat_turns(self, messages: Sequence[ChatMessage]) -> list[Turn]:
-        return messages_to_turns(self._extend_messages(list(messages)))
+        """The messages after the document, led by `system_prompt` once: `LLM.predict` / `stream` (and their async
+        forms) have prepended it already (`_get_messages`), a direct `chat` call has not."""
+        messages = list(messages)
+        first = messages[0] if messages else None
+        if first is not None and first.role == MessageRole.SYSTEM and first.content == self.system_prompt:
+            return messages_to_turns(messages)
+        return messages_to_turns(self._extend_messages(messages))
 
     @staticmethod
     def _extra(info: AnswerInfo) -> dict[str, Any]:

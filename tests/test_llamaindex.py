@@ -13,14 +13,18 @@ pytest.importorskip("llama_index.core")
 from llama_index.core import SimpleDirectoryReader
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.core.base.response.schema import Response
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document as LlamaDocument
 
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
 from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError
 from infokv_rag.generation import GenerationOptions
+from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
+from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.prompt import question_turns
 
 from .conftest import CORPUS
@@ -244,6 +248,68 @@ def test_the_query_engine_keeps_the_llms_system_prompt(monkeypatch: pytest.Monke
     assert seen == [[("system", "Answer in French."), *question_turns("Who pays?")]]
 
 
+def test_every_path_sends_the_system_prompt_once(random_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM.predict` and `stream` (and their async forms) prepend `system_prompt` before calling `chat`, which a
+    direct `chat` call does not: the document hears it once either way."""
+    seen: list[list[tuple[str, str]]] = []
+    generate = CompressedDocument.generate
+
+    def spy(self: CompressedDocument, turns: list[tuple[str, str]], *args: Any, **kwargs: Any) -> Any:
+        seen.append(list(turns))
+        return generate(self, turns, *args, **kwargs)
+
+    monkeypatch.setattr(CompressedDocument, "generate", spy)
+    llm = InfoKV(model=str(random_model_dir), document_text=" ".join(CORPUS), system_prompt="Be brief.", max_tokens=1)
+    prompt = PromptTemplate("What is {x}?")
+    messages = [ChatMessage(role=MessageRole.USER, content="Who pays?")]
+
+    async def consume(stream: Any) -> None:
+        async for _ in await stream:
+            pass
+
+    paths: dict[str, Any] = {
+        "complete": lambda: llm.complete("Who pays?"),
+        "stream_complete": lambda: list(llm.stream_complete("Who pays?")),
+        "chat": lambda: llm.chat(messages),
+        "stream_chat": lambda: list(llm.stream_chat(messages)),
+        "predict": lambda: llm.predict(prompt, x="the notice period"),
+        "stream": lambda: list(llm.stream(prompt, x="the notice period")),
+        "acomplete": lambda: asyncio.run(llm.acomplete("Who pays?")),
+        "astream_complete": lambda: asyncio.run(consume(llm.astream_complete("Who pays?"))),
+        "achat": lambda: asyncio.run(llm.achat(messages)),
+        "astream_chat": lambda: asyncio.run(consume(llm.astream_chat(messages))),
+        "apredict": lambda: asyncio.run(llm.apredict(prompt, x="the notice period")),
+        "astream": lambda: asyncio.run(consume(llm.astream(prompt, x="the notice period"))),
+    }
+    for name, call in paths.items():
+        call()
+        system_turns = [content for role, content in seen[-1] if role == "system"]
+        assert system_turns == ["Be brief."], name
+
+
+def test_an_llm_keeps_its_document_when_the_shared_cache_evicts_it(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ingested: list[str] = []
+    ingest_text = InfoKVEngine.ingest_text
+
+    def count(self: InfoKVEngine, text: str, *args: Any, **kwargs: Any) -> CompressedDocument:
+        ingested.append(text)
+        return ingest_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(InfoKVEngine, "ingest_text", count)
+    monkeypatch.setattr(_common, "_DOCUMENTS", LoadOnceCache(capacity=1))
+    first, second = (
+        InfoKV(model=str(random_model_dir), document_text=f"Contract {number}: the notice period is {number} days.")
+        for number in (1, 2)
+    )
+    for llm in (first, second, first, second):
+        llm.complete("What is the notice period?", max_tokens=1)
+    assert len(ingested) == 2, "each instance reads its document once, though the shared cache holds one"
+    first.document_text = "Contract 3: the notice period is 3 days."
+    assert first.compressed_document().document.text == first.document_text and len(ingested) == 3
+
+
 # On the tiny model ---------------------------------------------------------------------------------
 
 
@@ -427,3 +493,30 @@ def test_recall_from_compression_and_per_call(random_model_dir: Path, tmp_path: 
     response = engine.query("What is the notice period?")
     assert isinstance(response, Response) and response.metadata is not None
     assert response.metadata["recalled_tokens"] == 4 * layers
+
+
+def test_a_compressed_document_refuses_another_compression(random_model_dir: Path) -> None:
+    """As a saved cache directory: a `CompressedDocument` cannot be compressed again, so a compression given for it
+    (field or per call) must be its own, where only `recall`, each answer's default, may differ."""
+    document = get_engine(str(random_model_dir)).ingest_text(COLD_TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    assert document.cold_tier is not None
+    layers = len(document.cold_tier.layers)
+    refused = r"CompressedDocument given is a cache compressed with method=infokv, .*but the compression given has"
+    with pytest.raises(ConfigError, match=refused + r" method=full"):
+        InfoKV(document=document, max_tokens=2).complete("What is the notice period?", compression={"method": "full"})
+    with pytest.raises(ConfigError, match=refused + r" method=infokv, .*keep=0.9"):
+        InfoKV(document=document, compression={"keep": 0.9, "recall": 0.1}, max_tokens=2).complete("Q?")  # type: ignore[arg-type]
+    fewer = InfoKV(document=document, compression={"keep": 0.25, "recall": 4}, max_tokens=2)  # type: ignore[arg-type]
+    assert fewer.complete("What is the notice period?").additional_kwargs["recalled_tokens"] == 4 * layers
+
+
+def test_document_errors_say_what_an_infokv_takes(no_document_read: None) -> None:
+    with pytest.raises(ValueError, match=r"no document bound: .*llm.complete\(prompt, document=...\)") as refused:
+        InfoKV(model="tiny").complete("What is the notice period?")
+    assert ".bind" not in str(refused.value), "a LlamaIndex LLM has no .bind"
+    pages = [LlamaDocument(text="The notice period is ninety days.")]
+    for document in (pages[0], pages):
+        with pytest.raises(TypeError, match=r"not LlamaIndex Documents: .*DocumentQueryEngine.from_documents"):
+            InfoKV(model="tiny", document=document)
+    with pytest.raises(TypeError, match="DocumentQueryEngine.from_documents"):
+        InfoKV(model="tiny").complete("What is the notice period?", document=pages[0])

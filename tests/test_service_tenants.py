@@ -362,7 +362,8 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         {"stop": "x" * 65},
     ):
         assert_error(ask(client, A1, doc, **bad), 422, "invalid_request")
-    assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's own limit
+    too_many = assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's limit
+    assert too_many["param"] == "max_tokens", too_many
     for literal in ("NaN", "Infinity", "-Infinity"):  # Python's JSON reader accepts these
         raw = f'{{"question": "q", "temperature": {literal}}}'.encode()
         response = client.post(
@@ -384,6 +385,55 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
     assert_error(twice, 422, "repeated_field")
     two_files = [("file", ("a.txt", SECRET)), ("file", ("b.txt", SECRET))]
     assert_error(client.post("/v1/documents", files=two_files, headers=A1), 400, "bad_request")  # the parser's limit
+
+
+def test_chat_refusals_about_one_field_name_it_in_param(random_engine: Any, tmp_path: Path) -> None:
+    """OpenAI's route names the field a refusal is about in `param` (its clients show it), as its validation
+    errors do: dotted, down to the message (`messages.0.role`), or `messages` for the conversation as a whole."""
+    with running(random_engine, tmp_path / "data", max_question_chars=20_000) as client:
+        doc = upload_ready(client, A1, "vault.txt", SECRET)  # without a cold tier
+        chat = {"model": "random", "messages": [{"role": "user", "content": "q"}], "document_id": doc}
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+        blank = {"role": "user", "content": "  "}  # as empty as "" (the core's check)
+        over_window = "w " * 9_000  # under the question limit, over the context window of 4096 tokens
+        for changes, code, param in (
+            ({"max_tokens": 9}, "max_tokens_too_large", "max_tokens"),
+            ({"max_completion_tokens": 9, "max_tokens": 2}, "max_tokens_too_large", "max_completion_tokens"),
+            ({"recall": 8}, "no_cold_tier", "recall"),
+            (
+                {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]},
+                "unsupported_role",
+                "messages.1.role",
+            ),
+            ({"messages": [{"role": "user", "content": [image]}]}, "unsupported_content", "messages.0.content"),
+            ({"messages": [{"role": "user", "content": ""}]}, "empty_message", "messages.0.content"),
+            (
+                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, blank]},
+                "empty_message",
+                "messages.2.content",
+            ),
+            ({"messages": [{"role": "user", "content": over_window}]}, "context_length_exceeded", "messages"),
+        ):
+            response = client.post("/v1/chat/completions", json={**chat, **changes}, headers=A1)
+            error = assert_error(response, 400, code)
+            assert error["param"] == param, error
+            if code == "max_tokens_too_large":
+                assert error["message"].startswith(f"{param} is 9"), error
+        # /ask names its own fields.
+        error = assert_error(ask(client, A1, doc, recall=8), 422, "no_cold_tier")
+        assert error["param"] == "recall", error
+        error = assert_error(ask(client, A1, doc, question=over_window), 400, "context_length_exceeded")
+        assert error["param"] == "question", error
+
+
+def test_the_chat_route_schema_lists_the_statuses_it_answers(client: TestClient) -> None:
+    """OpenAI's route answers 400 where the others answer 413 or 422: its schema lists 400 for them, not 413/422."""
+    schema = client.get("/openapi.json").json()  # the app's `openapi()`
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "413" not in chat and "422" not in chat, sorted(chat)
+    assert "400" in chat and "413" in chat["400"]["description"] and "422" in chat["400"]["description"]
+    asked = schema["paths"]["/v1/documents/{document_id}/ask"]["post"]["responses"]
+    assert {"400", "413", "422"} <= set(asked) and "413" not in asked["400"]["description"]
 
 
 def _numeric_properties(schema: dict[str, Any], node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

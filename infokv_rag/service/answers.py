@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import CacheStoreError, ConfigError, EmptyQuestionError, InfoKVError
+from ..errors import CacheStoreError, ConfigError, ContextLengthError, EmptyQuestionError, InfoKVError
 from ..generation import GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
@@ -101,7 +101,11 @@ def generation_options(
     stop: str | Sequence[str] | None,
     seed: int | None,
     recall: float | int | None,
+    *,
+    max_tokens_param: str = "max_tokens",
 ) -> GenerationOptions:
+    """The request's generation options, checked against this server's limits; `max_tokens_param` is the request
+    field `max_tokens` came from, which a refusal of it names."""
     settings = service.settings
     if recall and not record.recall:
         # Said here, before the document loads, in the upload's terms (the core would refuse it as well).
@@ -110,13 +114,16 @@ def generation_options(
             "no_cold_tier",
             f"document {record.id} was uploaded without a cold tier, so it has nothing to recall: ask without "
             "'recall' (or with 0), or upload it again with the form field 'recall' (e.g. 0.1)",
+            param="recall",
         )
     max_tokens = max_tokens or settings.default_max_tokens
     if max_tokens > settings.max_new_tokens:
         raise ServiceError(
             422,
             "max_tokens_too_large",
-            f"max_tokens is {max_tokens}; this server generates at most {settings.max_new_tokens} tokens per answer",
+            f"{max_tokens_param} is {max_tokens}; this server generates at most {settings.max_new_tokens} tokens "
+            "per answer",
+            param=max_tokens_param,
         )
     stops = [stop] if isinstance(stop, str) else list(stop or [])  # counts and lengths: validated by the schema
     try:
@@ -139,16 +146,20 @@ async def start_answer(
     document: CompressedDocument,
     turns: list[Turn],
     options: GenerationOptions,
+    *,
+    conversation_param: str,
 ) -> GenerationJob:
     """Tokenises and checks the conversation, then queues it with the model worker as the caller's tenant's (the
-    one that asks holds a share of the answers, whoever owns the document: an admin asks as its own tenant)."""
+    one that asks holds a share of the answers, whoever owns the document: an admin asks as its own tenant).
+    `conversation_param` is the request field that holds the conversation, which a refusal of it names."""
     assert service.worker is not None
     try:
         generation = await run_in_threadpool(document.generate, turns, options)
-    except EmptyQuestionError as exc:  # the routes refuse it before the document loads; this is the core's word
-        raise from_core(exc) from exc
+    # The routes refuse an empty question before the document loads; this is the core's word.
+    except (EmptyQuestionError, ContextLengthError) as exc:
+        raise from_core(exc, param=conversation_param) from exc
     except ConfigError as exc:
-        raise ServiceError(400, "invalid_conversation", str(exc)) from exc
+        raise ServiceError(400, "invalid_conversation", str(exc), param=conversation_param) from exc
     except CacheStoreError as exc:  # a cold tier changed on disk since it was loaded
         raise _rebuild(service, record, exc) from exc
     except InfoKVError as exc:

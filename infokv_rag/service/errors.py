@@ -96,10 +96,11 @@ def error_code(exc: BaseException) -> str:
     return "internal_error"
 
 
-def from_core(exc: BaseException, message: str | None = None) -> ServiceError:
+def from_core(exc: BaseException, message: str | None = None, param: str | None = None) -> ServiceError:
+    """The client's error for a core error; `param` is the request field it is about, when one is."""
     for kind, status, code in _CORE:
         if isinstance(exc, kind):
-            return ServiceError(status, code, message or str(exc))
+            return ServiceError(status, code, message or str(exc), param=param)
     return ServiceError(500, "internal_error", "internal server error")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .errors import status_on
 from .schemas import SEED_MAX, SEED_MIN
 from .settings import Settings
 
@@ -21,6 +22,16 @@ def _bound(properties: Schema, name: str, keyword: str, value: int) -> None:
     for alternative in prop.get("anyOf", [prop]):
         if alternative.get("type") != "null":
             alternative[keyword] = value
+
+
+def _drop_statuses_not_answered(schema: Schema) -> None:
+    """FastAPI lists its own 422 (a validation error) on every route with a body; a route that answers it with
+    another status (`errors.status_on`: OpenAI's answers 400) never answers 422, so its schema must not say so."""
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            responses = operation.get("responses", {})
+            for status in [code for code in responses if code.isdigit() and status_on(path, int(code)) != int(code)]:
+                del responses[status]
 
 
 def apply_limits(schema: Schema, settings: Settings) -> Schema:
@@ -40,6 +51,7 @@ def apply_limits(schema: Schema, settings: Settings) -> Schema:
         f" At most {settings.max_upload_bytes} bytes, {settings.max_pages} pages and "
         f"{settings.max_document_chars} characters of text, and it must fit the model's context window."
     )
+    _drop_statuses_not_answered(schema)
     return schema
 
 

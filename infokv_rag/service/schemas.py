@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ..config import COLD_BITS
 from ..scorers import method_names
+from .errors import status_on
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are 64-bit integers (what the sampler's generator takes)."""
@@ -51,30 +52,46 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (a question that does not fit the model's context window; a malformed multipart "
+    "body, one cut before its closing boundary, or too many or too large form fields; a JSON body that is not "
+    "UTF-8 or not valid JSON, `invalid_json`)",
+    401: "Missing, invalid or conflicting API key (every key presented must be valid)",
+    404: "No such document",
+    409: "The document is not ready (still being read, or failed)",
+    413: "Upload, page count, document or question too large",
+    415: "Not a PDF or text file",
+    422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
+    429: "The caller's tenant holds its whole share of the queue (`tenant_queue_full`); retry later (see Retry-After)",
+    503: "Busy: too many queued requests; retry later (see Retry-After)",
+    507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
+}
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    descriptions = {
-        400: "Invalid request (a question that does not fit the model's context window; a malformed multipart "
-        "body, one cut before its closing boundary, or too many or too large form fields; a JSON body that is not "
-        "UTF-8 or not valid JSON, `invalid_json`)",
-        401: "Missing, invalid or conflicting API key (every key presented must be valid)",
-        404: "No such document",
-        409: "The document is not ready (still being read, or failed)",
-        413: "Upload, page count, document or question too large",
-        415: "Not a PDF or text file",
-        422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
-        429: "The caller's tenant holds its whole share of the queue (`tenant_queue_full`); retry later (see "
-        "Retry-After)",
-        503: "Busy: too many queued requests; retry later (see Retry-After)",
-        507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
-    }
-    return {code: {"model": ErrorResponse, "description": descriptions[code]} for code in codes}
+    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
 
 
-def answer_responses(description: str) -> dict[int | str, dict[str, Any]]:
-    """Responses of an endpoint that answers as JSON, or as Server-Sent Events (`description`) with
-    `stream: true`; answering fails the same ways on every such endpoint."""
+ANSWER_ERROR_STATUSES = (400, 401, 404, 409, 413, 422, 429, 503, 507)
+"""How answering fails, on every endpoint that answers, before a route answers some with another status."""
+
+
+def answer_responses(description: str, path: str) -> dict[int | str, dict[str, Any]]:
+    """Responses of the endpoint at `path` that answers as JSON, or as Server-Sent Events (`description`) with
+    `stream: true`. Answering fails the same ways on every such endpoint, each with the status that its route
+    answers it with (`errors.status_on`: OpenAI's answers 400 where the others answer 413 or 422)."""
+    answered_as: dict[int, list[int]] = {}
+    for status in ANSWER_ERROR_STATUSES:
+        answered_as.setdefault(status_on(path, status), []).append(status)
+    responses = error_responses(*answered_as)
+    for status, causes in answered_as.items():
+        for cause in causes:
+            if cause != status:
+                responses[status]["description"] += (
+                    f"; here also what other routes answer as {cause}: {_ERROR_DESCRIPTIONS[cause]}"
+                )
     return {
-        **error_responses(400, 401, 404, 409, 413, 422, 429, 503, 507),
+        **responses,
         200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}},
     }
 

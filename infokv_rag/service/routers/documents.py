@@ -197,7 +197,8 @@ def _ask_response(record: DocumentRecord, answer_id: str, answer: str, job: Gene
     summary="Ask a question about a ready document (JSON, or Server-Sent Events with stream=true)",
     responses=answer_responses(
         "The answer as JSON, or with `stream: true` a `text/event-stream` of `token` "
-        'events ({"text": ...}) then one `done` event (the JSON answer) or an `error` event.'
+        'events ({"text": ...}) then one `done` event (the JSON answer) or an `error` event.',
+        "/v1/documents/{document_id}/ask",
     ),
 )
 async def ask(
@@ -217,7 +218,7 @@ async def ask(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, caller, record, document, turns, options)
+    job = await start_answer(service, caller, record, document, turns, options, conversation_param="question")
     answer_id = "ans_" + secrets.token_urlsafe(12)
     if not body.stream:
         answer = await collect(job, request)

@@ -28,7 +28,7 @@ from ..answers import (
     start_answer,
 )
 from ..dependencies import CallerDep, Service, ServiceDep, authenticate, find_document
-from ..errors import ServiceError
+from ..errors import OPENAI_CHAT_PATH, ServiceError
 from ..schemas import (
     ChatChoice,
     ChatCompletion,
@@ -97,6 +97,7 @@ def _turns(request: ChatCompletionRequest) -> list[Turn]:
                 400,
                 "unsupported_role",
                 f"messages[{index}]: role {message.role!r} is not supported; use system, developer, user or assistant",
+                param=f"messages.{index}.role",
             )
         content = message.content
         if isinstance(content, list):
@@ -107,11 +108,14 @@ def _turns(request: ChatCompletionRequest) -> list[Turn]:
                         400,
                         "unsupported_content",
                         f"messages[{index}]: only text content is supported, not {part.type!r}",
+                        param=f"messages.{index}.content",
                     )
                 texts.append(part.text)
             content = "".join(texts)
         if not content:
-            raise ServiceError(400, "empty_message", f"messages[{index}] has no text content")
+            raise ServiceError(
+                400, "empty_message", f"messages[{index}] has no text content", param=f"messages.{index}.content"
+            )
         turns.append((role, content))
     # The core's check, before the document loads: a last user message of whitespace or control characters only
     # is as empty as "" (one turn per message, so a turn's index is its message's).
@@ -119,10 +123,10 @@ def _turns(request: ChatCompletionRequest) -> list[Turn]:
         check_conversation(turns)
     except EmptyQuestionError as exc:
         users = [index for index, (role, _) in enumerate(turns) if role == "user"]
-        where = f"messages[{users[-1]}]: " if users else ""
-        raise ServiceError(400, "empty_message", f"{where}{exc}") from exc
+        where, param = (f"messages[{users[-1]}]: ", f"messages.{users[-1]}.content") if users else ("", "messages")
+        raise ServiceError(400, "empty_message", f"{where}{exc}", param=param) from exc
     except ConfigError as exc:  # as when the answer starts (`start_answer`), only sooner
-        raise ServiceError(400, "invalid_conversation", str(exc)) from exc
+        raise ServiceError(400, "invalid_conversation", str(exc), param="messages") from exc
     return turns
 
 
@@ -151,7 +155,8 @@ def _check_model(service: Service, model: str) -> None:
     summary="OpenAI-compatible chat completion about a document (`document_id`; streaming and not)",
     responses=answer_responses(
         "A chat completion, or with `stream: true` OpenAI's `text/event-stream` of "
-        "`chat.completion.chunk` objects ending in `data: [DONE]`."
+        "`chat.completion.chunk` objects ending in `data: [DONE]`.",
+        OPENAI_CHAT_PATH,
     ),
 )
 async def chat_completions(
@@ -172,6 +177,8 @@ async def chat_completions(
         param="messages",
         limit=service.settings.max_question_chars * CONVERSATION_CHAR_FACTOR,
     )
+    # OpenAI's newer name wins over the older; a refusal names the field the limit came from.
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     options = generation_options(
         service,
         record,
@@ -181,9 +188,10 @@ async def chat_completions(
         body.stop,
         body.seed,
         body.recall,
+        max_tokens_param=max_tokens_param,
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, caller, record, document, turns, options)
+    job = await start_answer(service, caller, record, document, turns, options, conversation_param="messages")
     completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
     created = int(time.time())
     if not body.stream:
