@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, Union
 
+import torch
 from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
@@ -26,7 +27,7 @@ from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, rea
 from infokv_rag.errors import ConfigError, InfoKVError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
-from infokv_rag.placement import dtype_name
+from infokv_rag.placement import dtype_name, resolve_placement
 from infokv_rag.prompt import Turn
 from infokv_rag.store import COLD, MANIFEST, TENSORS, TEXT, read_manifest
 
@@ -37,20 +38,29 @@ DocumentSource = Union[str, "os.PathLike[str]", CompressedDocument, Document]
 
 # Engines -------------------------------------------------------------------------------------------
 
-_ENGINES: dict[tuple[str, str | None, str | None], InfoKVEngine] = {}
+_ENGINES: dict[tuple[str, str, str], InfoKVEngine] = {}
 _ENGINES_LOCK = threading.Lock()
+
+
+def placement_key(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """The device and dtype a model would load with, as text: every spelling of one placement ("auto", None and
+    "cpu" on a CPU machine; "fp32" and "float32") is one key, so it loads the weights and reads a document once."""
+    place, precision = resolve_placement(device, dtype)
+    if place.type == "cuda" and place.index is None:
+        place = torch.device("cuda", torch.cuda.current_device())
+    return str(place), str(precision).removeprefix("torch.")
 
 
 def get_engine(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> InfoKVEngine:
     """The engine for `model` on `device` in `dtype` (None: the defaults), loaded on first use and shared by
     every adapter in the process."""
-    key = (model, device, dtype_name(dtype))
+    key = (model, *placement_key(device, dtype))
     engine = _ENGINES.get(key)
     if engine is None:
         with _ENGINES_LOCK:  # one load per model, even when several threads ask at once
             engine = _ENGINES.get(key)
             if engine is None:
-                engine = InfoKVEngine.from_pretrained(model, device=device, dtype=key[2])
+                engine = InfoKVEngine.from_pretrained(model, device=key[1], dtype=key[2])
                 _ENGINES[key] = engine
     return engine
 
@@ -189,7 +199,7 @@ def open_document(
     model = model or DEFAULT_MODEL
     kind, *identity = _source_key(source, text)
     if kind == "cache":
-        key: tuple[Any, ...] = (model, device, dtype_name(dtype), kind, *identity)
+        key: tuple[Any, ...] = (model, *placement_key(device, dtype), kind, *identity)
         saved = _DOCUMENTS.get_or_load(key, lambda: get_engine(model, device, dtype).load(identity[0]))
         return (
             saved if config is None else _as_compressed(f"{identity[0]} is a saved cache", saved, coerce_config(config))
@@ -197,7 +207,7 @@ def open_document(
     if kind == "file":
         _check_password(Path(identity[0]), identity[1], identity[2], password)
     config = coerce_config(config)
-    key = (model, device, dtype_name(dtype), config, kind, *identity)
+    key = (model, *placement_key(device, dtype), config, kind, *identity)
 
     def ingest() -> CompressedDocument:
         engine = get_engine(model, device, dtype)

@@ -520,3 +520,18 @@ def test_document_errors_say_what_an_infokv_takes(no_document_read: None) -> Non
             InfoKV(model="tiny", document=document)
     with pytest.raises(TypeError, match="DocumentQueryEngine.from_documents"):
         InfoKV(model="tiny").complete("What is the notice period?", document=pages[0])
+
+
+def test_every_spelling_of_one_placement_shares_one_engine_and_one_reading(random_model_dir: Path) -> None:
+    """ "auto", None and "cpu" (on a machine without a GPU), "fp32" and "float32" are one placement: the weights load
+    once and a document is read once, as the README promises per (model, device, dtype)."""
+    model = str(random_model_dir)
+    engines = {
+        id(get_engine(model, device, dtype)) for device, dtype in [(None, None), ("auto", "fp32"), ("cpu", "float32")]
+    }
+    assert len(engines) == 1
+    documents = {
+        id(InfoKV(model=model, document_text=COLD_TEXT, **placement).compressed_document())  # type: ignore[arg-type]
+        for placement in ({}, {"device": "cpu"}, {"device": "auto", "dtype": "fp32"})
+    }
+    assert len(documents) == 1
