@@ -36,9 +36,11 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, NodeWithScore, TextNode
 from llama_index.core.schema import Document as LlamaDocument
+from llama_index.core.types import TokenAsyncGen
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
@@ -337,6 +339,20 @@ class InfoKV(CustomLLM):
         return self._as_chat(
             CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
         )
+
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        await self._aopen()
+        return await super().apredict(prompt, **prompt_args)
+
+    async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
+        await self._aopen()
+        return await super().astream(prompt, **prompt_args)
+
+    async def _aopen(self) -> None:
+        """LlamaIndex's `apredict` and `astream` (every query engine's `aquery`) read `metadata` on the event loop
+        before they answer, and it reads the document (or loads the weights) on first use: done here in a thread, so
+        that the loop goes on meanwhile and `metadata` then finds them ready."""
+        await asyncio.to_thread(lambda: self.metadata)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:

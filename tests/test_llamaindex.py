@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -535,3 +536,26 @@ def test_every_spelling_of_one_placement_shares_one_engine_and_one_reading(rando
         for placement in ({}, {"device": "cpu"}, {"device": "auto", "dtype": "fp32"})
     }
     assert len(documents) == 1
+
+
+@pytest.mark.parametrize("method", ["apredict", "astream"])
+def test_apredict_and_astream_read_the_document_off_the_event_loop(
+    method: str, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LlamaIndex's async predictions (every query engine's `aquery`) read `metadata` on the loop first, and on
+    first use that reads the document: it must happen in a thread, not stall every other task on the loop."""
+    llm = InfoKV(model=str(random_model_dir), document_text=f"{method}: {COLD_TEXT}", max_tokens=2)
+    on_the_loop: list[bool] = []
+    read = InfoKV.compressed_document
+
+    def spy(self: InfoKV, **kwargs: Any) -> CompressedDocument:
+        on_the_loop.append(threading.current_thread() is threading.main_thread())
+        return read(self, **kwargs)
+
+    async def predict() -> str:
+        result = await getattr(llm, method)(PromptTemplate("What is the notice period?"))
+        return result if isinstance(result, str) else "".join([piece async for piece in result])
+
+    monkeypatch.setattr(InfoKV, "compressed_document", spy)
+    assert isinstance(asyncio.run(predict()), str)
+    assert on_the_loop and not on_the_loop[0], "the first read ran on the event loop's thread"
