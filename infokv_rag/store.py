@@ -167,17 +167,13 @@ def check_save_target(directory: str | os.PathLike[str], *, owned: bool = False)
 
 def is_saved_cache(directory: Path) -> bool:
     """Whether `directory` holds a manifest that infokv-rag wrote (a JSON object of a known format whose checksum
-    holds): its other files may be damaged, but the directory is a cache, never a user's files of the same names."""
+    holds: `read_manifest`): its other files may be damaged, but the directory is a cache, never a user's files of
+    the same names."""
     try:
-        with open_regular(directory / MANIFEST) as handle:
-            manifest = json.loads(handle.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        read_manifest(directory)
+    except CacheStoreError:
         return False
-    return (
-        isinstance(manifest, dict)
-        and manifest.get("format_version") in READABLE_VERSIONS
-        and manifest.get("checksum") == _manifest_checksum(manifest)
-    )
+    return True
 
 
 def _check_can_make(target: Path) -> None:
