@@ -15,7 +15,7 @@ from .cache import ResidentCache
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
-from .generation import Generation, GenerationOptions
+from .generation import DEFAULT_MAX_NEW_TOKENS, Generation, GenerationOptions
 from .ingestion import DocumentStats
 from .prompt import Turn, check_conversation, question_turns
 
@@ -57,7 +57,7 @@ class CompressedDocument:
         self,
         question: str,
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,

@@ -20,6 +20,7 @@ from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document
 from .errors import ContextLengthError
+from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
 from .models import loaded_model_fingerprint, resolve_model
@@ -28,7 +29,7 @@ from .prompt import PromptFormat, Turn
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
 QUESTION_RESERVE = 64
-"""Context tokens a document must leave free for the question and the start of an answer."""
+"""Context tokens a document must leave free for a question, beside an answer of the default length."""
 
 
 class InfoKVEngine:
@@ -178,8 +179,10 @@ class InfoKVEngine:
 
     @property
     def max_document_tokens(self) -> int:
-        """The longest document this model reads: its context window less room for a question."""
-        return self.context_window - QUESTION_RESERVE
+        """The longest document this model reads: its context window less room for a question of `QUESTION_RESERVE`
+        tokens and an answer of `DEFAULT_MAX_NEW_TOKENS`, so that every document read can be asked about with the
+        defaults."""
+        return self.context_window - QUESTION_RESERVE - DEFAULT_MAX_NEW_TOKENS
 
     def check_question_fits(self, document_tokens: int, turns: Sequence[Turn], max_new_tokens: int) -> list[int]:
         """The token ids of a conversation asked after a document of `document_tokens` tokens; `ContextLengthError`
@@ -234,8 +237,9 @@ class InfoKVEngine:
         ids = self.prompt.document_ids(document.text)
         if len(ids) > self.max_document_tokens:
             raise ContextLengthError(
-                f"the document is {len(ids)} tokens but the model's context window is {self.context_window} "
-                f"tokens (and questions need room too); split the document or use a model with a longer context"
+                f"the document is {len(ids)} tokens, but this model reads at most {self.max_document_tokens}: its "
+                f"context window of {self.context_window} less {self.context_window - self.max_document_tokens} for "
+                f"a question and its answer; split the document or use a model with a longer context"
             )
         result = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         result.stats.pages = len(document.pages)

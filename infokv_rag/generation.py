@@ -13,6 +13,9 @@ from torch import Tensor
 from .config import check_count, check_recall
 from .errors import ConfigError
 
+DEFAULT_MAX_NEW_TOKENS = 256
+"""The longest answer decoded when a caller does not say; every document a model reads leaves room for one."""
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -22,7 +25,7 @@ class GenerationOptions:
     scored tokens are evicted (never the sinks, the question or the recent window).
     """
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()

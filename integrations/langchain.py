@@ -44,6 +44,7 @@ from langchain_core.outputs import (
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS
 from infokv_rag.generation import Generation as InfoKVGeneration
 from infokv_rag.prompt import Turn, check_conversation
 
@@ -165,7 +166,7 @@ class _InfoKVFields(BaseModel):
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
     """auto (None: bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32, or a torch dtype."""
-    max_tokens: int = Field(default=256, gt=0)
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
     """Most tokens generated per answer."""
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

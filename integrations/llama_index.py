@@ -45,7 +45,7 @@ from llama_index.core.types import TokenAsyncGen
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, repair_extracted_text
-from infokv_rag.generation import Generation
+from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
 from ._common import (
@@ -131,7 +131,7 @@ class InfoKV(CustomLLM):
     )
     device: str | None = Field(default=None, description="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     dtype: str | None = Field(default=None, description="auto (bf16 on CUDA, fp32 elsewhere), bf16, fp16, fp32")
-    max_tokens: int = Field(default=256, gt=0, description="most tokens generated per answer")
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, description="most tokens generated per answer")
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = None

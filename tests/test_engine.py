@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import chat_template_utils
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
+from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.ingestion import chunk_bounds
@@ -208,6 +209,26 @@ def test_document_longer_than_context_names_both_lengths(tmp_path: Path) -> None
         engine.ingest_text(TEXT)
     message = str(error.value)
     assert "256" in message and "tokens" in message
+
+
+def test_the_longest_document_read_can_still_be_asked_about_with_the_defaults(tmp_path: Path) -> None:
+    """A document is read only when a question and an answer of the default length fit beside it: one that fills
+    the window up to the question's reserve would be read and then refuse every `ask` without a max_new_tokens."""
+    engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=512)), device="cpu")
+    words = TEXT.split()
+    count = next(n for n in range(len(words), 0, -1) if len(engine.prompt.document_ids(" ".join(words[:n]))) <= 320)
+    with pytest.raises(ContextLengthError, match="context window of 512"):
+        engine.ingest_text(" ".join(words[:count]))
+    longest = next(
+        n
+        for n in range(count, 0, -1)
+        if len(engine.prompt.document_ids(" ".join(words[:n]))) <= engine.max_document_tokens
+    )
+    doc = engine.ingest_text(" ".join(words[:longest]), CompressionConfig(method="full"))
+    assert doc.stats.document_tokens > engine.max_document_tokens - 8
+    question = "When is the invoice due?"
+    assert len(engine.prompt.conversation_ids(question_turns(question))) <= QUESTION_RESERVE
+    assert doc.ask(question)
 
 
 def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) -> None:

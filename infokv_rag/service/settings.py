@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import DEFAULT_METHOD, parse_ratio_or_count
 from ..errors import ConfigError
+from ..generation import DEFAULT_MAX_NEW_TOKENS
 from ..placement import dtype_name
 from .tenants import KeyRing, read_keys_file, split_entries
 
@@ -63,7 +64,7 @@ class Settings:
     max_question_chars: int = 4000
     max_new_tokens: int = 1024
     """The largest max_tokens a request may ask for."""
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_request_bytes: int = 1024 * 1024
     """Body limit of every request but uploads (JSON questions and chats)."""
     # Scheduling

@@ -310,8 +310,9 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
         raise ServiceError(
             413,
             "document_too_long",
-            f"{staged.name} is more than {limit} tokens: it does not fit the model's context window of "
-            f"{engine.context_window} tokens (questions need room too); split the document",
+            f"{staged.name} is more than {limit} tokens, the most this model reads (its context window of "
+            f"{engine.context_window} less {engine.context_window - limit} for a question and its answer); "
+            f"split the document",
         )
     return ParsedUpload(document, tokens, load_warnings)
 
