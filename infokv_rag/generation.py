@@ -125,12 +125,15 @@ class TextAssembler:
         """Adds a token; returns the new text that is safe to show (may be empty)."""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in self.stop if s in text), default=-1)
+        # A character whose bytes are still arriving reads as U+FFFD: not text yet, so it can neither complete a
+        # stop string nor be shown.
+        complete = text.rstrip("\ufffd")
+        cut = min((complete.find(s) for s in self.stop if s in complete), default=-1)
         if cut >= 0:
             self.stopped = True
             piece, self.emitted = text[self.emitted : cut], cut
             return piece
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+        if len(complete) < len(text):
             return ""
         safe = len(text) - self._held_back(text)
         piece = text[self.emitted : safe] if safe > self.emitted else ""

@@ -15,12 +15,12 @@ from transformers.utils import chat_template_utils
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
 from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
-from infokv_rag.generation import GenerationOptions
+from infokv_rag.generation import GenerationOptions, TextAssembler
 from infokv_rag.ingestion import chunk_bounds
 from infokv_rag.prompt import check_conversation, is_blank, question_turns
 from infokv_rag.scorers import method_names
 
-from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir
+from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir, build_tokenizer
 from .helpers import document_cache
 
 TEXT = " ".join(CORPUS * 12)
@@ -452,6 +452,21 @@ def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) ->
     cut = doc.ask("Pay?", max_new_tokens=16, stop=[stop])
     assert cut == greedy[: greedy.index(stop)]
     assert "".join(doc.stream("Pay?", max_new_tokens=16)) == greedy
+
+
+def test_a_character_still_arriving_byte_by_byte_completes_no_stop_string() -> None:
+    """An emoji is four byte tokens here; until its last byte it decodes as U+FFFD, which is no text of the answer."""
+    tokenizer = build_tokenizer()
+    text = "Pay 😀 now, then stop."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(tokenizer.encode("Pay  now, then stop.", add_special_tokens=False)) + 1
+    for stop, expected in (("\ufffd", text), ("😀 now", "Pay "), ("then", "Pay 😀 now, ")):
+        assembler, answer = TextAssembler(tokenizer, (stop,)), ""
+        for token in ids:
+            answer += assembler.push(token)
+            if assembler.stopped:
+                break
+        assert answer + assembler.flush() == expected, stop
 
 
 def test_surprisal_signal_is_exact_across_chunks(random_engine: InfoKVEngine) -> None:
