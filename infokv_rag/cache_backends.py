@@ -85,7 +85,8 @@ class CacheBackend(ABC):
 
 
 class LocalBackend(CacheBackend):
-    """A local directory: caches are directories renamed into place (`infokv_rag.store.save_document`)."""
+    """A local directory: caches are directories renamed into place (`infokv_rag.store.save_document`), each load
+    reading every file from the one directory it opened (`infokv_rag.store.read_whole`)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser()

@@ -5,13 +5,14 @@ describes (one `QuantisedEntries` of shape (1, m_h, ...) per head: with per-head
 different numbers), with
   positions               (m_h,) int64 per head, ascending.
 Positions are not stored: per head they are the document positions that the hot cache holds neither in the layer
-nor among that head's extras (`infokv_rag.cache.ExtrasLayout`). Caches saved in formats 4 to 7 kept each head's
-extras in the cold tier too, so that every head of a layer held the same count; loading one drops them from it
-and codes the rest again, head by head (one more rounding, within half a step of the new pages' ranges).
+nor among that head's extras (`infokv_rag.cache.ExtrasLayout`). Since any cold tier of as many entries per head
+would fit those shapes, a saved one carries its `binding` to the hot cache it complements.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,22 @@ from .quantisation import TENSOR_NAMES, QuantisedEntries
 
 HeadEvictions = tuple[Tensor, Tensor, Tensor]
 """One KV head's evicted keys, values (m, head_dim) and positions (m,)."""
+
+
+def binding(text: str, fingerprint: str, hot: ResidentCache) -> str:
+    """What ties a cold tier to the one hot cache it complements: a sha256 over the document's text, the model's
+    fingerprint and, per layer and KV head, the positions the hot cache keeps. A cold tier that fits the shapes of
+    another document's cache, another model's or another compression's would otherwise be read as this one's.
+    Positions, not entries: holding the kept entries in codes (`stored_bits`) leaves the binding as it was."""
+    text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(json.dumps([text_sha256, fingerprint]).encode())
+    for index in range(len(hot.lengths)):
+        kept = hot.kept_positions(index)
+        # Each head's count first, so that where one head's positions end and the next's begin is bound too.
+        counts = torch.tensor([len(positions) for positions in kept], dtype=torch.int64)
+        ordered = torch.cat([positions.sort().values for positions in kept]).to(device="cpu", dtype=torch.int64)
+        digest.update(counts.numpy().tobytes() + ordered.numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -106,56 +123,29 @@ class ColdTier:
         }
 
     @classmethod
-    def from_tensors(
-        cls, tensors: dict[str, Tensor], hot: ResidentCache, bits: int, where: str, extras_apart: bool = True
-    ) -> ColdTier:
-        """The cold tier of the hot cache `hot` from saved `tensors`; refuses any that do not fit it exactly.
-
-        `extras_apart`: saved as this version saves it; False for formats 4 to 7, whose cold tier also held each
-        head's extras, every head of a layer as many entries (`cold.<tensor>.<layer>`, heads first): with extras,
-        those are decoded and each head's cold entries coded again without them (in memory, not mapped)."""
+    def from_tensors(cls, tensors: dict[str, Tensor], hot: ResidentCache, bits: int, where: str) -> ColdTier:
+        """The cold tier of the hot cache `hot` (its positions each held once per head, as loading checks) from
+        saved `tensors`; refuses any that do not fit it exactly."""
         if bits not in COLD_BITS:
             raise CacheStoreError(f"{where} holds a cold tier of {bits} bits; expected one of {COLD_BITS}")
         n = hot.document_tokens
         dim = hot.working_layout()[1]
-        has_extras = hot.extra_positions() is not None
         layers = []
-        for index, layer_positions in enumerate(hot.layer_positions()):
-            heads = layer_positions.shape[0]
-            # Per head, what the hot cache holds: the layer's own entries and the head's extras, each once.
-            held = torch.zeros(heads, n, dtype=torch.bool)
-            for head, kept in enumerate(hot.kept_positions(index)):
-                held[head, kept.cpu()] = True
-                if int(held[head].sum()) != len(kept):
-                    raise CacheStoreError(
-                        f"{where}: layer {index} holds a position of head {head} twice; ingest the document again"
-                    )
-            cold = ~held
-            what = f"{where}: the cold tier of layer {index}, beside the hot cache"
-            if extras_apart:
-                entries = [
-                    QuantisedEntries.from_saved(
-                        tensors,
-                        f"cold.{{name}}.{index}.{head}",
-                        (1, int(cold[head].sum()), dim),
-                        bits,
-                        f"{what}, head {head}",
-                    )
-                    for head in range(heads)
-                ]
-            else:
-                together = QuantisedEntries.from_saved(
-                    tensors, f"cold.{{name}}.{index}", (heads, n - layer_positions.shape[1], dim), bits, what
+        for index in range(len(hot.lengths)):
+            kept = hot.kept_positions(index)
+            # Per head, what the hot cache lacks: in the layer and among the head's extras.
+            cold = torch.ones(len(kept), n, dtype=torch.bool)
+            for head, positions in enumerate(kept):
+                cold[head, positions.cpu()] = False
+            entries = [
+                QuantisedEntries.from_saved(
+                    tensors,
+                    f"cold.{{name}}.{index}.{head}",
+                    (1, int(cold[head].sum()), dim),
+                    bits,
+                    f"{where}: the cold tier of layer {index}, beside the hot cache, head {head}",
                 )
-                entries = [
-                    QuantisedEntries(*(getattr(together, name)[head : head + 1] for name in TENSOR_NAMES))
-                    for head in range(heads)
-                ]
-                if has_extras:  # each head's pages lose its extras: coded again
-                    in_layer = torch.zeros(heads, n, dtype=torch.bool).scatter_(1, layer_positions.cpu(), True)
-                    keys, values = together.all_keys(bits), together.all_values(bits)
-                    for head in range(heads):
-                        rows = cold[head][~in_layer[head]]  # of the entries outside the layer, those not extras
-                        entries[head] = QuantisedEntries.encode(keys[head, rows][None], values[head, rows][None], bits)
-            layers.append(ColdLayer(entries, [cold[head].nonzero()[:, 0] for head in range(heads)]))
+                for head in range(len(kept))
+            ]
+            layers.append(ColdLayer(entries, [cold[head].nonzero()[:, 0] for head in range(len(kept))]))
         return cls(layers, bits)

@@ -249,7 +249,7 @@ class InfoKVEngine:
 
     def load(self, directory: str | os.PathLike[str]) -> CompressedDocument:
         """Loads a cache saved with `CompressedDocument.save`; refuses another model's or a damaged one."""
-        return self.load_files(store.DirectoryFiles(Path(directory).expanduser()))
+        return store.read_whole(directory, self.load_files)
 
     def load_files(self, files: store.CacheFiles) -> CompressedDocument:
         """Loads a saved cache from wherever `files` reads it (a directory, an object store), verified as `load`."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import secrets
 import shutil
 import stat
 import struct
 import tempfile
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -29,46 +31,47 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading; OSError unless it is a regular file (a FIFO would block whoever reads it, a
-    device such as a link to /dev/zero would read without end)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer opens at once
+def open_regular(path: Path, directory: int | None = None) -> BinaryIO:
+    """`path` (relative to the open `directory`, when given) opened for reading; OSError unless it is a regular
+    file (a FIFO would block whoever reads it, a device such as a link to /dev/zero would read without end)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK, dir_fd=directory)  # a FIFO without a writer opens at once
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     return os.fdopen(descriptor, "rb")
 
 
-@dataclass(frozen=True)
 class FileStamp:
-    """Which file a memory map reads (device and inode), with its size and last modification when mapped.
+    """The file a memory map reads, held open, with its size and last modification when mapped.
 
     A copy-on-write map still reads from the file every page it has not copied, so a change made to the file in
     place (a copy or `rsync --inplace` over it, a truncation) would show through after the file was verified,
-    and reading past a truncation kills the process (SIGBUS). A file replaced by a rename, or removed, leaves
-    the map on the inode that was verified.
+    and reading past a truncation kills the process (SIGBUS). The stamp keeps a descriptor of the mapped file and
+    checks the file through it, so it checks the inode that was verified wherever that lies now: a path would
+    name another file (or none) once the cache directory is moved, or the process changes directory after a load
+    by a relative path. A file replaced by a rename, or removed, leaves the map on the inode that was verified:
+    not a change. The descriptor is closed when the stamp goes, with the map it stamps (a `ColdTier` holds both).
     """
 
-    path: Path
-    device: int
-    inode: int
-    size: int
-    modified_ns: int
+    def __init__(self, path: Path, handle: BinaryIO) -> None:
+        self.path = path
+        """Names the file in messages (where it was when mapped)."""
+        self._descriptor = os.dup(handle.fileno())
+        weakref.finalize(self, os.close, self._descriptor)
+        status = os.fstat(self._descriptor)
+        self.size, self.modified_ns = status.st_size, status.st_mtime_ns
 
-    @classmethod
-    def of(cls, path: Path, handle: BinaryIO) -> FileStamp:
-        status = os.fstat(handle.fileno())
-        return cls(path, status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+    def __copy__(self) -> FileStamp:
+        return self  # a copy of the descriptor's number would outlive it (closed with the original)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FileStamp:
+        return self
 
     def changed_in_place(self) -> bool:
         try:
-            now = os.stat(self.path)
-        except FileNotFoundError:
-            return False
+            now = os.fstat(self._descriptor)
         except OSError:
             return True  # cannot tell: taken as changed
-        if (now.st_dev, now.st_ino) != (self.device, self.inode):
-            return False
         return (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns)
 
 
@@ -81,7 +84,8 @@ def write_synced(path: Path, data: bytes) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replaces `path` with `data` atomically: written to a sibling temporary file, synced, renamed."""
+    """Replaces `path` with `data` atomically and durably: written to a sibling temporary file, synced, renamed,
+    and the rename synced (its directory's), so that whoever is told it was written finds it after a crash."""
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(handle)
     try:
@@ -90,6 +94,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:
@@ -101,24 +106,44 @@ def fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
+TEMPORARY_SUFFIX = re.compile("[0-9a-f]{16}")
+"""What follows the prefix in the name of a directory `make_temporary_directory` makes."""
+
+
+def make_temporary_directory(parent: Path, prefix: str) -> Path:
+    """A new private directory in `parent` named `prefix` and 16 random hex digits (`is_temporary_name`)."""
+    directory = parent / f"{prefix}{secrets.token_hex(8)}"
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+def is_temporary_name(name: str, prefix: str) -> bool:
+    """Whether `name` is one that `make_temporary_directory` gives a directory made with `prefix`."""
+    return name.startswith(prefix) and TEMPORARY_SUFFIX.fullmatch(name[len(prefix) :]) is not None
+
+
+def retired_prefix(target: Path) -> str:
+    """The name prefix of the directories that `replace_directory` moves an earlier `target` into."""
+    return f".{target.name}.old-"
+
+
 def replace_directory(staging: Path, target: Path) -> None:
-    """Renames the complete `staging` directory to `target`, retiring a directory already there (moved into a
-    `.<target name>.old-*` directory beside it, then removed; one a crash leaves is a leftover to sweep).
+    """Renames the complete `staging` directory to `target`, retiring a directory already there (renamed over a
+    fresh empty `retired_prefix` directory beside it, then removed; one a crash leaves is a leftover to sweep).
 
     Between retiring the old directory and renaming the new one, `target` does not exist: a crash there
     leaves none, never a mix of two. Another process may install the same target concurrently; the last
     rename wins (both are complete).
     """
     for attempt in range(5):
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            try:
-                os.replace(target, retired / "cache")
-            except FileNotFoundError:
-                pass  # another process retired it first
-        else:
-            retired = None
+        retired = None
         try:
+            if target.exists():
+                retired = make_temporary_directory(target.parent, retired_prefix(target))
+                try:
+                    os.replace(target, retired)
+                except FileNotFoundError:
+                    pass  # another process retired it first
             os.replace(staging, target)
             return
         except OSError as exc:

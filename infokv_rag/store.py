@@ -13,11 +13,14 @@ A saved cache is a directory:
                        of keys.L and values.L, and extra_codes.<name>.L.H (head H's extras) instead of
                        extra_keys.L and extra_values.L, <name> each of `infokv_rag.quantisation.TENSOR_NAMES`
   document.txt         the document text (page spans in the manifest index into it)
-  cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`): verified on load,
-                       then memory-mapped from a local directory (a page is read when a question recalls it)
+  cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`), its metadata holding
+                       its binding to the hot cache (`infokv_rag.cold_tier.binding`): verified on load, then
+                       memory-mapped from a local directory (a page is read when a question recalls it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
+Format 9 binds the cold tier to its hot cache: a cold tier of an earlier format, which cannot be checked against
+the cache it was saved with, is refused (ingest the document again); caches without one are read as they were.
 Format 8 keeps each head's extras out of the cold tier (`infokv_rag.cold_tier`); format 7 may hold its entries in
 codes; format 6 may hold per-head extras; format 5 may hold summaries of the evicted entries; format 4 may hold a
 cold tier; format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one flat
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import mmap
@@ -37,12 +39,11 @@ import os
 import shutil
 import stat
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import torch
 from safetensors.torch import load, save
@@ -50,11 +51,22 @@ from safetensors.torch import load, save
 from . import scorers
 from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV, ResidentCache
 from .coded_cache import CodedCache, CodedExtras, CodedLayer
-from .cold_tier import ColdTier
+from .cold_tier import ColdTier, binding
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
-from .files import FileStamp, fsync_dir, open_regular, replace_directory, safetensors_views, write_synced
+from .files import (
+    FileStamp,
+    fsync_dir,
+    is_temporary_name,
+    make_temporary_directory,
+    open_regular,
+    replace_directory,
+    retired_prefix,
+    safetensors_header,
+    safetensors_views,
+    write_synced,
+)
 from .ingestion import DocumentStats, ProgressCallback
 from .quantisation import TENSOR_NAMES, QuantisedEntries
 
@@ -63,10 +75,12 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
 
-FORMAT_VERSION = 8
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
-EXTRAS_APART_FROM = 8
-"""The first format whose cold tier leaves out each head's extras (earlier ones held them there too)."""
+FORMAT_VERSION = 9
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
+COLD_TIER_BOUND_FROM = 9
+"""The first format whose cold tier carries its binding to the hot cache; an earlier one is refused."""
+COLD_BINDING = "binding"
+"""The key of the cold tier's binding in cold.safetensors' metadata."""
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -95,7 +109,10 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
         tensors["information_reference"] = document.information_reference
     tensor_bytes = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
     text_bytes = document.document.text.encode("utf-8")
-    cold = {COLD: _encode_cold_tier(document.cold_tier)} if document.cold_tier is not None else {}
+    cold: dict[str, bytes] = {}
+    if document.cold_tier is not None:
+        bound_to = binding(document.document.text, document.engine.fingerprint, document.cache)
+        cold[COLD] = _encode_cold_tier(document.cold_tier, bound_to)
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
@@ -121,12 +138,13 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     return {TENSORS: tensor_bytes, TEXT: text_bytes, **cold, MANIFEST: json.dumps(manifest, indent=1).encode()}
 
 
-def _encode_cold_tier(cold_tier: ColdTier) -> bytes:
-    """The cold tier's file. A loaded one maps its file: changed in place since it was verified, the map would
-    read the new bytes, saved here under fresh checksums as if verified (or die on a truncation), so the file
-    is checked first (`CacheStoreError`), and again after it was read for a change made meanwhile."""
+def _encode_cold_tier(cold_tier: ColdTier, bound_to: str) -> bytes:
+    """The cold tier's file, its `binding` to the hot cache `bound_to` in its metadata. A loaded one maps its
+    file: changed in place since it was verified, the map would read the new bytes, saved here under fresh
+    checksums as if verified (or die on a truncation), so the file is checked first (`CacheStoreError`), and
+    again after it was read for a change made meanwhile."""
     cold_tier.check_source()
-    data = save(cold_tier.tensors())
+    data = save(cold_tier.tensors(), metadata={COLD_BINDING: bound_to})
     cold_tier.check_source()
     return data
 
@@ -141,8 +159,13 @@ def check_save_target(directory: str | os.PathLike[str], *, owned: bool = False)
     must never delete what is not a cache. An `owned` directory (named by a store for its own caches: a
     `CacheStore` entry, the service's, never a path a user gave) may also be what is left of a damaged cache: a
     cache's file names only, its manifest unreadable."""
-    target = Path(directory).expanduser().resolve()
-    if target.exists() or target.is_symlink():
+    try:
+        target = Path(directory).expanduser().resolve()
+        present = target.exists() or target.is_symlink()
+    except (OSError, RuntimeError) as exc:  # a name too long; a symlink loop (RuntimeError before Python 3.13)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise CacheStoreError(f"cannot save a cache to {directory} ({reason}): save the cache to another path") from exc
+    if present:
         if not target.is_dir() or target.is_symlink():
             raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
         try:
@@ -160,6 +183,13 @@ def check_save_target(directory: str | os.PathLike[str], *, owned: bool = False)
             raise CacheStoreError(
                 f"{target} is not a cache that infokv-rag saved (no readable {MANIFEST} of ours), so a save will not "
                 "replace it: save the cache to a new or empty directory"
+            )
+        # The save removes the cache it replaces, which takes a directory it may write: else it would fail at the
+        # end, leaving the old cache and the new one's copy beside it.
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise CacheStoreError(
+                f"{target} is read-only (mode {stat.S_IMODE(target.stat().st_mode):o}), and a save replaces the "
+                "directory: make it writable (chmod u+w) or save the cache to another path"
             )
     _check_can_make(target)
     return target
@@ -196,16 +226,22 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _sweep_leftovers(target)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+        staging = make_temporary_directory(target.parent, _staging_prefix(target))
     except OSError as exc:
         raise CacheStoreError(f"cannot write a cache into {target.parent}: {exc}") from exc
     try:
         for name, data in files.items():
             write_synced(staging / name, data)
-        with contextlib.suppress(FileNotFoundError):  # a directory the user made or shared keeps its mode
-            staging.chmod(stat.S_IMODE(target.stat().st_mode))
         fsync_dir(staging)
+        try:
+            kept_mode: int | None = stat.S_IMODE(target.stat().st_mode)  # a directory the user made or shared
+        except FileNotFoundError:
+            kept_mode = None
         replace_directory(staging, target)
+        if kept_mode is not None:
+            # Given once installed: a staging directory that failed to install must stay writable to be removed.
+            with contextlib.suppress(FileNotFoundError):
+                target.chmod(kept_mode)
         fsync_dir(target.parent)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -215,21 +251,38 @@ def save_document(document: CompressedDocument, directory: str | os.PathLike[str
     return target
 
 
-def _sweep_leftovers(target: Path) -> None:
-    """Removes staging and retired directories that killed saves of `target` left behind.
+def _staging_prefix(target: Path) -> str:
+    """The name prefix of the directories a save of `target` writes its files into before installing them."""
+    return f".{target.name}.saving-"
 
-    Only old ones: a young one may belong to a save running in another process right now.
+
+def _sweep_leftovers(target: Path) -> None:
+    """Removes staging and retired directories that killed saves of `target` left behind: only directories named
+    as a save names them that hold nothing but a cache's files (never a user's `.cache.old-photos`, nor one that
+    merely shares such a name), and only old ones: a young one may belong to a save running in another process.
     """
-    if not target.parent.is_dir():
-        return
     cutoff = time.time() - STALE_SECONDS
-    for prefix in (f".{target.name}.saving-", f".{target.name}.old-"):
-        for leftover in target.parent.glob(f"{glob.escape(prefix)}*"):
-            try:
-                if leftover.is_dir() and leftover.stat().st_mtime < cutoff:
-                    shutil.rmtree(leftover, ignore_errors=True)
-            except OSError:
-                pass
+    prefixes = (_staging_prefix(target), retired_prefix(target))
+    try:
+        with os.scandir(target.parent) as entries:
+            candidates = [entry for entry in entries if any(is_temporary_name(entry.name, p) for p in prefixes)]
+    except OSError:
+        return  # no parent yet, or unreadable: nothing to sweep
+    for leftover in candidates:
+        try:
+            if (
+                leftover.is_dir(follow_symlinks=False)
+                and leftover.stat(follow_symlinks=False).st_mtime < cutoff
+                and _holds_only_cache_files(leftover.path)
+            ):
+                shutil.rmtree(leftover.path, ignore_errors=True)
+        except OSError:
+            pass  # removed meanwhile by another save's sweep, or unreadable: left alone
+
+
+def _holds_only_cache_files(directory: str) -> bool:
+    with os.scandir(directory) as entries:
+        return all(entry.name in CACHE_FILES and entry.is_file(follow_symlinks=False) for entry in entries)
 
 
 class CacheFiles(Protocol):
@@ -245,33 +298,105 @@ class CacheFiles(Protocol):
         ...
 
 
-@dataclass(frozen=True)
 class DirectoryFiles:
-    """A saved cache in a local directory."""
+    """A saved cache in a local directory, read from one opening of it (`read_whole` opens and closes it).
 
-    path: Path
+    The directory and every cache file in it are opened at the first read, each file relative to the directory
+    opened: a save that replaces the cache meanwhile (`replace_directory` renames the old directory aside, then
+    removes it) neither mixes its files into the ones read nor takes away one already open.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._directory: int | None = None
+        self._handles: dict[str, BinaryIO] = {}
 
     @property
     def where(self) -> str:
         return str(self.path)
 
+    def __enter__(self) -> DirectoryFiles:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        if self._directory is not None:
+            os.close(self._directory)
+
+    def _open(self, name: str) -> BinaryIO:
+        if self._directory is None:
+            self._directory = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            for cache_file in CACHE_FILES:
+                with contextlib.suppress(OSError):  # opened again when it is read, to say why it cannot be
+                    self._handles[cache_file] = open_regular(Path(cache_file), self._directory)
+        if name not in self._handles:
+            self._handles[name] = open_regular(Path(name), self._directory)
+        handle = self._handles[name]
+        handle.seek(0)
+        return handle
+
     def read(self, name: str) -> bytes:
-        with open_regular(self.path / name) as handle:
-            return handle.read()
+        return self._open(name).read()
 
     def map(self, name: str) -> tuple[mmap.mmap | bytearray, FileStamp]:
         """The file's bytes, memory-mapped copy-on-write (writable, so tensors can view them; an empty file,
         which cannot be mapped, is read), and the stamp that tells when the file changes under the map."""
-        with open_regular(self.path / name) as handle:
-            stamp = FileStamp.of(self.path / name, handle)
-            if stamp.size == 0:
-                return bytearray(), stamp
-            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
+        handle = self._open(name)
+        stamp = FileStamp(self.path / name, handle)
+        if stamp.size == 0:
+            return bytearray(), stamp
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
+
+    def replaced(self) -> bool:
+        """Whether a save replaced the cache while it was read: `path` names another directory now than the one
+        opened, or none could be opened and now one is there, or is being put there (a save retiring the old)."""
+        try:
+            now: os.stat_result | None = os.stat(self.path)
+        except OSError:
+            now = None
+        if self._directory is not None:
+            opened = os.fstat(self._directory)
+            return now is None or (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
+        if now is not None:
+            return stat.S_ISDIR(now.st_mode)
+        try:
+            neighbours = os.listdir(self.path.parent)
+        except OSError:
+            return False
+        return any(is_temporary_name(name, retired_prefix(self.path)) for name in neighbours)
+
+
+REREAD_ATTEMPTS = 5
+"""Reads of a local cache that saves replace while they read it start again this many times in all (`read_whole`)."""
+REREAD_PAUSE_SECONDS = 0.02
+"""The wait before a read starts again: a save installs its cache one rename after it retired the old one."""
+Read = TypeVar("Read")
+
+
+def read_whole(directory: str | os.PathLike[str], read: Callable[[DirectoryFiles], Read]) -> Read:
+    """What `read` makes of the saved cache in `directory`, its files all read from one directory (`DirectoryFiles`).
+
+    A save that replaces the cache leaves no directory there for an instant, then removes the one it retired,
+    which a read that opened it just before its files finds emptied: a read refused (`CacheStoreError`) while the
+    cache was replaced starts again on the new one, so that it sees the previous cache or the new one, whole.
+    """
+    path = Path(directory).expanduser()
+    attempt = 1
+    while True:
+        with DirectoryFiles(path) as files:
+            try:
+                return read(files)
+            except CacheStoreError:
+                if attempt == REREAD_ATTEMPTS or not files.replaced():
+                    raise
+        attempt += 1
+        time.sleep(REREAD_PAUSE_SECONDS)
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a saved cache (format and checksum checked, files not yet)."""
-    return verified_manifest(DirectoryFiles(Path(directory).expanduser()))
+    return read_whole(directory, verified_manifest)
 
 
 def verified_manifest(files: CacheFiles) -> dict[str, Any]:
@@ -348,7 +473,7 @@ class SavedDocument:
 
 def load_document(engine: InfoKVEngine, directory: str | os.PathLike[str]) -> SavedDocument:
     """Loads and verifies a saved cache; refuses one made by another model or damaged in any way."""
-    return load_files(engine, DirectoryFiles(Path(directory).expanduser()))
+    return read_whole(directory, lambda files: load_files(engine, files))
 
 
 def load_files(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
@@ -435,7 +560,9 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     cache: ResidentCache
     if config.stored_bits is None:
         layers = [_layer(tensors, index, n, runner, path) for index in range(runner.num_layers)]
-        extras = _extras(tensors, [layer.length for layer in layers], n, runner, path) if config.heads_differ else None
+        extras = (
+            _extras(tensors, [layer.positions for layer in layers], n, runner, path) if config.heads_differ else None
+        )
         cache = DocumentCache(layers, n, sinks, summaries, extras)
     else:
         cache = _coded_cache(tensors, config.stored_bits, n, sinks, summaries, config.heads_differ, runner, path)
@@ -443,16 +570,34 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     if config.recall and COLD not in manifest["files"]:
         raise CacheStoreError(f"{path} was made with recall {config.recall} but holds no cold tier; ingest again")
     if COLD in manifest["files"]:
-        cold_tensors, stamp = _read_cold_tensors(files, manifest["files"][COLD])
+        if manifest["format_version"] < COLD_TIER_BOUND_FROM:
+            raise CacheStoreError(
+                f"{path} holds a cold tier saved by an older version of infokv-rag (cache format "
+                f"{manifest['format_version']}), which cannot be checked against the cache it was saved with; "
+                "ingest the document again"
+            )
+        cold_tensors, bound_to, stamp = _read_cold_tensors(files, manifest["files"][COLD])
         _check_finite(cold_tensors, f"{path}/{COLD}")
-        bits, apart = int(manifest["cold_tier"]["bits"]), manifest["format_version"] >= EXTRAS_APART_FROM
-        cold = ColdTier.from_tensors(cold_tensors, cache, bits, path, extras_apart=apart)
+        # Its shapes fit any cache of as many entries per head: only the binding tells another one's.
+        if bound_to != binding(text, engine.fingerprint, cache):
+            raise CacheStoreError(
+                f"{path}/{COLD} is not the cold tier of this cache (its binding names another document's text, "
+                f"another model or other kept positions: copied in from another cache?); delete {path} and ingest "
+                "the document again"
+            )
+        cold = ColdTier.from_tensors(cold_tensors, cache, int(manifest["cold_tier"]["bits"]), path)
         cold.source = stamp
     return SavedDocument(
         cache,
         config,
         Document.from_layout(text, manifest["document"]),
-        DocumentStats(**stats_fields),
+        # Bytes as held here: the entries are read into this engine's dtype, which may not be the saver's.
+        dataclasses.replace(
+            DocumentStats(**stats_fields),
+            cache_bytes=cache.nbytes,
+            full_cache_bytes=n * engine.bytes_per_token,
+            cold_bytes=cold.nbytes if cold is not None else 0,
+        ),
         information.to(runner.device) if information is not None else None,
         cold,
     )
@@ -482,6 +627,11 @@ def _layer_positions(
         positions, scores = tensors[f"positions.{index}"], tensors[f"scores.{index}"]
     except KeyError as exc:
         raise CacheStoreError(f"{path} lacks tensors of layer {index}; ingest the document again") from exc
+    if positions.dtype != torch.long:
+        raise CacheStoreError(
+            f"{path}/{TENSORS} holds positions.{index} as {str(positions.dtype).removeprefix('torch.')}, not as the "
+            "int64 token positions a cache saves; ingest the document again"
+        )
     if (
         positions.dim() != 2
         or positions.shape[0] != runner.kv_heads
@@ -534,7 +684,7 @@ def _coded_cache(
     if heads_differ:
         extras = []
         for index, layer in enumerate(layers):
-            positions, counts = _extra_positions(tensors, index, layer.positions.shape[1], n, runner, path)
+            positions, counts = _extra_positions(tensors, index, layer.positions, n, runner, path)
             heads = [
                 QuantisedEntries.from_saved(
                     tensors,
@@ -578,10 +728,12 @@ def _summaries(
     return summaries
 
 
-def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> tuple[dict[str, torch.Tensor], FileStamp | None]:
+def _read_cold_tensors(
+    files: CacheFiles, record: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], str | None, FileStamp | None]:
     """The cold tier's tensors, verified: views of a memory map for a local directory (nothing is read
-    into memory but what the checksum reads through) with the mapped file's stamp, else parsed from the
-    bytes read (and no stamp)."""
+    into memory but what the checksum reads through), its binding (None when its metadata holds none) and the
+    mapped file's stamp; else parsed from the bytes read (and no stamp)."""
     stamps: list[FileStamp] = []
 
     def read() -> mmap.mmap | bytearray:
@@ -593,18 +745,22 @@ def _read_cold_tensors(files: CacheFiles, record: dict[str, Any]) -> tuple[dict[
 
     buffer = _verified(files, COLD, record, read)
     try:
-        return safetensors_views(buffer), (stamps[0] if stamps else None)
+        tensors = safetensors_views(buffer)
+        metadata = safetensors_header(buffer)[0].get("__metadata__")
     except (ValueError, KeyError, struct.error) as exc:
         raise CacheStoreError(
             f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"
         ) from exc
+    bound_to = metadata.get(COLD_BINDING) if isinstance(metadata, dict) else None
+    return tensors, bound_to, (stamps[0] if stamps else None)
 
 
 def _extra_positions(
-    tensors: dict[str, torch.Tensor], index: int, length: int, n: int, runner: ModelRunner, path: str
+    tensors: dict[str, torch.Tensor], index: int, layer_positions: torch.Tensor, n: int, runner: ModelRunner, path: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `index`'s per-head extras' positions (entries,) and counts (kv_heads,), checked against the model,
-    the document and the layer's own `length`."""
+    the document and the layer's own positions (kv_heads, length): each head holds each position once, in the
+    layer or among its extras (one held twice would be attended twice, and counted out of the cold tier once)."""
     try:
         positions, counts = tensors[f"extra_positions.{index}"], tensors[f"extra_counts.{index}"]
     except KeyError as exc:
@@ -613,26 +769,37 @@ def _extra_positions(
     if (
         entries < 0
         or tuple(counts.shape) != (runner.kv_heads,)
+        or positions.dtype != torch.long
         or counts.dtype != torch.long
         or bool((counts < 0).any())
         or int(counts.sum()) != entries
-        or int(counts.max()) > n - length
         or (entries and not 0 <= int(positions.min()) <= int(positions.max()) < n)
     ):
         raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
-    return positions.to(runner.device), counts
+    positions = positions.to(runner.device)
+    # Per head, how often it holds each position: the layer's own once each (`_layer_positions`), then its extras.
+    held = torch.zeros(runner.kv_heads, n, dtype=torch.int32, device=runner.device).scatter_(1, layer_positions, 1)
+    heads = torch.arange(runner.kv_heads, device=runner.device).repeat_interleave(counts.to(runner.device))
+    held.index_put_((heads, positions), torch.ones_like(positions, dtype=torch.int32), accumulate=True)
+    twice = (held > 1).any(dim=1).nonzero()
+    if len(twice):
+        raise CacheStoreError(
+            f"{path}: layer {index} holds a position of head {int(twice[0])} twice; ingest the document again"
+        )
+    return positions, counts
 
 
 def _extras(
-    tensors: dict[str, torch.Tensor], lengths: list[int], n: int, runner: ModelRunner, path: str
+    tensors: dict[str, torch.Tensor], layer_positions: list[torch.Tensor], n: int, runner: ModelRunner, path: str
 ) -> list[HeadExtras]:
-    """Each layer's per-head extras at the model's dtype, checked against the model and the layers' own lengths."""
+    """Each layer's per-head extras at the model's dtype, checked against the model and the layers' own positions
+    (`_extra_positions`)."""
     extras = []
-    for index, length in enumerate(lengths):
+    for index, own in enumerate(layer_positions):
         keys, values = tensors.get(f"extra_keys.{index}"), tensors.get(f"extra_values.{index}")
         if keys is None or values is None:
             raise CacheStoreError(f"{path} lacks the per-head extras of layer {index}; ingest again")
-        positions, counts = _extra_positions(tensors, index, length, n, runner, path)
+        positions, counts = _extra_positions(tensors, index, own, n, runner, path)
         if tuple(keys.shape) != (len(positions), runner.head_dim) or values.shape != keys.shape:
             raise CacheStoreError(f"{path} holds malformed per-head extras in layer {index}; ingest the document again")
         keys, values = (t.to(device=runner.device, dtype=runner.dtype) for t in (keys, values))
@@ -708,7 +875,10 @@ class CacheStore:
 
 def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Checks the manifest and the sha256 of every file without a model; returns the manifest."""
-    files = DirectoryFiles(Path(directory).expanduser())
+    return read_whole(directory, _verified_files)
+
+
+def _verified_files(files: CacheFiles) -> dict[str, Any]:
     manifest = verified_manifest(files)
     for name, record in manifest["files"].items():
         _read_verified(files, name, record)

@@ -345,6 +345,30 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
         (path / COLD).write_bytes(good)
 
 
+@pytest.mark.parametrize("where", ["directory moved", "another working directory"])
+def test_a_mapped_cold_tier_changed_in_place_is_noticed_wherever_its_directory_is(
+    where: str, random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mapped file is checked through the descriptor it was mapped from, not by its path: once the cache
+    directory is moved, or the process changes directory after a load by a relative path, the path names no file or
+    another one, and a change made in place to the mapped file must still be noticed."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
+    size = (path / COLD).stat().st_size
+    monkeypatch.chdir(tmp_path)
+    loaded = random_engine.load("doc")
+    if where == "directory moved":
+        path = path.rename(tmp_path / "archived")
+    else:
+        shutil.copytree(path, tmp_path / "elsewhere" / "doc")  # "doc" names an intact copy there
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
+    with open(path / COLD, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(bytes(4096))
+    with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+        loaded.ask(QUESTION, max_new_tokens=8)
+
+
 def test_a_mapped_cold_tier_changed_in_place_is_not_saved(random_engine: InfoKVEngine, tmp_path: Path) -> None:
     """Saving a loaded document reads its mapped cold tier: changed in place since the load, the new bytes would
     be saved under fresh checksums (a copy that then loads as verified), and a truncation would kill the
@@ -382,23 +406,50 @@ def test_special_files_in_a_cache_are_refused_without_reading_them(random_engine
                 random_engine.load(broken)
 
 
-def test_a_foreign_cold_tier_is_refused_even_with_a_consistent_manifest(
+def test_a_foreign_cold_tier_of_the_same_shapes_is_refused_even_with_a_consistent_manifest(
     random_engine: InfoKVEngine, tmp_path: Path
 ) -> None:
-    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
-    other = random_engine.ingest_text(" ".join(CORPUS * 5), CompressionConfig(keep=0.25, recall=0.1))
-    path = doc.save(tmp_path / "doc")
-    other_path = other.save(tmp_path / "other")
-    # The other document's cold tier, with the manifest re-signed to match it: only its shapes betray it.
+    """Uniform budgets and documents of as many tokens: every head of either cache keeps as many entries, so the
+    other document's cold tier fits this cache's shapes exactly, and only its binding tells it apart."""
+    config = CompressionConfig(keep=0.25, recall=0.1, settings={"layer_budgets": "uniform"})
+    other_text = " ".join(CORPUS[::-1] * 8)  # the same sentences in another order
+    assert len(random_engine.prompt.document_ids(other_text)) == len(random_engine.prompt.document_ids(TEXT))
+    doc, other = (random_engine.ingest_text(text, config) for text in (TEXT, other_text))
+    assert doc.cold_tier is not None and other.cold_tier is not None
+    assert [layer.lengths for layer in doc.cold_tier.layers] == [layer.lengths for layer in other.cold_tier.layers]
+    path, other_path = doc.save(tmp_path / "doc"), other.save(tmp_path / "other")
+    # The other document's cold tier, with the manifest re-signed to match it (a copy script's work).
     shutil.copy(other_path / COLD, path / COLD)
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"][COLD] = json.loads((other_path / MANIFEST).read_text())["files"][COLD]
     manifest["checksum"] = _manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(
-        CacheStoreError, match="cold tier of layer 0, beside the hot cache, head 0: key_codes does not match"
-    ):
+    with pytest.raises(CacheStoreError, match="cold.safetensors is not the cold tier of this cache"):
         random_engine.load(path)
+    # Saved again, a loaded cache's cold tier is bound to it as when it was made.
+    again = random_engine.load(random_engine.load(other_path).save(tmp_path / "again"))
+    assert again.ask(QUESTION, max_new_tokens=8) == other.ask(QUESTION, max_new_tokens=8)
+
+
+def test_a_cold_tier_saved_before_it_was_bound_is_refused_and_a_cache_without_one_loads(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """A cold tier of format 8 or earlier holds no binding: it cannot be told from another cache's, so it is not read
+    (the cache is ingested again); an older cache without a cold tier has nothing to bind and loads as it was."""
+
+    def as_format_8(path: Path) -> Path:
+        manifest = json.loads((path / MANIFEST).read_text())
+        manifest["format_version"] = 8
+        manifest["checksum"] = _manifest_checksum(manifest)
+        (path / MANIFEST).write_text(json.dumps(manifest))
+        return path
+
+    with_cold_tier = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    with pytest.raises(CacheStoreError, match=r"cold tier saved by an older version of infokv-rag \(cache format 8\)"):
+        random_engine.load(as_format_8(with_cold_tier.save(tmp_path / "cold")))
+    without = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    loaded = random_engine.load(as_format_8(without.save(tmp_path / "hot")))
+    assert loaded.ask(QUESTION, max_new_tokens=8) == without.ask(QUESTION, max_new_tokens=8)
 
 
 def test_a_cache_made_with_recall_whose_cold_tier_is_gone_is_refused(

@@ -196,7 +196,9 @@ def documents_on_disk(server: ServerProcess) -> set[str]:
 def test_a_tenant_over_its_upload_share_is_refused_and_others_still_upload(
     client: httpx.Client, server: ServerProcess
 ) -> None:
-    big = upload(client, A, "big.txt", text(1600, seed=30)).json()["id"]
+    first = upload(client, A, "big.txt", text(1500, seed=30))  # under the model's 3776 document tokens
+    assert first.status_code == 202, first.text
+    big = first.json()["id"]
     wait_status(client, big, A, "processing")  # being read: it no longer waits, and holds no place
     queued = upload(client, A, "q.txt", text(60, seed=31)).json()["id"]
     # A holds its share (one upload waiting): refused before the upload is parsed (a corrupt PDF is not even

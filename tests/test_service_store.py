@@ -27,7 +27,7 @@ from infokv_rag import InfoKVEngine  # noqa: E402
 from infokv_rag.cache_backends import CacheBackend, open_backend  # noqa: E402
 from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
-from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.errors import ConfigError, DocumentError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
@@ -190,6 +190,22 @@ def lease_keeper(tmp_path: Path, store_url: str, worker: FakeWorker) -> LeaseKee
     return LeaseKeeper(registry, cast(ModelWorker, worker), worker.settings)
 
 
+def test_damaged_text_in_the_store_is_never_read_again(tmp_path: Path) -> None:
+    """The text a document is read again from (a takeover, a lost cache) is checked in the store as on a local disk:
+    changed after upload, it fails the read (`DocumentError`, the document failed as `unreadable_document`)."""
+    backend = open_backend(f"file://{tmp_path}/store")
+    registry = StoreRegistry(backend, tmp_path / "replica", loaded_documents=2, lease_seconds=30)
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(record, document_from_text(SECRET.decode()))
+    stored = registry.get(record.id)
+    assert stored is not None and registry.read_document(stored).text == SECRET.decode()
+    saved = backend.get(f"documents/{record.id}", "document.json")
+    backend.put(f"documents/{record.id}", "document.json", saved.replace(b"9988776", b"9988771"))
+    with pytest.raises(DocumentError, match="saved text is damaged"):
+        registry.read_document(stored)
+
+
 def test_a_takeover_with_unusable_options_fails_that_document_only(tmp_path: Path) -> None:
     """A pending record whose options this process cannot use (an unknown method) is failed, and the documents
     claimed after it in the same tick are still taken over; only the latter count as takeovers."""
@@ -267,6 +283,13 @@ def test_a_delete_stays_deleted_whatever_a_reader_writes_after_it(
     # (and goes).
     backend.put(f"documents/{finished.id}", "meta.json", json.dumps(finished.to_meta()).encode())
     assert deleter.get(finished.id) is None and stored() == set()
+
+    # A writer killed between publishing the cache (`finish` saves it before the record) and writing the record:
+    # no record, so nothing would ever look for the tombstone. The next listing anywhere removes the cache.
+    reader._save_cache(finished.id, compressed)
+    assert stored() == {finished.id}
+    assert finished.id not in {r.id for r in StoreRegistry(backend, tmp_path / "third", 2, 30).list()}
+    assert stored() == set()
 
 
 def test_a_renewal_that_meets_a_delete_finds_it_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

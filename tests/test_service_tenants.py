@@ -22,6 +22,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from infokv_rag.errors import ConfigError  # noqa: E402
+from infokv_rag.service import uploads  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
@@ -152,6 +153,14 @@ def _tensors(data: Path, doc_id: str) -> Path:
     return data / "documents" / doc_id / "cache" / "tensors.safetensors"
 
 
+def _forget_saved_text_sha256(data: Path, doc_id: str) -> None:
+    """Makes the document's record one that a release before the check of its saved text wrote."""
+    meta = data / "documents" / doc_id / "meta.json"
+    record = json.loads(meta.read_text())
+    del record["saved_text_sha256"]
+    meta.write_text(json.dumps(record))
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
     random_engine: Any, tmp_path: Path, share: bool
@@ -181,12 +190,14 @@ def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(
     data = tmp_path / "data"
     with running(random_engine, data, share_caches=True) as client:
         doc_a = upload_ready(client, A1, "same.txt", SECRET)
-    # What a release that read the file otherwise saved for A: the same sha256, other text.
+    # What a release that read the file otherwise saved for A: the same sha256, other text (and no sha256 of that
+    # text in the record: read unchecked).
     saved = data / "documents" / doc_a / "document.json"
     document = json.loads(saved.read_text())
     document["text"] += "\nPage 1"
     document["pages"][0]["chars"] += len("\nPage 1")
     saved.write_text(json.dumps(document))
+    _forget_saved_text_sha256(data, doc_a)
     with running(random_engine, data, share_caches=True) as client:
         doc_b = upload_ready(client, B, "same.txt", SECRET)
         counters = client.get("/healthz", headers=ADMIN).json()["counters"]
@@ -380,6 +391,22 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         assert error["param"] == next(iter(bad)), error
     for keep in ("inf", "nan", "-1", "1e400", "0"):
         assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")
+    # The form is held to the bounds its schema shows (the form is read by hand, not by FastAPI's validation).
+    upload_schema = client.get("/openapi.json").json()["paths"]["/v1/documents"]["post"]["requestBody"]
+    keep_count = upload_schema["content"]["multipart/form-data"]["schema"]["properties"]["keep"]["anyOf"][1]
+    assert keep_count["type"] == "integer", keep_count
+    for field, value in (
+        ("keep", str(int(keep_count["maximum"]) + 1)),
+        ("keep", "100000000000"),
+        ("keep", "1.5"),
+        ("recall", "100000000000"),
+        ("cold_bits", "9"),
+        ("stored_bits", "2"),
+        ("password", "p" * 1025),
+    ):
+        error = assert_error(upload(client, A1, "a.txt", SECRET, **{field: value}), 422, "invalid_option")
+        assert error["param"] == field and f"'{field}' is out of bounds" in error["message"], error
+        assert value not in error["message"], error  # what was sent is not echoed back
     assert_error(upload(client, A1, "a.txt", SECRET, colour="blue"), 422, "unknown_field")
     twice = client.post("/v1/documents", files={"file": ("a.txt", SECRET)}, data={"keep": ["0.5", "0.25"]}, headers=A1)
     assert_error(twice, 422, "repeated_field")
@@ -490,6 +517,8 @@ def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: Te
         assert "not valid UTF-8 JSON" in error["message"] and f"line 1, column {len(text)}" in error["message"]
         missing_comma = text.replace(", ", " ", 1).encode("utf-8")
         assert_error(client.post(path, content=missing_comma, headers=headers), 400, "invalid_json")
+        error = assert_error(client.post(path, content=b"", headers=headers), 400, "invalid_json")
+        assert "the body is empty" in error["message"] and error["param"] is None, error
         too_deep = b"[" * 100_000 + b"]" * 100_000  # Python's JSON reader gives up (RecursionError)
         error = assert_error(client.post(path, content=too_deep, headers=headers), 400, "invalid_json")
         assert "nested too deeply" in error["message"]
@@ -517,6 +546,11 @@ def test_a_multipart_upload_cut_short_or_malformed_is_400_and_keeps_nothing(clie
     whole = client.post("/v1/documents", content=part + b"\r\n--B--\r\nepilogue", headers=multipart)
     assert whole.status_code == 202, whole.text
     assert wait_settled(client, whole.json()["id"], A1)["status"] == "ready"
+    # A media type is case-insensitive (RFC 9110): the same upload in capitals is one too.
+    shouted = {**A1, "content-type": "Multipart/Form-Data; boundary=B"}
+    upper = client.post("/v1/documents", content=part + b"\r\n--B--\r\n", headers=shouted)
+    assert upper.status_code == 202, upper.text
+    assert wait_settled(client, upper.json()["id"], A1)["status"] == "ready"
 
 
 # Bounded work ------------------------------------------------------------------------------------
@@ -552,6 +586,59 @@ def test_over_long_text_is_refused_after_bounded_work(
         assert "context window of 4096" in error["message"]
         assert counting.chars < 40_000, counting.chars  # of 1.4 million characters
         assert ids(client, A1) == set()
+
+
+def test_an_encrypted_pdf_over_the_page_limit_is_refused_before_its_text_is_read(
+    random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its pages are counted once the upload's password opens it (or the empty one, for an owner-only encryption),
+    as a plain PDF's are: before any text is extracted. A password that does not open it is told by the loader."""
+    pages = [f"Page {number}: the notice period is ninety days." for number in range(5)]
+    with running(random_engine, tmp_path / "data", max_pages=3) as client:
+        locked = pdfs.encrypted_pdf(tmp_path / "locked.pdf", pages, "pw123").read_bytes()
+        error = assert_error(upload(client, A1, "locked.pdf", locked, password="nope"), 422, "encrypted_pdf")
+        assert "wrong password" in error["message"], error
+
+        def read_text(staged: Any) -> Any:
+            raise AssertionError(f"the text of {staged.name} was read")
+
+        monkeypatch.setattr(uploads, "_load", read_text)
+        owner_only = pdfs.encrypted_pdf(tmp_path / "owner.pdf", pages, "", owner_password="owner-secret").read_bytes()
+        for name, data, fields in (("locked.pdf", locked, {"password": "pw123"}), ("owner.pdf", owner_only, {})):
+            error = assert_error(upload(client, A1, name, data, **fields), 413, "too_many_pages")
+            assert "has 5 pages" in error["message"], error
+
+
+def test_an_upload_over_its_tenants_share_or_a_full_queue_is_refused_before_it_is_received(
+    random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upload's place in the queue is taken before its body is read: a refused upload is neither received nor
+    staged on disk. The place is given back however the upload ends."""
+    received: list[str] = []
+    read_form = uploads._read_form
+
+    async def recording_read_form(request: Any) -> Any:
+        received.append(request.url.path)
+        return await read_form(request)
+
+    monkeypatch.setattr(uploads, "_read_form", recording_read_form)
+    data = tmp_path / "data"
+    app = create_app(settings_for(data, max_queued_uploads=2), engine=random_engine)  # each tenant's share: 1 place
+    with TestClient(app) as client:
+        worker = app.state.service.worker
+        with worker.upload_slot("tenantA"):  # an upload of tenant A being received
+            response = upload(client, A1, "memo.txt", SECRET)
+            assert_error(response, 429, "tenant_queue_full")
+            with worker.upload_slot("tenantB"):  # the queue's last place
+                assert_error(upload(client, BARE, "memo.txt", SECRET), 503, "busy")
+        assert received == [] and list((data / "uploads").iterdir()) == []
+        # Uploads that fail once received give their place back: tenant A's one place is free for the next.
+        assert_error(upload(client, A1, "memo.txt", SECRET, keep="lots"), 422, "invalid_option")
+        assert_error(upload(client, A1, "broken.pdf", b"%PDF-1.7 not really"), 422, "corrupt_pdf")
+        not_multipart = client.post("/v1/documents", content=SECRET, headers={**A1, "content-type": "text/plain"})
+        assert_error(not_multipart, 415, "multipart_required")
+        assert upload_ready(client, A1, "memo.txt", SECRET)
+        assert len(received) == 3 and list((data / "uploads").iterdir()) == []
 
 
 def test_bounded_token_count_is_exact_up_to_the_limit(random_engine: Any) -> None:
@@ -631,6 +718,30 @@ def test_an_upload_killed_before_it_was_listed_leaves_nothing_after_a_restart(
     with running(random_engine, data) as client:
         assert ids(client, ADMIN) == {doc}
     assert not half_made.exists() and (data / "documents" / doc / "document.json").exists()
+
+
+def test_damaged_saved_text_fails_its_document_and_is_never_answered_from(random_engine: Any, tmp_path: Path) -> None:
+    """document.json, the text a lost cache is made from again, is checked against the sha256 recorded at upload:
+    one digit changed on disk fails the document (`unreadable_document`: upload it again) instead of being read into
+    a cache and answered from. A document saved before that sha256 was recorded is read unchecked, as it was."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        damaged, unchecked = (upload_ready(client, A1, name, SECRET) for name in ("damaged.txt", "unchecked.txt"))
+    for doc in (damaged, unchecked):
+        shutil.rmtree(data / "documents" / doc / "cache")  # lost: each must be read again from its saved text
+    saved = data / "documents" / damaged / "document.json"
+    saved.write_bytes(saved.read_bytes().replace(b"9988776", b"9988771"))
+    _forget_saved_text_sha256(data, unchecked)
+    with running(random_engine, data) as client:
+        for doc in (damaged, unchecked):
+            assert_error(ask(client, A1, doc), 409, "cache_rebuilding")
+        info = wait_settled(client, damaged, A1)
+        assert (info["status"], info["reason_code"]) == ("failed", "unreadable_document"), info
+        assert "saved text is damaged" in info["reason"] and "upload it again" in info["reason"], info
+        assert_error(ask(client, A1, damaged), 409, "document_failed")
+        assert not (data / "documents" / damaged / "cache").exists()
+        assert wait_settled(client, unchecked, A1)["status"] == "ready"
+        assert ask(client, A1, unchecked).status_code == 200
 
 
 def test_delete_answers_success_only_when_the_files_are_gone(random_engine: Any, tmp_path: Path) -> None:

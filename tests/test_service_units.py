@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.answers import sse  # noqa: E402
 from infokv_rag.service.launcher import read_sse  # noqa: E402
@@ -108,10 +111,42 @@ def test_document_ids_are_random_and_never_paths(tmp_path: Path) -> None:
     assert registry.get("../outside") is None
 
 
+def test_an_upload_and_a_delete_are_durable_before_they_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload is answered (202) once its directory's entry in documents/ and the files in it are synced to disk,
+    a delete (200) once its rename aside and its removal are: a power loss after the answer cannot undo either."""
+    registry = Registry(tmp_path)
+    registry.open()
+    synced: list[tuple[int, int]] = []  # the directories synced, as (device, inode)
+    real_fsync = os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        real_fsync(descriptor)
+        status = os.fstat(descriptor)
+        if stat.S_ISDIR(status.st_mode):
+            synced.append((status.st_dev, status.st_ino))
+
+    def identity(path: Path) -> tuple[int, int]:
+        status = path.stat()
+        return status.st_dev, status.st_ino
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "memo.txt", "queued", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(record, document_from_text("The notice period is ninety days."))
+    documents, directory = identity(registry.documents_dir), identity(registry.directory(record.id))
+    # documents/ for the new directory, then the directory for document.json, then for meta.json.
+    assert synced == [documents, directory, directory], synced
+    synced.clear()
+    registry.delete(record)
+    assert synced == [documents, documents], synced  # after the rename aside, and after the removal
+    assert list(registry.documents_dir.iterdir()) == []
+
+
 MALFORMED_FIELDS = [
     ("filename", None),
     ("owner", 7),
     ("sha256", ["ab"]),
+    ("saved_text_sha256", 5),
     ("status", "exploded"),
     ("method", ""),
     ("method", None),

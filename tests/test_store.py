@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -121,6 +122,22 @@ def test_pdf_page_map_survives(random_engine: InfoKVEngine, tmp_path: Path) -> N
     assert loaded.document.page_of(loaded.document.text.index("Page two")) == 2
 
 
+def test_a_cache_loaded_in_another_dtype_counts_the_bytes_it_holds(random_model_dir: Path, tmp_path: Path) -> None:
+    """Entries are read into the loading engine's dtype: its stats count those, as an ingestion there would."""
+    saver = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu", dtype="fp32")
+    loader = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu", dtype="bf16")
+    config = CompressionConfig(keep=0.25, recall=0.1)
+    saved = saver.ingest_text(TEXT_A, config).save(tmp_path / "fp32")
+    loaded, ingested = loader.load(saved), loader.ingest_text(TEXT_A, config)
+    assert loaded.stats.cache_bytes == loaded.cache.nbytes == ingested.stats.cache_bytes
+    assert (
+        loaded.stats.full_cache_bytes
+        == ingested.stats.full_cache_bytes
+        == saver.load(saved).stats.full_cache_bytes // 2
+    )
+    assert loaded.cold_tier is not None and loaded.stats.cold_bytes == loaded.cold_tier.nbytes
+
+
 @pytest.mark.parametrize("method", ["kvzip", "infokv_quality"])
 def test_a_cache_with_global_layer_budgets_round_trips(
     random_engine: InfoKVEngine, tmp_path: Path, method: str
@@ -222,7 +239,7 @@ DAMAGE = {
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
         rf"uses cache format {FORMAT_VERSION + 1}, "
-        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7 and {FORMAT_VERSION}",
+        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7, 8 and {FORMAT_VERSION}",
     ),
     # Consistent manifests (re-signed, as a broken tool would) holding fields in other shapes.
     "manifest-stats-a-list": (
@@ -244,6 +261,11 @@ DAMAGE = {
     "future-format-other-checksum": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
         r"uses cache format '2\.0'",
+    ),
+    # The tensors file is what is wrong, not the manifest.
+    "positions-float": (
+        lambda d: resign(d, {**(t := load_file(d / TENSORS)), "positions.0": t["positions.0"].float()}),
+        r"tensors\.safetensors holds positions\.0 as float32, not as the int64 token positions",
     ),
 }
 
@@ -299,6 +321,28 @@ def test_cache_of_another_model_with_the_same_shapes_is_refused(
     with pytest.raises(CacheStoreError, match="was made by model .* not by the loaded model") as refused:
         other_random_engine.load(saved_a)
     assert "ingest again" in str(refused.value)
+
+
+@pytest.mark.parametrize("stored_bits", [None, 8])
+def test_a_head_that_holds_a_position_twice_is_refused_without_a_cold_tier_too(
+    random_engine: InfoKVEngine, tmp_path: Path, stored_bits: int | None
+) -> None:
+    """A re-signed cache where one head's extra repeats a position its layer holds: that entry would be attended
+    twice. Refused for every cache, not only for one whose cold tier counts it out."""
+    doc = random_engine.ingest_text(TEXT_A, CompressionConfig(keep=0.3, stored_bits=stored_bits))
+    assert doc.cold_tier is None
+    extras = doc.cache.extra_positions()
+    assert extras is not None, "the default budgets are per head"
+    layer, head = next(
+        (index, head) for index, (_, counts) in enumerate(extras) for head in range(len(counts)) if int(counts[head])
+    )
+    first_of_head = int(extras[layer][1][:head].sum())
+    path = doc.save(tmp_path / "doc")
+    tensors = load_file(path / TENSORS)
+    tensors[f"extra_positions.{layer}"][first_of_head] = tensors[f"positions.{layer}"][head, -1]
+    resign(path, tensors)
+    with pytest.raises(CacheStoreError, match=f"layer {layer} holds a position of head {head} twice"):
+        random_engine.load(path)
 
 
 # --- older formats -------------------------------------------------------------------------------
@@ -493,6 +537,209 @@ def test_a_failed_save_keeps_the_old_cache(
     monkeypatch.undo()
     assert_same_document(random_engine.load(target), doc_a)
     assert [p.name for p in tmp_path.iterdir()] == ["c"], "the staging directory is cleaned up"
+
+
+def test_a_save_over_a_read_only_cache_is_refused_before_any_work(
+    doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save removes the cache it replaces, which takes a directory it may write: one it may not is refused up
+    front, the old cache and its mode kept and nothing left beside it. (Root may write any directory: its refusal
+    is played by `os.access`.)"""
+    target = doc_a.save(tmp_path / "c")
+    target.chmod(0o555)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != target and real_access(path, mode))
+    with pytest.raises(CacheStoreError, match=r"c is read-only \(mode 555\).*chmod u\+w"):
+        doc_a.save(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert (target.stat().st_mode & 0o777) == 0o555
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only directory")
+def test_a_save_over_a_read_only_cache_is_refused_as_a_user(doc_a: CompressedDocument, tmp_path: Path) -> None:
+    target = doc_a.save(tmp_path / "c")
+    target.chmod(0o555)
+    try:
+        with pytest.raises(CacheStoreError, match="read-only"):
+            doc_a.save(target)
+        assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    finally:
+        target.chmod(0o755)
+
+
+def test_a_failed_save_leaves_no_copy_beside_a_cache_of_another_mode(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replaced directory's mode is given to the new one once it is installed, never to the staging copy: a
+    copy given a read-only mode, then not installed, could not be emptied (by a user who is not root)."""
+    from infokv_rag import store
+
+    target = doc_a.save(tmp_path / "c")
+    target.chmod(0o750)
+    staging_modes = []
+
+    def refuse(staging: Path, target: Path) -> None:
+        staging_modes.append(staging.stat().st_mode & 0o777)
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(store, "replace_directory", refuse)
+    with pytest.raises(CacheStoreError, match="cannot write the cache"):
+        doc_a.save(target)
+    assert staging_modes == [0o700], "the copy keeps its own mode until installed"
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    monkeypatch.undo()
+    assert_same_document(random_engine.load(doc_a.save(target)), doc_a)
+    assert (target.stat().st_mode & 0o777) == 0o750, "the installed cache has the replaced one's mode"
+
+
+def test_a_retire_that_fails_leaves_no_retired_directory(
+    doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from infokv_rag import files
+
+    target = doc_a.save(tmp_path / "c")
+    staging = Path(shutil.copytree(target, tmp_path / "staging"))
+    real_replace = os.replace
+
+    def refuse_the_retire(source: Path, destination: Path) -> None:
+        if Path(source) == target:
+            raise OSError(13, "Permission denied")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", refuse_the_retire)
+    with pytest.raises(PermissionError):
+        files.replace_directory(staging, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "staging"]
+
+
+def test_the_sweep_removes_only_what_a_save_left(doc_a: CompressedDocument, tmp_path: Path) -> None:
+    """A directory beside the target is swept only when a save named it (its prefix and 16 random hex digits)
+    and it holds nothing but a cache's files: a user's `.c.old-photos`, or one that only looks like a leftover,
+    is never removed, however old."""
+    hex_name = "0123456789abcdef"
+    users = {
+        ".c.old-photos": "holiday.jpg",
+        ".c.saving-drafts": "draft.txt",
+        ".c.old-backup": TEXT,  # a cache file's name, in a directory no save named
+        f".c.old-{hex_name}": "holiday.jpg",
+        f".c.saving-{hex_name}": TENSORS + ".mine",
+    }
+    for name, file in users.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text("precious")
+    leftovers = {f".c.saving-{'1' * 16}": [TENSORS, TEXT], f".c.old-{'2' * 16}": [MANIFEST, TENSORS, TEXT]}
+    for name, names in leftovers.items():
+        (tmp_path / name).mkdir()
+        for file in names:
+            (tmp_path / name / file).write_bytes(b"partial")
+    (tmp_path / f".c.old-{'3' * 16}").mkdir()  # killed before the retire's rename
+    old = time.time() - STALE_SECONDS - 60
+    for entry in tmp_path.iterdir():
+        os.utime(entry, (old, old))
+    doc_a.save(tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "c"])
+    for name, file in users.items():
+        assert (tmp_path / name / file).read_text() == "precious"
+
+
+def test_a_path_that_cannot_be_resolved_or_named_is_refused_clearly(doc_a: CompressedDocument, tmp_path: Path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for path in (loop, loop / "x"):
+        with pytest.raises(CacheStoreError, match="cannot save a cache to .*(loop|symbolic links).*another path"):
+            doc_a.save(path)
+    with pytest.raises(CacheStoreError, match="cannot save a cache to .*File name too long.*another path"):
+        doc_a.save(tmp_path / ("x" * 300))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+
+
+# --- saves beside loads ---------------------------------------------------------------------------
+
+
+def test_a_load_reads_the_cache_it_opened_while_a_save_replaces_it(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save replacing the cache after a load read its manifest: the load reads the rest from the same directory,
+    the previous cache whole, never the manifest of one and the tensors of the other."""
+    from infokv_rag import store
+
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    target = doc_a.save(tmp_path / "c")
+    real_manifest = store.verified_manifest
+    replaced: list[bool] = []
+
+    def replace_after_the_manifest(files: store.CacheFiles) -> dict[str, Any]:
+        manifest = real_manifest(files)
+        if not replaced:
+            replaced.append(True)
+            doc_b.save(target)
+        return manifest
+
+    monkeypatch.setattr(store, "verified_manifest", replace_after_the_manifest)
+    assert_same_document(random_engine.load(target), doc_a)
+    assert replaced
+    assert_same_document(random_engine.load(target), doc_b)
+
+
+def test_a_load_whose_directory_a_save_removed_reads_the_new_cache(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that replaces the cache between a load's opening of the directory and of its files removes the files
+    (with the directory it retired): the load starts again, on the new cache."""
+    from infokv_rag import store
+
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    target = doc_a.save(tmp_path / "c")
+    real_open = store.open_regular
+    replaced: list[bool] = []
+
+    def replace_first(path: Path, directory: int | None = None) -> Any:
+        if not replaced:
+            replaced.append(True)
+            doc_b.save(target)
+        return real_open(path, directory)
+
+    monkeypatch.setattr(store, "open_regular", replace_first)
+    assert_same_document(random_engine.load(target), doc_b)
+
+
+def test_a_load_in_the_instant_a_save_leaves_no_cache_reads_the_new_one(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between retiring the old cache and installing the new one, a save leaves no directory at the target: a load
+    then waits for the new one (the retired directory beside the target tells it one is being installed)."""
+    from infokv_rag import store
+
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    target = doc_a.save(tmp_path / "c")
+    retired, found_none, installed = threading.Event(), threading.Event(), threading.Event()
+    real_replace, real_replaced = os.replace, store.DirectoryFiles.replaced
+
+    def pause_between_the_renames(source: Path, destination: Path) -> None:
+        real_replace(source, destination)
+        if Path(source) == target:
+            retired.set()
+            assert found_none.wait(30)
+        elif Path(destination) == target:
+            installed.set()
+
+    def replaced_once_installed(files: store.DirectoryFiles) -> bool:
+        answer = real_replaced(files)
+        found_none.set()
+        assert installed.wait(30)
+        return answer
+
+    monkeypatch.setattr(os, "replace", pause_between_the_renames)
+    monkeypatch.setattr(store.DirectoryFiles, "replaced", replaced_once_installed)
+    saver = threading.Thread(target=doc_b.save, args=(target,))
+    saver.start()
+    try:
+        assert retired.wait(30)
+        assert not target.exists()
+        assert_same_document(random_engine.load(target), doc_b)
+    finally:
+        found_none.set()
+        saver.join(30)
 
 
 # --- cache store --------------------------------------------------------------------------------

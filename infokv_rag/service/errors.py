@@ -157,6 +157,15 @@ def _json_syntax_error(exc: RequestValidationError) -> ServiceError | None:
     return None
 
 
+async def _empty_body(request: Request, exc: RequestValidationError) -> ServiceError | None:
+    """`invalid_json` for a JSON body that FastAPI found missing because it has no bytes at all (a body of JSON
+    `null` is missing to FastAPI too, but it is JSON: a field's error)."""
+    missing = any(error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",) for error in exc.errors())
+    if missing and not await request.body():  # the bytes FastAPI read, kept by the request
+        return invalid_json("the body is empty")
+    return None
+
+
 def _body_decode_error(exc: StarletteHTTPException) -> ServiceError | None:
     """`invalid_json` for FastAPI's 400 "There was an error parsing the body", from its cause (a body that is not
     UTF-8, JSON nested too deeply); None for any other HTTP error."""
@@ -206,7 +215,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # The message names the fields and what is wrong with them; it never echoes the input back.
-        if (syntax := _json_syntax_error(exc)) is not None:  # malformed JSON: not a field's error
+        if (syntax := _json_syntax_error(exc) or await _empty_body(request, exc)) is not None:  # not a field's error
             return await _service(request, syntax)
         status = status_on(request.url.path, 422)
         message = _validation_message(exc, request.headers.get("content-type", ""))

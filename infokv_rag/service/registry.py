@@ -3,7 +3,8 @@
 Layout (one directory per document; nothing else is ever derived from client input):
   <data_dir>/.lock                      held (flock) by the one server process that owns the directory
   <data_dir>/documents/<id>/meta.json   owner, status, file name, config, counts (written atomically)
-  <data_dir>/documents/<id>/document.json  the extracted text and page map (to rebuild a lost or stale cache)
+  <data_dir>/documents/<id>/document.json  the extracted text and page map (to rebuild a lost or stale cache;
+                                        checked against its sha256 in meta.json)
   <data_dir>/documents/<id>/cache/      the verified compressed cache (`infokv_rag.store`)
   <data_dir>/documents/.deleting-<id>/  a document being deleted (renamed in one step; meta.json goes last)
   <data_dir>/uploads/                   staging area of uploads being received
@@ -23,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -41,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..config import check_recall
 from ..documents import Document, Page
-from ..errors import CacheStoreError, ConfigError
-from ..files import replace_directory, write_atomic
+from ..errors import CacheStoreError, ConfigError, DocumentError
+from ..files import fsync_dir, replace_directory, write_atomic
 from ..loaded import LoadOnceCache
 from ..store import save_document
 from .errors import StorageError
@@ -109,6 +111,9 @@ class DocumentRecord:
     reason_code: str | None = None
     sha256: str | None = None
     """Of the uploaded file: with `share_caches`, identical uploads reuse one prefill."""
+    saved_text_sha256: str | None = None
+    """Of document.json (the extracted text and page map) as written at upload, checked whenever it is read again
+    (`saved_document`); None in records saved before it was kept, whose text is read unchecked."""
     # In memory only
     progress_done: int = 0
     progress_total: int = 0
@@ -122,6 +127,7 @@ class DocumentRecord:
         "id",
         "owner",
         "sha256",
+        "saved_text_sha256",
         "filename",
         "status",
         "method",
@@ -198,6 +204,33 @@ def _conforms(value: object, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def document_file(record: DocumentRecord, document: Document) -> bytes:
+    """document.json of a new upload (its text and page map); records its sha256 in `record`."""
+    data = json.dumps({"text": document.text, **document.layout()}).encode("utf-8")
+    record.saved_text_sha256 = hashlib.sha256(data).hexdigest()
+    return data
+
+
+def saved_document(record: DocumentRecord, data: bytes) -> Document:
+    """The document that `data`, `record`'s document.json, holds; `DocumentError` (the document then fails with
+    `unreadable_document`) when it is not what was saved at upload: read again from damaged text, it would be
+    answered from as if it were the document."""
+    if record.saved_text_sha256 is not None and hashlib.sha256(data).hexdigest() != record.saved_text_sha256:
+        raise _damaged_text("its sha256 is not the one recorded at upload")
+    try:
+        layout = json.loads(data)
+        return Document.from_layout(layout.pop("text"), layout)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # text saved before checksums, damaged
+        raise _damaged_text(f"it does not read as it was saved: {type(exc).__name__}") from exc
+
+
+def _damaged_text(why: str) -> DocumentError:
+    return DocumentError(
+        f"this document's saved text is damaged in the server's storage ({why}), so it cannot be read again; "
+        "upload it again"
+    )
+
+
 def _link_or_copy(source: str, target: str) -> None:
     try:
         os.link(source, target)
@@ -235,6 +268,7 @@ def _remove_tree(directory: Path) -> None:
         raise failures[0]
     (directory / META).unlink(missing_ok=True)
     directory.rmdir()
+    fsync_dir(directory.parent)
 
 
 def _remove_temporaries(directory: Path) -> None:
@@ -397,12 +431,12 @@ class Registry:
             self._records[record.id] = record
 
     def create(self, record: DocumentRecord, document: Document) -> None:
-        """Persists a new upload (its text, then its meta file); StorageError leaves nothing behind."""
+        """Persists a new upload (its text, then its meta file) durably; StorageError leaves nothing behind."""
         directory = self.directory(record.id)
-        body = {"text": document.text, **document.layout()}
         try:
             directory.mkdir(parents=True)
-            write_atomic(directory / DOCUMENT, json.dumps(body).encode("utf-8"))
+            fsync_dir(self.documents_dir)
+            write_atomic(directory / DOCUMENT, document_file(record, document))
             self._write_meta(record)
         except OSError as exc:
             shutil.rmtree(directory, ignore_errors=True)
@@ -411,9 +445,9 @@ class Registry:
             self._records[record.id] = record
 
     def read_document(self, record: DocumentRecord) -> Document:
-        """The extracted document saved at upload (to read it again after a restart or a lost cache)."""
-        data = json.loads(self.document_path(record.id).read_text(encoding="utf-8"))
-        return Document.from_layout(data.pop("text"), data)
+        """The extracted document saved at upload (to read it again after a restart or a lost cache), checked
+        (`saved_document`)."""
+        return saved_document(record, self.document_path(record.id).read_bytes())
 
     def get(self, doc_id: str) -> DocumentRecord | None:
         if not valid_document_id(doc_id):
@@ -564,11 +598,11 @@ class Registry:
         """The pages of the document saved at upload; None where it cannot be read back (it shares nothing)."""
         try:
             return self.read_document(record).pages
-        except (OSError, ValueError, KeyError):
+        except (OSError, DocumentError):
             return None
 
     def delete(self, record: DocumentRecord) -> None:
-        """Removes the document's files; returns only once they are gone.
+        """Removes the document's files; returns only once they are gone, durably (synced to disk).
 
         The directory is first renamed aside (one atomic step), then emptied with meta.json last. When the
         rename fails, nothing changed and the document stays as it was. When removing fails later, the
@@ -587,6 +621,9 @@ class Registry:
                 record.deleted = True
             self.forget_loaded(record.id)
             try:
+                # The rename is made durable first: a crash while the files are removed then leaves .deleting-<id>,
+                # which the restart finishes, never the document back in place with some of its files gone.
+                fsync_dir(self.documents_dir)
                 _remove_tree(trash)
             except OSError as exc:
                 raise self._incomplete_delete(record, exc) from exc

@@ -179,16 +179,12 @@ class DocumentDeleted(BaseModel):
     deleted: bool = True
 
 
-class UploadForm(BaseModel):
-    """The multipart/form-data body of an upload (documented here; parsed by hand after the API-key check)."""
+class UploadOptions(BaseModel):
+    """The fields of an upload's form but its file: what `uploads.upload_options` validates them against (strictly,
+    once read as numbers), so that the bounds the schema shows are the bounds enforced."""
 
     model_config = ConfigDict(extra="forbid")
 
-    file: bytes = Field(
-        description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
-        "Western single-byte, or a detected legacy encoding such as GB18030).",
-        json_schema_extra={"format": "binary"},
-    )
     method: MethodName | None = Field(None, description="Compression method. Default: the server's.")
     keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
         None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count)."
@@ -209,6 +205,17 @@ class UploadForm(BaseModel):
     # 1024 characters are at most 4096 UTF-8 bytes, the server's limit for a form field.
     password: Annotated[str, StringConstraints(max_length=FORM_FIELD_BYTES // 4)] | None = Field(
         None, description="Password of an encrypted PDF."
+    )
+
+
+class UploadForm(UploadOptions):
+    """The multipart/form-data body of an upload (its schema: the form is read by hand after the API-key check, and
+    its fields are validated as `UploadOptions`)."""
+
+    file: bytes = Field(
+        description="The document: a PDF, or text or markdown (UTF-8, UTF-16 with a BOM, "
+        "Western single-byte, or a detected legacy encoding such as GB18030).",
+        json_schema_extra={"format": "binary"},
     )
 
 

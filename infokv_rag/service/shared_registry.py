@@ -21,8 +21,8 @@ publishes are atomic, so the cache is whole either way.
 A delete can meet a process that is still reading the document (or renewing its lease): that process knows
 nothing of the delete and would write the record and the cache back after it. So a delete leaves a
 tombstone first, every write of a record looks for one afterwards (and removes what it wrote if it finds
-one), and a record with a tombstone reads as gone. Whichever order the two meet in, a deleted document
-stays deleted.
+one), and a document with a tombstone reads as gone (whatever is left of it, removed when it is read or
+listed). Whichever order the two meet in, a deleted document stays deleted.
 """
 
 from __future__ import annotations
@@ -41,7 +41,16 @@ from ..cache_backends import CacheBackend, open_backend
 from ..documents import Document
 from ..errors import ConfigError
 from .errors import StorageError
-from .registry import DELETE_INCOMPLETE, DOCUMENT, META, DocumentRecord, Registry, valid_document_id
+from .registry import (
+    DELETE_INCOMPLETE,
+    DOCUMENT,
+    META,
+    DocumentRecord,
+    Registry,
+    document_file,
+    saved_document,
+    valid_document_id,
+)
 
 if TYPE_CHECKING:
     from ..document import CompressedDocument
@@ -163,17 +172,18 @@ class StoreRegistry(Registry):
         """The record as the store has it now; None when it is gone (deleted by any process).
 
         The tombstone is looked up first, for every id: an id that was never stored then costs the store the
-        same two requests as one that is (another tenant's), so the time of a 404 does not tell them apart."""
-        deleted = self._deleted(doc_id)
+        same two requests as one that is (another tenant's), so the time of a 404 does not tell them apart. What
+        is left of a deleted document is removed: a record, or a cache without one (its reader, which had not
+        seen the delete, was killed between publishing the cache and writing the record that would find it)."""
+        if self._deleted(doc_id):
+            self._remove_leftovers(doc_id)
+            return None
         try:
             data = json.loads(self.backend.get(_key(doc_id), META))
         except FileNotFoundError:
             return None
         if not isinstance(data, dict) or data.get("id") != doc_id:
             raise ValueError("the record does not describe this document")
-        if deleted:  # written back by a process that had not seen the delete
-            self._remove_leftovers(doc_id)
-            return None
         return data
 
     def _refresh(self, doc_id: str) -> DocumentRecord | None:
@@ -230,9 +240,8 @@ class StoreRegistry(Registry):
 
     def create(self, record: DocumentRecord, document: Document) -> None:
         """Stores a new upload's text, then its record; StorageError leaves no record behind."""
-        body = {"text": document.text, **document.layout()}
         try:
-            self.backend.put(_key(record.id), DOCUMENT, json.dumps(body).encode("utf-8"))
+            self.backend.put(_key(record.id), DOCUMENT, document_file(record, document))
             self._write_meta(record)
         except OSError as exc:
             try:
@@ -244,8 +253,7 @@ class StoreRegistry(Registry):
             self._records[record.id] = record
 
     def read_document(self, record: DocumentRecord) -> Document:
-        data = json.loads(self.backend.get(_key(record.id), DOCUMENT))
-        return Document.from_layout(data.pop("text"), data)
+        return saved_document(record, self.backend.get(_key(record.id), DOCUMENT))
 
     def confirm_listed(self, record: DocumentRecord) -> bool:
         """False once `record` is deleted, by this process or any other (its tombstone is looked up in the store);

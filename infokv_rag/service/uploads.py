@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from fastapi import Request
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -23,7 +24,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..config import CompressionConfig, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
 from .errors import ServiceError, StorageError, from_core
-from .schemas import FORM_FIELD_BYTES
+from .schemas import FORM_FIELD_BYTES, UploadOptions
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
-_FIELDS = ("method", "keep", "recall", "cold_bits", "stored_bits", "password")
+_FIELDS = tuple(UploadOptions.model_fields)
+_RATIO_OR_COUNT_FIELDS = ("keep", "recall")
+_BITS_FIELDS = ("cold_bits", "stored_bits")
 
 TOKENIZE_PIECE_CHARS = 16_384
 """Text is tokenized in pieces of about this many characters, so that counting stops early."""
@@ -53,12 +56,7 @@ class StagedUpload:
     path: Path
     name: str
     size: int
-    method: str | None
-    keep: str | None
-    recall: str | None
-    cold_bits: str | None
-    stored_bits: str | None
-    password: str | None
+    options: UploadOptions
 
     def discard(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -148,7 +146,7 @@ def _malformed_multipart(detail: str) -> ServiceError:
 async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
     """Reads the multipart body (one file, a few small fields) into a private staging directory."""
     content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
+    if not content_type.lower().startswith("multipart/form-data"):  # media types are case-insensitive
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
     form = await _read_form(request)
     try:
@@ -172,6 +170,7 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             if value is not None and not isinstance(value, str):
                 raise ServiceError(422, "invalid_field", f"the field '{name}' must be text, not a file")
             fields[name] = value.strip() if isinstance(value, str) and name != "password" else value
+        options = upload_options(fields)
         name = display_name(upload.filename)
         try:
             directory = registry.staging_dir()
@@ -185,39 +184,68 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
             raise
     finally:
         await form.close()
-    return StagedUpload(
-        directory,
-        path,
-        name,
-        size,
-        *(fields[option] or None for option in _FIELDS),
+    return StagedUpload(directory, path, name, size, options)
+
+
+def upload_options(fields: dict[str, str | None]) -> UploadOptions:
+    """The upload's form fields (text; None or empty: not sent), numbers read as the command line reads them (an
+    integer is a token count, `0.25` a ratio), validated against the bounds of the upload's schema; 422
+    `invalid_option` naming the field."""
+    values: dict[str, Any] = {}
+    for name, text in fields.items():
+        if not text:
+            continue
+        try:
+            if name in _RATIO_OR_COUNT_FIELDS:
+                values[name] = parse_ratio_or_count(text, name)
+            elif name in _BITS_FIELDS:
+                values[name] = _bits(name, text)
+            else:
+                values[name] = text
+        except ConfigError as exc:
+            raise ServiceError(422, "invalid_option", str(exc), param=name) from exc
+    try:
+        # Strict: a number keeps the type it was read as (pydantic would take the ratio 1000.0 for the count 1000).
+        return UploadOptions.model_validate(values, strict=True)
+    except ValidationError as exc:
+        raise _out_of_bounds(exc) from exc
+
+
+_KINDS = {"constrained-float": "as a ratio", "constrained-int": "as a token count"}
+"""What each member of a ratio-or-count field is, by the name pydantic gives it in an error's location."""
+
+
+def _out_of_bounds(exc: ValidationError) -> ServiceError:
+    """422 `invalid_option` for the first field that `UploadOptions` refuses, saying why for each way it is read."""
+    errors = exc.errors()
+    name = str(errors[0]["loc"][0])
+    reasons: dict[str, None] = {}
+    for error in errors:
+        if error["loc"][0] == name:
+            reason = error["msg"][:1].lower() + error["msg"][1:]
+            kind = _KINDS.get(str(error["loc"][-1]))
+            reasons[f"{kind}, {reason}" if kind else reason] = None
+    return ServiceError(
+        422, "invalid_option", f"the form field '{name}' is out of bounds: {'; '.join(reasons)}", param=name
     )
 
 
 def compression_config(
     settings: Settings,
     method: str | None,
-    keep: str | float | int | None,
-    recall: str | float | int | None = None,
-    cold_bits: str | int | None = None,
-    stored_bits: str | int | None = None,
+    keep: float | int | None,
+    recall: float | int | None = None,
+    cold_bits: int | None = None,
+    stored_bits: int | None = None,
 ) -> CompressionConfig:
-    """The config of an upload's form fields (text) or of a record (typed); None: the server's default."""
-    cold: dict[str, Any] = {}
-    try:
-        if recall is not None:
-            cold["recall"] = parse_ratio_or_count(recall, "recall")
-        for name, bits in (("cold_bits", cold_bits), ("stored_bits", stored_bits)):
-            if bits is not None:
-                cold[name] = _bits(name, bits)
-    except ConfigError as exc:
-        raise ServiceError(422, "invalid_option", str(exc)) from exc
+    """The config of an upload's options or of a record; None: the server's default."""
+    given: dict[str, Any] = {"recall": recall, "cold_bits": cold_bits, "stored_bits": stored_bits}
     try:
         return CompressionConfig(
             method=method or settings.default_method,
-            keep=parse_ratio_or_count(keep, "keep") if keep is not None else settings.default_keep,
+            keep=keep if keep is not None else settings.default_keep,
             chunk_size=settings.ingest_chunk_size,
-            **cold,
+            **{name: value for name, value in given.items() if value is not None},
         )
     except ConfigError as exc:
         raise ServiceError(422, "invalid_option", str(exc)) from exc
@@ -228,17 +256,18 @@ def record_config(settings: Settings, record: DocumentRecord) -> CompressionConf
     return compression_config(settings, record.method, record.keep, record.recall, record.cold_bits, record.stored_bits)
 
 
-def _bits(name: str, value: str | int) -> int:
+def _bits(name: str, text: str) -> int:
     try:
-        return int(value)
+        return int(text)
     except ValueError:
-        raise ServiceError(422, "invalid_option", f"{name} must be 4 or 8, not {str(value)[:40]!r}") from None
+        raise ConfigError(f"{name} must be 4 or 8, not {text[:40]!r}") from None
 
 
-def _pdf_page_count(path: Path) -> int | None:
-    """Pages of an unencrypted PDF, counted before any text is extracted (None when unknown)."""
+def _pdf_page_count(path: Path, password: str | None) -> int | None:
+    """Pages of a PDF, counted before any text is extracted (None when unknown: `load_document` then reports what
+    stops it being read, such as damage or an encryption that `password` does not open)."""
     try:
-        from pypdf import PdfReader
+        from pypdf import PasswordType, PdfReader
 
         with open(path, "rb") as handle:
             if b"%PDF-" not in handle.read(1024):
@@ -248,7 +277,8 @@ def _pdf_page_count(path: Path) -> int | None:
                 return None  # truncated: load_document says so
             handle.seek(0)
             reader = PdfReader(handle, strict=False)
-            if reader.is_encrypted:
+            # Opened as `load_document` opens it: an owner-password-only file with the empty user password.
+            if reader.is_encrypted and reader.decrypt(password or "") == PasswordType.NOT_DECRYPTED:
                 return None
             return len(reader.pages)
     except Exception:  # noqa: BLE001 - load_document reports damage properly
@@ -276,7 +306,7 @@ def _load(staged: StagedUpload) -> tuple[Document, list[str]]:
     without server paths."""
     from ..documents import load_document
 
-    document = load_document(staged.path, password=staged.password)
+    document = load_document(staged.path, password=staged.options.password)
     told = [_without_paths(message, staged) for message in document.load_warnings]
     for message in told:
         log.info("upload %s: %s", staged.name, message)
@@ -286,7 +316,7 @@ def _load(staged: StagedUpload) -> tuple[Document, list[str]]:
 def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine) -> ParsedUpload:
     """The upload's text, token count and the loader's warnings about it, or a ServiceError that says exactly
     what is wrong with it."""
-    pages = _pdf_page_count(staged.path)
+    pages = _pdf_page_count(staged.path, staged.options.password)
     if pages is not None and pages > settings.max_pages:
         raise _too_many_pages(pages, settings)
     try:
@@ -350,7 +380,7 @@ def _client_message(exc: DocumentError, staged: StagedUpload) -> str:
     """The core's message without server paths, and with advice that fits an HTTP client."""
     message = _without_paths(str(exc), staged)
     if isinstance(exc, EncryptedPDFError):
-        if staged.password is None and "needs a password" in message:
+        if staged.options.password is None and "needs a password" in message:
             return (
                 f"{staged.name} is encrypted: send its password in the form field 'password', "
                 "or upload a decrypted copy"

@@ -22,7 +22,7 @@ from ..answers import (
     sse_events,
     start_answer,
 )
-from ..dependencies import CallerDep, ServiceDep, authenticate, find_document, visible_documents
+from ..dependencies import CallerDep, Service, ServiceDep, authenticate, find_document, visible_documents
 from ..errors import ServiceError
 from ..registry import DocumentRecord, new_document_id
 from ..schemas import (
@@ -37,7 +37,7 @@ from ..schemas import (
     answer_responses,
     error_responses,
 )
-from ..uploads import compression_config, parse_upload, receive_upload
+from ..uploads import StagedUpload, compression_config, parse_upload, receive_upload
 from ..worker import GenerationJob, IngestJob, QueueFull
 
 router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(authenticate)])
@@ -98,47 +98,56 @@ async def upload_document(request: Request, response: Response, service: Service
     """Returns 202 with the document's id at once; poll `GET /v1/documents/{id}` until `ready`.
 
     The document belongs to the caller's tenant: no other tenant can see, ask about or delete it."""
-    assert service.engine is not None and service.worker is not None
-    settings = service.settings
-    staged = await receive_upload(request, service.registry, settings)
+    assert service.worker is not None
     try:
-        config = service.engine.resolve_config(
-            compression_config(
-                settings, staged.method, staged.keep, staged.recall, staged.cold_bits, staged.stored_bits
-            )
-        )
-        # The queue's place is taken before the upload is parsed or saved: a refused upload is never listed.
+        # The queue's place is taken before the upload is received: a refused upload is neither read from the
+        # client nor staged, parsed, saved or listed. Leaving the block on any path gives the place back.
         with service.worker.upload_slot(caller.tenant):
-            document, tokens, load_warnings = await run_in_threadpool(parse_upload, staged, settings, service.engine)
-            now = time.time()
-            record = DocumentRecord(
-                id=new_document_id(),
-                owner=caller.tenant,
-                sha256=document.sha256,
-                filename=staged.name,
-                status="queued",
-                method=config.method,
-                keep=config.keep,
-                recall=config.recall,
-                cold_bits=config.cold_bits,
-                stored_bits=config.stored_bits,
-                created_at=now,
-                updated_at=now,
-                size_bytes=staged.size,
-                pages=len(document.pages),
-                skipped_pages=list(document.skipped_pages),
-                warnings=load_warnings,
-                tokens=tokens,
-            )
-            record.progress_total = tokens
-            await run_in_threadpool(service.registry.create, record, document)
-            service.worker.submit_ingestion(IngestJob(record, config, document))
+            staged = await receive_upload(request, service.registry, service.settings)
+            try:
+                record = await _save_upload(service, caller.tenant, staged)
+            finally:
+                await run_in_threadpool(staged.discard)
     except QueueFull as exc:
         raise exc.refusal(retry_after=10) from exc
-    finally:
-        await run_in_threadpool(staged.discard)
     response.headers["Location"] = f"/v1/documents/{record.id}"
     return document_info(record)
+
+
+async def _save_upload(service: Service, tenant: str | None, staged: StagedUpload) -> DocumentRecord:
+    """Parses a received upload, saves it for `tenant` and queues it to be read (inside its `upload_slot`)."""
+    assert service.engine is not None and service.worker is not None
+    options = staged.options
+    config = service.engine.resolve_config(
+        compression_config(
+            service.settings, options.method, options.keep, options.recall, options.cold_bits, options.stored_bits
+        )
+    )
+    document, tokens, load_warnings = await run_in_threadpool(parse_upload, staged, service.settings, service.engine)
+    now = time.time()
+    record = DocumentRecord(
+        id=new_document_id(),
+        owner=tenant,
+        sha256=document.sha256,
+        filename=staged.name,
+        status="queued",
+        method=config.method,
+        keep=config.keep,
+        recall=config.recall,
+        cold_bits=config.cold_bits,
+        stored_bits=config.stored_bits,
+        created_at=now,
+        updated_at=now,
+        size_bytes=staged.size,
+        pages=len(document.pages),
+        skipped_pages=list(document.skipped_pages),
+        warnings=load_warnings,
+        tokens=tokens,
+    )
+    record.progress_total = tokens
+    await run_in_threadpool(service.registry.create, record, document)
+    service.worker.submit_ingestion(IngestJob(record, config, document))
+    return record
 
 
 @router.get(
