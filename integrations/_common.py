@@ -17,14 +17,14 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Protocol, Union
+from typing import Any, ClassVar, NoReturn, Protocol, Union
 
 import torch
 from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, reads_as_pdf
-from infokv_rag.errors import ConfigError, InfoKVError
+from infokv_rag.errors import CacheStoreError, ConfigError, InfoKVError, ModelError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name, resolve_placement
@@ -35,6 +35,11 @@ DEFAULT_MODEL = "default"
 
 DocumentSource = Union[str, "os.PathLike[str]", CompressedDocument, Document]
 """A file (.pdf .txt .md), a saved cache directory, an ingested document or a loaded `Document`."""
+
+DOCUMENT_SOURCES = (
+    "a .pdf/.txt/.md path (str or os.PathLike), a saved cache directory, a CompressedDocument or an infokv_rag Document"
+)
+"""What an adapter's `document` is (`DocumentSource`), in words for the errors that refuse anything else."""
 
 # Engines -------------------------------------------------------------------------------------------
 
@@ -97,6 +102,14 @@ def _is_saved_cache(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
+def _saved_cache_stamp(path: Path) -> tuple[str, int, int] | None:
+    """(directory, its manifest's modification time and size) when `path` is a saved cache, else None."""
+    if not _is_saved_cache(path):
+        return None
+    stat = (path / MANIFEST).stat()
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
 def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, ...]:
     if text is not None:
         return ("text", hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest())
@@ -106,9 +119,9 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
         content = hashlib.sha256(f"{layout}\n{source.text}".encode("utf-8", "surrogatepass")).hexdigest()
         return ("document", source.sha256, content)
     path = Path(os.fspath(source)).expanduser().resolve()  # type: ignore[arg-type]
-    if _is_saved_cache(path):
-        stat = (path / MANIFEST).stat()
-        return ("cache", str(path), stat.st_mtime_ns, stat.st_size)
+    saved = _saved_cache_stamp(path)
+    if saved is not None:
+        return ("cache", *saved)
     if not path.is_file():
         _refuse_source(os.fspath(source), path)  # type: ignore[arg-type]
     stat = path.stat()
@@ -154,6 +167,59 @@ def document_identity(source: DocumentSource | None, text: str | None) -> str | 
         return os.fspath(source)  # type: ignore[arg-type]
 
 
+@functools.lru_cache(maxsize=64)
+def _manifest_model(directory: str, mtime_ns: int, size: int) -> str:
+    """The name of the model that made the saved cache in `directory`, as its manifest (at that modification time
+    and size) records it; `CacheStoreError` for a manifest that is unreadable, damaged or names no model."""
+    recorded = read_manifest(directory).get("model")
+    name = recorded.get("name") if isinstance(recorded, dict) else None
+    if not isinstance(name, str) or not name:
+        raise CacheStoreError(f"{directory}/{MANIFEST} names no model; ingest the document again")
+    return name
+
+
+def _manifest_stamp(source: Any, text: str | None) -> tuple[str, int, int] | None:
+    """`_saved_cache_stamp` of the document a call reads: `source` when that is a path (`text`, when given, is read
+    instead of it)."""
+    if text is not None or not isinstance(source, (str, os.PathLike)):
+        return None
+    return _saved_cache_stamp(Path(os.fspath(source)).expanduser().resolve())
+
+
+def answering_model(model: str | None, source: Any, text: str | None) -> str:
+    """The name of the model that answers from a document: `model` when given, else the one that made the document,
+    which alone can answer from its cache (a `CompressedDocument`'s; a saved cache directory's, as its manifest
+    names it), else `DEFAULT_MODEL` (a file, a `Document` or text, which any model reads). `text`, when given, is
+    the document instead of `source`. `CacheStoreError` for a saved cache whose manifest cannot be read."""
+    if model:
+        return model
+    if text is None and isinstance(source, CompressedDocument):
+        return source.engine.name
+    saved = _manifest_stamp(source, text)
+    return DEFAULT_MODEL if saved is None else _manifest_model(*saved)
+
+
+def answering_engine(
+    model: str | None, source: Any, text: str | None, device: str | None, dtype: str | None
+) -> InfoKVEngine:
+    """The engine of `answering_model`: a `CompressedDocument`'s own, else the shared one of that name, loaded on
+    first use. A model that only a saved cache's manifest names and that does not load here (a local path since
+    moved, a hub id offline) is refused saying where the name came from and how to name it instead."""
+    name = answering_model(model, source, text)
+    if text is None and isinstance(source, CompressedDocument) and name == source.engine.name:
+        return source.engine
+    try:
+        return get_engine(name, device, dtype)
+    except ModelError as exc:
+        saved = None if model else _manifest_stamp(source, text)
+        if saved is None:
+            raise
+        raise ModelError(
+            f"the saved cache {saved[0]} was made by model {name!r}, which does not load here ({exc}); pass "
+            "model= naming that model as it is on this machine (a cache is answered only by the model that made it)"
+        ) from exc
+
+
 def open_document(
     source: DocumentSource | None = None,
     *,
@@ -167,9 +233,9 @@ def open_document(
 ) -> CompressedDocument:
     """The compressed document for a source, ingested (or loaded) once per model and config.
 
-    `model` None means the source's own model for a `CompressedDocument`, else `DEFAULT_MODEL`.
-    Asking for another model than the one a `CompressedDocument` was read with is an error: its
-    cache belongs to that model.
+    `model` None means the model that made the source (`answering_model`: a `CompressedDocument`'s, a saved cache
+    directory's), else `DEFAULT_MODEL`. Asking for another model than the one a `CompressedDocument` was read with is
+    an error: its cache belongs to that model.
 
     `config` None (an adapter's `compression` left unset) means the defaults for a file or text, and a saved cache
     or a `CompressedDocument` as it was compressed. A config given for either must be the one it was compressed
@@ -192,25 +258,24 @@ def open_document(
             return source
         return _as_compressed("the CompressedDocument given is a cache", source, coerce_config(config))
     if source is None and text is None:
-        raise ValueError(
-            "no document bound: pass document= (a .pdf/.txt/.md path, a saved cache directory or a "
-            f"CompressedDocument) or document_text=, {how_to_bind}"
-        )
-    model = model or DEFAULT_MODEL
+        raise ValueError(f"no document bound: pass document= ({DOCUMENT_SOURCES}) or document_text=, {how_to_bind}")
     kind, *identity = _source_key(source, text)
+    name = answering_model(model, source, text)
     if kind == "cache":
-        key: tuple[Any, ...] = (model, *placement_key(device, dtype), kind, *identity)
-        saved = _DOCUMENTS.get_or_load(key, lambda: get_engine(model, device, dtype).load(identity[0]))
+        key: tuple[Any, ...] = (name, *placement_key(device, dtype), kind, *identity)
+        saved = _DOCUMENTS.get_or_load(
+            key, lambda: answering_engine(model, source, text, device, dtype).load(identity[0])
+        )
         return (
             saved if config is None else _as_compressed(f"{identity[0]} is a saved cache", saved, coerce_config(config))
         )
     if kind == "file":
         _check_password(Path(identity[0]), identity[1], identity[2], password)
     config = coerce_config(config)
-    key = (model, *placement_key(device, dtype), config, kind, *identity)
+    key = (name, *placement_key(device, dtype), config, kind, *identity)
 
     def ingest() -> CompressedDocument:
-        engine = get_engine(model, device, dtype)
+        engine = get_engine(name, device, dtype)
         if text is not None:
             return engine.ingest_text(text, config)
         if isinstance(source, Document):
@@ -292,9 +357,32 @@ def _check_password(path: Path, mtime_ns: int, size: int, password: str | None) 
     load_document(path, password=password)  # raises the core's refusal (needs a password, wrong password, ...)
 
 
+@dataclass(frozen=True)
+class FrameworkDocuments:
+    """A framework's own document classes, which no adapter takes as its `document`, and how their text comes in
+    instead: for the error that refuses them."""
+
+    classes: tuple[type, ...]
+    named: str
+    instead: str
+
+
+def check_document(value: Any, adapter: str, framework: FrameworkDocuments) -> Any:
+    """`value` when it can be `adapter`'s document (a `DocumentSource`, or None: none bound yet); TypeError naming
+    what it takes otherwise, and for the framework's own documents (one, or a list or tuple of them) how those come
+    in: refused where they are given, not later by an opaque `os.fspath`."""
+    if value is None or isinstance(value, (str, os.PathLike, CompressedDocument, Document)):
+        return value
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(item, framework.classes) for item in items):
+        raise TypeError(f"{adapter}'s document is {DOCUMENT_SOURCES}, not {framework.named}: {framework.instead}")
+    raise TypeError(f"{adapter}'s document is {DOCUMENT_SOURCES}; got {type(value).__name__}")
+
+
 class AdapterFields(Protocol):
     """The fields both adapters declare: what a call resolves its document and options from."""
 
+    FRAMEWORK_DOCUMENTS: ClassVar[FrameworkDocuments]
     model: str | None
     document: Any
     document_text: str | None
@@ -304,28 +392,27 @@ class AdapterFields(Protocol):
     max_tokens: int
     temperature: float
     top_p: float
+    stop: list[str] | None
     seed: int | None
     max_cache_tokens: int | None
     recall: float | int | None
 
 
-def adapter_model_name(model: str | None, document: Any) -> str:
-    """The model an adapter answers with: its own `model`, else a `CompressedDocument`'s, else the default."""
-    if model:
-        return model
-    if isinstance(document, CompressedDocument):
-        return document.engine.name
-    return DEFAULT_MODEL
+def call_model_name(adapter: AdapterFields, kwargs: dict[str, Any]) -> str:
+    """The name of the model a call answers with (`answering_model`), for traces and answer-cache keys: a document
+    whose manifest cannot be read is refused when the call opens it, and named with the default model until then."""
+    source, text = _call_source(adapter, kwargs)
+    try:
+        return answering_model(kwargs.get("model") or adapter.model, source, text)
+    except (OSError, InfoKVError):
+        return DEFAULT_MODEL
 
 
 def token_ids(adapter: AdapterFields, text: str) -> list[int]:
-    """`text`'s tokens by the adapter's model's own tokenizer (its weights load on first use; no document is read):
-    a `CompressedDocument`'s engine when that is the model, else the shared engine of the model named."""
-    document = adapter.document
-    if isinstance(document, CompressedDocument) and adapter.model in (None, document.engine.name):
-        engine = document.engine
-    else:
-        engine = get_engine(adapter_model_name(adapter.model, document), adapter.device, adapter.dtype)
+    """`text`'s tokens by the adapter's model's own tokenizer (`answering_engine`: its weights load on first use; no
+    document is read)."""
+    source, document_text = _call_source(adapter, {})
+    engine = answering_engine(adapter.model, source, document_text, adapter.device, adapter.dtype)
     return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -335,9 +422,10 @@ DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")
 
 def _call_source(adapter: AdapterFields, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     """(document, text) of one call: the call's over the adapter's, a per-call `document` replacing the adapter's
-    `document_text`."""
+    `document_text`; a document no adapter takes is refused (`check_document`), a call's as the field's."""
     text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
-    return kwargs.get("document", adapter.document), text
+    source = kwargs.get("document", adapter.document)
+    return check_document(source, type(adapter).__name__, adapter.FRAMEWORK_DOCUMENTS), text
 
 
 def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password: str | None) -> None:
@@ -380,14 +468,30 @@ CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens"
 CALL_KWARGS = frozenset((*CALL_OPTIONS, *DOCUMENT_OPTIONS, "stop"))
 """Every kwarg a call takes: a misspelt option (or the core's `max_new_tokens`) must not pass unseen."""
 
+NONE_MEANS_UNSET = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop"})
+"""Call options whose None is no value but the option left unset, as frameworks pass it (LangChain's
+`invoke(max_tokens=None)`): the adapter's field holds. For the others None is a value that a call may set:
+`recall` None is the document's recall, `max_cache_tokens` None no cap, `compression` None the cache as saved."""
 
-def call_options(adapter: AdapterFields, kwargs: dict[str, Any], stop: str | Sequence[str] | None) -> GenerationOptions:
-    """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`); ConfigError
-    for a kwarg that no call takes (`CALL_KWARGS`)."""
+
+def given_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's kwargs less the options it leaves unset (`NONE_MEANS_UNSET`)."""
+    return {name: value for name, value in kwargs.items() if value is not None or name not in NONE_MEANS_UNSET}
+
+
+def call_options(
+    adapter: AdapterFields, kwargs: dict[str, Any], stop: str | Sequence[str] | None = None
+) -> GenerationOptions:
+    """The generation options of one call: its kwargs over the adapter's fields (`CALL_OPTIONS`; `stop`, the
+    framework's own argument, over a `stop` kwarg over the field), None leaving an option unset where it means
+    nothing else (`given_options`); ConfigError for a kwarg that no call takes (`CALL_KWARGS`)."""
     unknown = sorted(set(kwargs) - CALL_KWARGS)
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join(unknown)}; a call takes {', '.join(sorted(CALL_KWARGS))}")
+    kwargs = given_options(kwargs)
     options = {name: kwargs.get(name, getattr(adapter, name)) for name in CALL_OPTIONS}
+    if stop is None:
+        stop = kwargs.get("stop", adapter.stop)
     return GenerationOptions.build(
         max_new_tokens=options["max_tokens"],
         temperature=options["temperature"],

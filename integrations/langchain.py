@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.documents import Document as LangChainDocument
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.language_models.llms import LLM
 from langchain_core.messages import (
     AIMessage,
@@ -41,6 +42,7 @@ from langchain_core.outputs import (
     GenerationChunk,
     LLMResult,
 )
+from langchain_core.runnables import Runnable
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from infokv_rag import CompressedDocument, CompressionConfig
@@ -51,14 +53,17 @@ from infokv_rag.prompt import Turn, check_conversation
 from ._common import (
     CALL_KWARGS,
     AnswerInfo,
-    adapter_model_name,
+    FrameworkDocuments,
     aiter_pieces,
     answer_info,
+    call_model_name,
     call_options,
     check_call_password,
+    check_document,
     check_turns,
     coerce_dtype,
     document_identity,
+    given_options,
     open_call_document,
     optional_config,
     token_ids,
@@ -108,11 +113,16 @@ def messages_to_turns(messages: Sequence[BaseMessage]) -> list[Turn]:
         else:
             role = None
         if role is None:
-            raise ValueError(
-                f"ChatInfoKV has no tool calling and takes system, human and ai messages, not {message.type!r}"
-            )
+            named = message.role if isinstance(message, ChatMessage) else message.type  # a ChatMessage's type: "chat"
+            raise ValueError(f"ChatInfoKV has no tool calling and takes system, human and ai messages, not {named!r}")
         turns.append((role, _text_of(message.content, role)))
     return check_turns(turns)
+
+
+_NO_TOOLS = (
+    "ChatInfoKV answers questions about its document in plain text: it has no tool calling (bind_tools) and no "
+    "structured output (with_structured_output); parse its text answer instead, e.g. with an output parser"
+)
 
 
 def _usage_metadata(info: AnswerInfo) -> UsageMetadata:
@@ -126,9 +136,11 @@ def _usage_metadata(info: AnswerInfo) -> UsageMetadata:
 
 
 def _call_fields(adapter: _InfoKVFields, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Takes the adapter's own options out of a call's `kwargs` (those LangChain's are left), as field values: a
-    call's `document` replaces the adapter's `document_text`, and a `compression` is checked as the field is."""
-    options = {name: kwargs.pop(name) for name in list(kwargs) if name in CALL_KWARGS and name != "stop"}
+    """Takes the adapter's own options out of a call's `kwargs` (those LangChain's are left), as field values: an
+    option left unset (`given_options`) keeps the field's, a call's `document` replaces the adapter's `document_text`,
+    and a `compression` is checked as the field is."""
+    taken = {name: kwargs.pop(name) for name in list(kwargs) if name in CALL_KWARGS and name != "stop"}
+    options = given_options(taken)
     if "document" in options and "document_text" not in options:
         options["document_text"] = None
     if "compression" in options:
@@ -138,8 +150,9 @@ def _call_fields(adapter: _InfoKVFields, kwargs: dict[str, Any]) -> dict[str, An
 
 def _identified(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Call kwargs with a per-call document named by what its answers depend on (`document_identity`): LangChain
-    puts call kwargs into its answer cache's key as text, and a path or a document's repr is not its content."""
-    named = dict(kwargs)
+    puts call kwargs into its answer cache's key as text, and a path or a document's repr is not its content; an
+    option left unset (`given_options`) is left out, as it changes no answer."""
+    named = given_options(kwargs)
     if "document" in named:
         named["document"] = document_identity(named["document"], None)
     if "document_text" in named:
@@ -152,11 +165,19 @@ class _InfoKVFields(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
+    FRAMEWORK_DOCUMENTS: ClassVar[FrameworkDocuments] = FrameworkDocuments(
+        (LangChainDocument,),
+        "LangChain Documents",
+        'pass their text instead, document_text="\\n\\n".join(d.page_content for d in docs)',
+    )
+    """What LangChain's loaders return, refused as `document` (`check_document`) saying how their text comes in."""
+
     model: str | None = None
     """`default`, `tiny`, a local HF directory, a .gguf file or a hub id (`org/name[@revision]`); None: the
-    document's model, else default."""
+    document's model (a `CompressedDocument`'s, or the one a saved cache directory's manifest names), else default."""
     document: Any = None
-    """A .pdf/.txt/.md path, a saved cache directory, a `CompressedDocument` or a `Document`."""
+    """A .pdf/.txt/.md path (str or os.PathLike), a saved cache directory, a `CompressedDocument` or an infokv_rag
+    `Document` (anything else is refused when the adapter is made: TypeError)."""
     document_text: str | None = None
     """The document's text, when there is no file (used instead of `document`)."""
     compression: CompressionConfig | None = None
@@ -194,8 +215,10 @@ class _InfoKVFields(BaseModel):
     @field_validator("document")
     @classmethod
     def _fingerprinted(cls, value: Any) -> Any:
-        """A `CompressedDocument`'s model fingerprint is part of the answer cache's key, which `ainvoke` reads on
-        the event loop; for a `from_model` engine it hashes every weight, so that is done here, once per engine."""
+        """Checks the document's type (`check_document`). A `CompressedDocument`'s model fingerprint is part of the
+        answer cache's key, which `ainvoke` reads on the event loop; for a `from_model` engine it hashes every
+        weight, so that is done here, once per engine."""
+        check_document(value, cls.__name__, cls.FRAMEWORK_DOCUMENTS)
         if isinstance(value, CompressedDocument):
             value.engine.fingerprint  # noqa: B018 (a cached property: computed now, read later)
         return value
@@ -205,10 +228,8 @@ class _InfoKVFields(BaseModel):
     def _secret(cls, value: Any) -> Any:
         return SecretStr(value) if isinstance(value, str) else value
 
-    def _model_name(self, override: Any = None) -> str:
-        if isinstance(override, str) and override:
-            return override
-        return adapter_model_name(self.model, self.document)
+    def _model_name(self, kwargs: dict[str, Any]) -> str:
+        return call_model_name(self, kwargs)
 
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The document calls answer from, read on first use (loading the weights): `stats`, `save()`, pages.
@@ -233,15 +254,14 @@ class _InfoKVFields(BaseModel):
         """Checks the messages and the call's options, then resolves the document (loading weights / ingesting on
         first use) and starts an answer: a call that cannot be answered reads no document."""
         check_conversation(turns)
-        stops = stop if stop is not None else kwargs.get("stop", self.stop)
-        options = call_options(self, kwargs, stops)
+        options = call_options(self, kwargs, stop)
         document = self.compressed_document(**kwargs)
         return document.generate(turns, options), document
 
     def _infokv_identity(self) -> dict[str, Any]:
         document = document_identity(self.document, self.document_text)
         return {
-            "model": self._model_name(),
+            "model": self._model_name({}),
             "document": document,
             "compression": (self.compression or CompressionConfig()).to_dict(),
             "max_tokens": self.max_tokens,
@@ -275,6 +295,18 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
         """By the model's own tokenizer (`get_num_tokens`, `trim_messages`), not LangChain's GPT-2 fallback."""
         return token_ids(self, text)
 
+    def bind_tools(
+        self, tools: Sequence[Any], *, tool_choice: str | None = None, **kwargs: Any
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Refused (NotImplementedError saying why): the model answers from its document and calls no tools."""
+        raise NotImplementedError(_NO_TOOLS)
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Refused as `bind_tools` is, whose tool calls LangChain's structured output is made of."""
+        raise NotImplementedError(_NO_TOOLS)
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._infokv_identity()
@@ -285,12 +317,13 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
         return super()._get_llm_string(stop, **_identified(kwargs))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        given = given_options(kwargs)
         params = LangSmithParams(
             ls_provider="infokv",
-            ls_model_name=self._model_name(kwargs.get("model")),
+            ls_model_name=self._model_name(kwargs),
             ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            ls_temperature=given.get("temperature", self.temperature),
+            ls_max_tokens=given.get("max_tokens", self.max_tokens),
         )
         stops = stop if stop is not None else self.stop
         if stops:
@@ -413,7 +446,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "infokv"
-        params["ls_model_name"] = self._model_name(kwargs.get("model"))
+        params["ls_model_name"] = self._model_name(kwargs)
         return params
 
     @staticmethod
@@ -461,7 +494,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
                 generation, document = self._start([("user", prompt)], stop, kwargs)
                 text, info = generation.text(), self._info(answer_info(document, generation.usage))
             generations.append([Generation(text=text, generation_info=info)])
-        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs.get("model"))})
+        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs)})
 
     def _stream(
         self,
@@ -506,7 +539,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
                 text = "".join([piece async for piece in aiter_pieces(generation)])
                 info = self._info(answer_info(document, generation.usage))
             generations.append([Generation(text=text, generation_info=info)])
-        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs.get("model"))})
+        return LLMResult(generations=generations, llm_output={"model_name": self._model_name(kwargs)})
 
     async def _astream(
         self,

@@ -17,7 +17,7 @@ import asyncio
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -49,18 +49,19 @@ from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
 from ._common import (
-    DEFAULT_MODEL,
     DOCUMENT_OPTIONS,
     AnswerInfo,
-    adapter_model_name,
+    FrameworkDocuments,
     aiter_pieces,
     answer_info,
+    answering_engine,
+    call_model_name,
     call_options,
     check_call_password,
+    check_document,
     check_turns,
     coerce_dtype,
     document_identity,
-    get_engine,
     open_call_document,
     optional_config,
 )
@@ -100,17 +101,6 @@ _HOW_TO_BIND = "as a field (InfoKV(document=...)) or as a call's kwarg (llm.comp
 """Where an `InfoKV` takes its document: LlamaIndex LLMs have no `.bind`."""
 
 
-def _refuse_llama_documents(value: Any) -> None:
-    """TypeError for LlamaIndex `Document`s (or nodes) as `InfoKV`'s document: their pages come in through
-    `DocumentQueryEngine.from_documents`, which keeps their page numbers."""
-    values = value if isinstance(value, (list, tuple)) else [value]
-    if any(isinstance(item, BaseNode) for item in values):
-        raise TypeError(
-            "InfoKV's document is a .pdf/.txt/.md path, a saved cache directory or a CompressedDocument, not "
-            "LlamaIndex Documents: pass those to DocumentQueryEngine.from_documents(documents)"
-        )
-
-
 class InfoKV(CustomLLM):
     """A chat LLM answering from one InfoKV-compressed document (weights and document load on first use).
 
@@ -121,10 +111,21 @@ class InfoKV(CustomLLM):
     `recall`, `stop`.
     """
 
-    model: str | None = Field(
-        default=None, description="default, tiny, a local HF directory, a .gguf file or a hub id (org/name[@revision])"
+    FRAMEWORK_DOCUMENTS: ClassVar[FrameworkDocuments] = FrameworkDocuments(
+        (BaseNode,), "LlamaIndex Documents", "pass those to DocumentQueryEngine.from_documents(documents)"
     )
-    document: Any = Field(default=None, description="a .pdf/.txt/.md path, saved cache dir or CompressedDocument")
+    """LlamaIndex `Document`s and nodes, refused as `document` (`check_document`): their pages come in through
+    `DocumentQueryEngine.from_documents`, which keeps their page numbers."""
+
+    model: str | None = Field(
+        default=None,
+        description="default, tiny, a local HF directory, a .gguf file or a hub id (org/name[@revision]); None: the "
+        "document's model (a CompressedDocument's, or the one a saved cache directory's manifest names), else default",
+    )
+    document: Any = Field(
+        default=None,
+        description="a .pdf/.txt/.md path, saved cache dir, CompressedDocument or infokv_rag Document",
+    )
     document_text: str | None = Field(default=None, description="the document's text, when there is no file")
     compression: CompressionConfig | None = Field(
         default=None, description="how a file or text is compressed (recall > 0 also keeps a cold tier)"
@@ -157,8 +158,7 @@ class InfoKV(CustomLLM):
     @field_validator("document", mode="before")
     @classmethod
     def _document(cls, value: Any) -> Any:
-        _refuse_llama_documents(value)
-        return value
+        return check_document(value, cls.__name__, cls.FRAMEWORK_DOCUMENTS)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -172,13 +172,12 @@ class InfoKV(CustomLLM):
     # The document ----------------------------------------------------------------------------------
 
     def _model_name(self) -> str:
-        return adapter_model_name(self.model, self.document)
+        return call_model_name(self, {})
 
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The compressed document this LLM answers from: read on first use, then shared while the fields (or
         the call's kwargs) that choose it stay the same; a field changed later chooses another."""
         if any(key in kwargs for key in DOCUMENT_OPTIONS):
-            _refuse_llama_documents(kwargs["document"] if "document" in kwargs else None)
             return open_call_document(self, kwargs, self.password, _HOW_TO_BIND)
         # Held here, not only in the process's shared cache: that one evicts documents other instances opened
         # since, and this instance would read its own again on every call.
@@ -207,7 +206,7 @@ class InfoKV(CustomLLM):
         """With a bound document, the window left beside it; with none yet (each call passes its own), the model's
         window less the chat template only: an upper bound that a call's document lowers."""
         if self.document is None and self.document_text is None:
-            return self._metadata(get_engine(self.model or DEFAULT_MODEL, self.device, self.dtype), 0)
+            return self._metadata(answering_engine(self.model, None, None, self.device, self.dtype), 0)
         document = self.compressed_document()
         return self._metadata(document.engine, document.cache.document_tokens)
 
@@ -236,7 +235,7 @@ class InfoKV(CustomLLM):
         """Checks the messages and the call's options, then resolves the document (loading weights / ingesting on
         first use) and starts an answer: a call that cannot be answered reads no document."""
         check_conversation(turns)
-        options = call_options(self, kwargs, kwargs.get("stop", self.stop))
+        options = call_options(self, kwargs)
         document = self.compressed_document(**kwargs)
         return document.generate(turns, options), document
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -15,11 +16,13 @@ pytest.importorskip("langchain_tests")
 pytest.importorskip("pytest_asyncio")
 
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document as LangChainDocument
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.load import dumpd, dumps
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
+    ChatMessage,
     HumanMessage,
     HumanMessageChunk,
     SystemMessage,
@@ -29,6 +32,7 @@ from langchain_core.messages import (
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import Runnable
+from langchain_core.tools import tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import ValidationError
@@ -40,7 +44,7 @@ from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
-from infokv_rag.store import save_document
+from infokv_rag.store import MANIFEST, _manifest_checksum, save_document
 
 from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
@@ -60,7 +64,20 @@ OTHER_TEXT = (
 # The official standard suites ----------------------------------------------------------------------
 
 
-class TestChatInfoKVStandardUnit(ChatModelUnitTests):
+class _NoToolCalling:
+    """The suites tell tool calling and structured output by `bind_tools` being overridden; ChatInfoKV overrides it
+    only to refuse it, saying why."""
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+
+class TestChatInfoKVStandardUnit(_NoToolCalling, ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return ChatInfoKV
@@ -71,11 +88,10 @@ class TestChatInfoKVStandardUnit(ChatModelUnitTests):
         return {"model": "tiny", "document_text": SUITE_TEXT}
 
 
-class TestChatInfoKVStandardIntegration(ChatModelIntegrationTests):
+class TestChatInfoKVStandardIntegration(_NoToolCalling, ChatModelIntegrationTests):
     """On the tiny model; tool calling, structured output, JSON mode and media inputs are off through the
-    suite's own properties (`has_tool_calling` / `has_structured_output` false: ChatInfoKV does not
-    override `bind_tools` / `with_structured_output`; `supports_*_inputs` false: text-only models), so those
-    tests skip with the suite's reasons."""
+    suite's own properties (`has_tool_calling` / `has_structured_output` false: `_NoToolCalling`;
+    `supports_*_inputs` false: text-only models), so those tests skip with the suite's reasons."""
 
     # The suite's coroutine tests need pytest-asyncio, which the project runs in strict mode, and the suite
     # forbids overriding its tests: mark the class, and silence the notice for its synchronous tests.
@@ -139,6 +155,8 @@ def test_messages_to_turns_folds_roles_and_rejects_non_text() -> None:
         messages_to_turns([HumanMessage([{"type": "image", "base64": "AAAA", "mime_type": "image/png"}])])
     with pytest.raises(ValueError, match="no tool calling"):
         messages_to_turns([HumanMessage("q"), ToolMessage("3", tool_call_id="x")])
+    with pytest.raises(ValueError, match="messages, not 'function'"):  # the role, not ChatMessage's type ("chat")
+        messages_to_turns([ChatMessage(role="function", content="q")])
     # A streamed answer kept in the history is a chunk of its message class (LangChain's `full = full + chunk`).
     chunks = [
         SystemMessageChunk(content="Be brief."),
@@ -147,6 +165,62 @@ def test_messages_to_turns_folds_roles_and_rejects_non_text() -> None:
         HumanMessage("Q?"),
     ]
     assert messages_to_turns(chunks) == turns
+
+
+def test_tool_calling_and_structured_output_are_refused_saying_why() -> None:
+    @tool
+    def add(a: int, b: int) -> int:
+        """Adds two numbers."""
+        return a + b
+
+    chat = ChatInfoKV(model="tiny", document_text=SUITE_TEXT)
+    with pytest.raises(NotImplementedError, match="answers questions about its document.*no tool calling"):
+        chat.bind_tools([add])
+    with pytest.raises(NotImplementedError, match="no structured output"):
+        chat.with_structured_output({"title": "A", "type": "object", "properties": {"a": {"type": "string"}}})
+
+
+def test_a_document_of_another_type_is_refused_where_it_is_given(no_document_read: None) -> None:
+    """A LangChain `Document` (what every loader returns) is refused naming the way its text comes in, anything else
+    naming what is taken: when the adapter is made, and per call, not later by an opaque `os.fspath`."""
+    pages = [LangChainDocument(page_content=SUITE_TEXT)]
+    route = (
+        r'not LangChain Documents: pass their text instead, document_text="\\n\\n".join\(d.page_content for d in docs\)'
+    )
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        for documents in (pages[0], pages, tuple(pages)):
+            with pytest.raises(TypeError, match=rf"{adapter.__name__}'s document is a .pdf/.txt/.md path .*, {route}"):
+                adapter(model="tiny", document=documents)
+        for other, named in ((3, "int"), (b"contract.txt", "bytes"), (["contract.txt"], "list")):
+            with pytest.raises(TypeError, match=rf"CompressedDocument or an infokv_rag Document; got {named}$"):
+                adapter(model="tiny", document=other)
+        with pytest.raises(TypeError, match=route):
+            adapter(model="tiny", document_text=SUITE_TEXT).invoke("Q?", document=pages[0])
+        assert adapter(model="tiny", document=Path("contract.txt")).document == Path("contract.txt")  # os.PathLike
+        assert adapter(model="tiny", document=document_from_text(SUITE_TEXT)).document is not None
+
+
+def test_an_option_given_as_none_keeps_the_adapters_own(random_model_dir: Path) -> None:
+    """None is how LangChain leaves an option unset (`max_tokens=None`): the field holds, not the core's default.
+    Where None means something (`recall`: the document's; `max_cache_tokens`: no cap) a call's None sets it."""
+    fields: dict[str, Any] = {"max_tokens": 3, "temperature": 1.5, "top_p": 0.5, "seed": 7, "stop": ["ninety"]}
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=SUITE_TEXT, max_cache_tokens=64, recall=4, **fields)
+    unset = {name: None for name in (*fields, "max_cache_tokens", "recall")}
+    options = call_options(chat, unset)
+    assert call_options(chat, {}) == GenerationOptions.build(
+        max_new_tokens=3, temperature=1.5, top_p=0.5, stop=["ninety"], seed=7, max_cache_tokens=64, recall=4
+    )
+    assert options == GenerationOptions.build(
+        max_new_tokens=3, temperature=1.5, top_p=0.5, stop=["ninety"], seed=7, max_cache_tokens=None, recall=None
+    )
+    traced = chat._get_ls_params(max_tokens=None, temperature=None)
+    assert (traced["ls_max_tokens"], traced["ls_temperature"]) == (3, 1.5)
+    assert chat._get_llm_string(max_tokens=None) == chat._get_llm_string()  # one answer, one cache entry
+    question = "What is the notice period?"
+    for adapter in (ChatInfoKV, InfoKVLLM):  # InfoKVLLM takes a call's options as the fields of a copy
+        llm = adapter(model=str(random_model_dir), document_text=SUITE_TEXT, **fields)
+        answer = llm.invoke(question, max_tokens=None, temperature=None, seed=None)
+        assert _answer_text(answer) == _answer_text(llm.invoke(question))
 
 
 def test_weights_load_lazily(tmp_path: Path) -> None:
@@ -612,3 +686,52 @@ def test_a_bound_document_of_a_model_in_memory_is_fingerprinted_before_any_async
     assert "fingerprint" not in vars(engine)
     ChatInfoKV(document=document, max_tokens=2)
     assert "fingerprint" in vars(engine)
+
+
+def _renamed_model(saved: Path, name: str) -> None:
+    """Rewrites the model a saved cache's manifest names (re-signed): a cache made by a model since moved."""
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["model"]["name"] = name
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_saved_cache_is_answered_by_the_model_that_made_it(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `model` unset, a saved cache directory is opened, counted and traced with the model its manifest names,
+    never the default (which would load only to refuse it); a model named there that does not load here is refused
+    saying so."""
+    model = str(random_model_dir)
+    saved = tmp_path / "cache"
+    save_document(get_engine(model).ingest_text(SUITE_TEXT, COMPRESSION), saved)
+    loaded: list[str] = []
+    load = _common.get_engine
+
+    def spy(name: str, device: str | None = None, dtype: str | None = None) -> Any:
+        loaded.append(name)
+        return load(name, device, dtype)
+
+    monkeypatch.setattr(_common, "get_engine", spy)
+    text = "Either party may terminate this agreement with ninety days written notice."
+    expected = len(get_engine(model).tokenizer(text, add_special_tokens=False)["input_ids"])
+    for adapter in (ChatInfoKV(document=str(saved), max_tokens=2), InfoKVLLM(document=saved, max_tokens=2)):
+        assert adapter._get_ls_params()["ls_model_name"] == model
+        assert adapter._identifying_params["model"] == model
+        assert adapter.get_num_tokens(text) == expected
+        assert adapter.compressed_document().engine.name == model
+        assert adapter.invoke("What is the notice period?")
+    bound = ChatInfoKV(max_tokens=2).bind(document=str(saved))  # a call's document: its model too
+    assert bound.invoke("What is the notice period?").response_metadata["model_name"] == model
+    assert set(loaded) == {model}
+
+    moved = str(tmp_path / "moved" / "model")
+    _renamed_model(saved, moved)
+    for call in (
+        lambda: ChatInfoKV(document=str(saved), max_tokens=2).invoke("Q?"),
+        lambda: InfoKVLLM(document=str(saved)).get_num_tokens(text),
+    ):
+        refused = f"the saved cache {saved.resolve()} was made by model {moved!r}, which does not load here"
+        with pytest.raises(ModelError, match=re.escape(refused)):
+            call()
+    assert ChatInfoKV(model=model, document=str(saved), max_tokens=2).invoke("What is the notice period?")

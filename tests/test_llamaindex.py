@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,14 @@ from llama_index.core.schema import Document as LlamaDocument
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
-from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError
+from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
-from infokv_rag.integrations._common import get_engine
+from infokv_rag.integrations._common import call_options, get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.prompt import question_turns
+from infokv_rag.store import MANIFEST, _manifest_checksum, save_document
 
 from .conftest import CORPUS
 from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
@@ -521,6 +524,26 @@ def test_document_errors_say_what_an_infokv_takes(no_document_read: None) -> Non
             InfoKV(model="tiny", document=document)
     with pytest.raises(TypeError, match="DocumentQueryEngine.from_documents"):
         InfoKV(model="tiny").complete("What is the notice period?", document=pages[0])
+    # Anything else no adapter takes is refused naming what is taken, as the LangChain adapters refuse it.
+    for other, named in ((3, "int"), (b"contract.txt", "bytes"), (["contract.txt"], "list")):
+        with pytest.raises(TypeError, match=rf"InfoKV's document is a .pdf/.txt/.md path .*; got {named}$"):
+            InfoKV(model="tiny", document=other)
+        with pytest.raises(TypeError, match=rf"; got {named}$"):
+            InfoKV(model="tiny", document_text="The notice period is ninety days.").complete("Q?", document=other)
+
+
+def test_an_option_given_as_none_keeps_the_llms_own(random_model_dir: Path) -> None:
+    """None leaves a call's option unset (the field holds), where it has no meaning of its own."""
+    fields: dict[str, Any] = {"max_tokens": 2, "temperature": 1.5, "top_p": 0.5, "seed": 7, "stop": ["ninety"]}
+    capped = InfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_cache_tokens=64, recall=4, **fields)
+    unset = {name: None for name in (*fields, "max_cache_tokens", "recall")}
+    assert call_options(capped, unset) == GenerationOptions.build(
+        max_new_tokens=2, temperature=1.5, top_p=0.5, stop=["ninety"], seed=7, max_cache_tokens=None, recall=None
+    )
+    llm = InfoKV(model=str(random_model_dir), document_text=COLD_TEXT, **fields)
+    answer = llm.complete("What is the notice period?", max_tokens=None, temperature=None, seed=None)
+    assert answer.text == llm.complete("What is the notice period?").text
+    assert answer.additional_kwargs["completion_tokens"] <= 2
 
 
 def test_every_spelling_of_one_placement_shares_one_engine_and_one_reading(random_model_dir: Path) -> None:
@@ -559,3 +582,40 @@ def test_apredict_and_astream_read_the_document_off_the_event_loop(
     monkeypatch.setattr(InfoKV, "compressed_document", spy)
     assert isinstance(asyncio.run(predict()), str)
     assert on_the_loop and not on_the_loop[0], "the first read ran on the event loop's thread"
+
+
+def test_a_saved_cache_is_answered_by_the_model_that_made_it(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As in the LangChain adapters: with `model` unset, a saved cache directory is answered and named with the model
+    its manifest names, never the default; a model named there that does not load here is refused saying so."""
+    model = str(random_model_dir)
+    saved = tmp_path / "cache"
+    save_document(get_engine(model).ingest_text(COLD_TEXT, COMPRESSION), saved)
+    loaded: list[str] = []
+    load = _common.get_engine
+
+    def spy(name: str, device: str | None = None, dtype: str | None = None) -> Any:
+        loaded.append(name)
+        return load(name, device, dtype)
+
+    monkeypatch.setattr(_common, "get_engine", spy)
+    llm = InfoKV(document=str(saved), max_tokens=2)
+    assert llm.to_payload()["model_name"] == model  # before the first call, which reads the document
+    assert llm.complete("What is the notice period?").additional_kwargs["model_name"] == model
+    assert llm.metadata.model_name == model
+    response = DocumentQueryEngine.from_file(saved, max_tokens=2).query("What is the notice period?")
+    assert isinstance(response, Response) and response.metadata is not None and response.metadata["model_name"] == model
+    per_call = InfoKV(max_tokens=2).complete("What is the notice period?", document=str(saved))
+    assert per_call.additional_kwargs["model_name"] == model
+    assert set(loaded) == {model}
+
+    moved = str(tmp_path / "moved" / "model")
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["model"]["name"] = moved
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    refused = f"the saved cache {saved.resolve()} was made by model {moved!r}, which does not load here"
+    with pytest.raises(ModelError, match=re.escape(refused)):
+        InfoKV(document=str(saved), max_tokens=2).complete("What is the notice period?")
+    assert InfoKV(model=model, document=str(saved), max_tokens=2).complete("What is the notice period?").text
