@@ -86,7 +86,7 @@ bench-latency: models
 	$(PY) benchmarks/latency.py
 
 bench-overhead: models
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --variants infokv infokv_quality kvzip snapkv
 
 # The checks that need a CUDA GPU (tests on CUDA, kernel timings, overhead and latency on random weights of the
 # default architecture and a Llama-3.1-8B shape), as one script; logs in benchmarks/results/gpu.

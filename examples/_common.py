@@ -12,7 +12,7 @@ from pathlib import Path
 from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
 from infokv_rag.documents import load_document
-from infokv_rag.errors import ConfigError, InfoKVError
+from infokv_rag.errors import ConfigError
 from infokv_rag.scorers import method_names
 from infokv_rag.store import MANIFEST
 
@@ -44,18 +44,13 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--password", default=None, help="opens an encrypted PDF")
     args = parser.parse_args(argv)
     args.questions = args.question or SAMPLE_QUESTIONS
+    # Refusals below are errors of infokv-rag's or of the system: `run` reports them in one line, as the CLI does.
     if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    try:
-        args.compression = CompressionConfig(method=args.method, keep=args.keep)
-    except ConfigError as error:
-        parser.error(str(error))
+        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    args.compression = CompressionConfig(method=args.method, keep=args.keep)
     args.source = None  # a saved cache directory is verified when it loads
     if not (Path(args.document) / MANIFEST).is_file():
-        try:
-            args.source = load_document(args.document, password=args.password)
-        except (InfoKVError, OSError) as error:
-            parser.error(f"--document: {error}")
+        args.source = load_document(args.document, password=args.password)
     return args
 
 

@@ -30,7 +30,7 @@ from _common import exit_codes, run
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar, ratio_or_count
 from infokv_rag.documents import load_document
-from infokv_rag.errors import DocumentError, InfoKVError
+from infokv_rag.errors import ConfigError, DocumentError
 from infokv_rag.evaluation import answer_matches
 from infokv_rag.models import cache_root
 from infokv_rag.scorers import method_names
@@ -121,14 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    # Refused before the model loads, in one line as any error of infokv-rag's or of the system (`run`).
     if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    try:
-        config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
-        document = load_document(PDF)  # before the model loads: a document that cannot be read fails in seconds
-        questions = read_questions(QUESTIONS)
-    except (InfoKVError, OSError) as error:
-        parser.error(str(error))
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
+    document = load_document(PDF)  # before the model loads: a document that cannot be read fails in seconds
+    questions = read_questions(QUESTIONS)
     if args.threads:
         import torch
 

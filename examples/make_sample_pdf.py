@@ -7,8 +7,8 @@ section numbering) can be found in the PDF's extracted text; the output is byte-
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -75,8 +75,9 @@ def build_story(text: str) -> list[Flowable]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    target = Path(args[0]) if args else TARGET
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?", type=Path, default=TARGET, help=f"the PDF to write (default: {TARGET})")
+    target: Path = parser.parse_args(argv).target
     text = SOURCE.read_text(encoding="utf-8")
     doc = SimpleDocTemplate(
         str(target),

@@ -544,6 +544,7 @@ def test_examples_refuse_bad_options_before_the_model_loads(script: str, tmp_pat
     if script != "demo.py":
         missing = run_example_script(script, "--document", str(tmp_path / "nope.pdf"), cache_dir=tmp_path)
         assert missing.returncode == 2 and "no such file" in missing.stderr.lower(), missing.stderr[-800:]
+        assert missing.stderr.startswith(f"{script}: error: ") and missing.stderr.count("\n") == 1
     # An error after the options (here a model that cannot load) is one line and exit 2 too, as the CLI reports it;
     # --help lists the codes (the demo's --strict has its own).
     unknown = run_example_script(script, "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path)
