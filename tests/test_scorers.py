@@ -166,6 +166,16 @@ def test_settings_have_defaults_round_trip_and_refuse_unknown_fields(name: str) 
         CompressionConfig(method=name, settings={"no_such_knob": 1})
 
 
+@pytest.mark.parametrize("name", method_names())
+def test_a_method_refuses_every_other_method_s_settings_object(name: str) -> None:
+    """Even one whose class subclasses its own (the quality mode's settings are InfoKV's and more): it would run
+    as that method under this one's name, or fail deep inside scoring."""
+    own = method(name).settings
+    for other in {method(other).settings for other in method_names()} - {own}:
+        with pytest.raises(ConfigError, match=f"method '{name}' takes {own.__name__}, not {other.__name__}"):
+            CompressionConfig(method=name, settings=other())
+
+
 def added_settings(name: str) -> set[str]:
     """The settings of `SETTINGS_ADDED` that method `name` has."""
     return SETTINGS_ADDED.keys() & set(method(name).setting_names)

@@ -70,7 +70,9 @@ class Method(Generic[S]):
 
     def settings_from(self, given: MethodSettings | Mapping[str, Any]) -> S:
         """The method's settings from an instance of its settings class or a mapping of changed fields."""
-        if isinstance(given, self.settings):
+        # The exact class: another method's settings may subclass this one's (the quality mode's InfoKV's) and
+        # would pass as them while meaning that method.
+        if type(given) is self.settings:
             return given
         if isinstance(given, MethodSettings):
             raise ConfigError(f"method {self.name!r} takes {self.settings.__name__}, not {type(given).__name__}")
