@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 
@@ -23,12 +23,13 @@ pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from infokv_rag import InfoKVEngine  # noqa: E402
+from infokv_rag import CompressedDocument, InfoKVEngine  # noqa: E402
 from infokv_rag.cache_backends import CacheBackend, open_backend  # noqa: E402
 from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError, DocumentError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
+from infokv_rag.service.errors import StorageError  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry  # noqa: E402
@@ -414,3 +415,127 @@ def test_an_unknown_id_costs_the_store_what_another_tenants_costs(tmp_path: Path
         registry.get(doc_id)
         costs.append(len(reads))
     assert costs[0] == costs[1], costs
+
+
+def replica(tmp_path: Path, name: str, lease_seconds: float = 30) -> StoreRegistry:
+    """One process's registry of the file:// store under `tmp_path` (each with its own backend object)."""
+    store = open_backend(f"file://{tmp_path}/store")
+    return StoreRegistry(store, tmp_path / name, loaded_documents=2, lease_seconds=lease_seconds)
+
+
+def new_record(status: Literal["queued", "ready"]) -> DocumentRecord:
+    now = time.time()
+    return DocumentRecord(new_document_id(), "memo.txt", status, "tenantA", "snapkv", 0.5, now, now)
+
+
+@pytest.mark.parametrize("read_again", [False, True], ids=["new upload", "ready document read again"])
+def test_a_takeover_scan_between_a_pending_mark_and_its_record_leaves_the_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_again: bool
+) -> None:
+    """Another process scans for takeovers while a writer is between its pending mark and its record: it finds no
+    record, or the ready one. It must leave the mark, or the document, acknowledged as queued, is never taken over
+    once its writer dies before renewing its lease."""
+    writer, scanner = replica(tmp_path, "writer", lease_seconds=1), replica(tmp_path, "scanner", lease_seconds=1)
+    document = document_from_text(SECRET.decode())
+    record = new_record("ready" if read_again else "queued")
+    if read_again:
+        writer.create(record, document)
+    real_put = writer.backend.put
+
+    def put_then_scan(key: str, name: str, data: bytes) -> None:
+        real_put(key, name, data)
+        if key.startswith("pending/"):
+            assert scanner.claim_expired(set()) == []
+
+    monkeypatch.setattr(writer.backend, "put", put_then_scan)
+    if read_again:
+        assert writer.update(record, if_status="ready", status="queued")
+    else:
+        writer.create(record, document)
+    monkeypatch.undo()
+    assert writer.backend.children("pending") == [record.id]
+
+    time.sleep(1.1)  # the writer died: its lease runs out unrenewed
+    assert [taken.id for taken in scanner.claim_expired(set())] == [record.id]
+
+
+def test_a_stale_mark_removed_as_its_document_is_read_again_is_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed between a ready record and removing its mark left the mark. A scan removes it just as the
+    document is read again, the new mark and queued record written after the scan looked at them: the scan puts the
+    mark back, so the document is still taken over if its new reader dies."""
+    writer, scanner = replica(tmp_path, "writer"), replica(tmp_path, "scanner")
+    record = new_record("ready")
+    writer.create(record, document_from_text(SECRET.decode()))
+    writer.backend.put(f"pending/{record.id}", "lease", json.dumps({"until": time.time() - 1}).encode())
+    real_remove = scanner.backend.remove
+
+    def read_again_then_remove(key: str, last: str) -> None:
+        if key.startswith("pending/"):
+            assert writer.update(record, if_status="ready", status="queued")
+        real_remove(key, last)
+
+    monkeypatch.setattr(scanner.backend, "remove", read_again_then_remove)
+    assert scanner.claim_expired(set()) == []
+    monkeypatch.undo()
+    assert scanner.backend.children("pending") == [record.id]
+
+
+def test_a_store_that_cannot_tell_of_a_delete_serves_nothing_from_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Process 2 holds a document in memory that process 1 deletes; then the store fails to say whether there is a
+    tombstone (throttled: an OSError other than not found). A read of the document or a question about it is
+    refused (503 `storage_error`) and its cache in memory is dropped, never answered from memory."""
+    deleter, holder = replica(tmp_path, "deleter"), replica(tmp_path, "holder")
+    record = new_record("ready")
+    deleter.create(record, document_from_text(SECRET.decode()))
+    held = holder.get(record.id)
+    assert held is not None
+    loaded_cache = cast(CompressedDocument, object())
+    holder.remember_loaded(held, loaded_cache, "store")
+    found = deleter.get(record.id)
+    assert found is not None
+    deleter.delete(found)
+    real_get = holder.backend.get
+
+    def get_throttled(key: str, name: str) -> bytes:
+        if key.startswith("deleted/"):
+            raise OSError(errno.EIO, "Service Unavailable (SlowDown)", key)
+        return real_get(key, name)
+
+    monkeypatch.setattr(holder.backend, "get", get_throttled)
+    with pytest.raises(StorageError) as refused:  # a read of the document, and every question, starts with this
+        holder.get(record.id)
+    assert refused.value.status == 503 and refused.value.code == "storage_error", refused.value.message
+    assert holder.loaded(record.id) is None
+    holder.remember_loaded(held, loaded_cache, "store")
+    assert not holder.confirm_listed(held), "a question about to start does not start"
+    assert holder.loaded(record.id) is None
+    monkeypatch.undo()
+    assert holder.get(record.id) is None
+
+
+def test_an_incomplete_delete_in_a_store_says_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete whose removal fails answers 507, saying what is true with a store: its tombstone already hides the
+    document (not listed; GET and DELETE answer 404), and a later listing removes what is left of it."""
+    registry = replica(tmp_path, "replica")
+    record = new_record("ready")
+    registry.create(record, document_from_text(SECRET.decode()))
+    real_remove = registry.backend.remove
+
+    def remove_refused(key: str, last: str) -> None:
+        if key.startswith("documents/"):
+            raise PermissionError(errno.EACCES, "Access Denied", key)
+        real_remove(key, last)
+
+    monkeypatch.setattr(registry.backend, "remove", remove_refused)
+    with pytest.raises(StorageError, match="deleted all the same") as refused:
+        registry.delete(record)
+    assert refused.value.status == 507 and "delete_incomplete" not in refused.value.message
+    assert registry.get(record.id) is None and record.id not in {listed.id for listed in registry.list()}
+    assert registry.backend.children("documents") == [record.id]
+    monkeypatch.undo()
+    registry.list()
+    assert registry.backend.children("documents") == []

@@ -5,18 +5,20 @@ Layout in the store (`infokv_rag.cache_backends`):
   documents/<id>/meta.json      owner (tenant), status, counts, and the ingestion lease (who reads it, until when)
   documents/<id>/document.json  the extracted text and page map (to read the document again anywhere)
   documents/<id>/cache/         the published compressed cache (versions + CURRENT; verified on load)
-  pending/<id>/lease            present while the document is queued or being read (what takeovers scan)
+  pending/<id>/lease            present while the document is queued or being read (what takeovers scan); holds
+                                the deadline of the lease it was last written with
   deleted/<id>/tombstone        written before a delete removes the document, and kept (an empty object per
                                 deleted document; ids are never reused)
 Only the staging of uploads being received stays on the local disk.
 
 Every request reads the document's record from the store, so a document that another process read, failed
-or deleted is seen as such here. A process that writes a record holds its ingestion lease for
-`lease_seconds`; `LeaseKeeper` renews the leases of the documents this process is reading, and takes over a
-queued or processing document whose lease has run out (its reader died): the document is read again from
-its saved text, never lost (or failed with `invalid_option` when its stored options are not usable here,
-rather than claimed again every tick). Two processes that take over the same document at once both read it; their
-publishes are atomic, so the cache is whole either way.
+or deleted is seen as such here; when the store cannot be read, a question or a read of one document is refused
+(`StoreUnreadable`), never answered from this process's memory, which would not know of a delete. A process
+that writes a record holds its ingestion lease for `lease_seconds`; `LeaseKeeper` renews the leases of the
+documents this process is reading, and takes over a queued or processing document whose lease has run out (its
+reader died): the document is read again from its saved text, never lost (or failed with `invalid_option` when
+its stored options are not usable here, rather than claimed again every tick). Two processes that take over the
+same document at once both read it; their publishes are atomic, so the cache is whole either way.
 
 A delete can meet a process that is still reading the document (or renewing its lease): that process knows
 nothing of the delete and would write the record and the cache back after it. So a delete leaves a
@@ -42,7 +44,6 @@ from ..documents import Document
 from ..errors import ConfigError
 from .errors import StorageError
 from .registry import (
-    DELETE_INCOMPLETE,
     DOCUMENT,
     META,
     DocumentRecord,
@@ -71,6 +72,18 @@ DELETE_CHECK_SECONDS = 1.0
 """How often a process looks for the tombstones of the documents it is answering (`DeleteWatcher`)."""
 CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
+
+
+class StoreUnreadable(StorageError):
+    """The store could not be read to answer for one document (HTTP 503 `storage_error`, with Retry-After): a
+    store that fails for a while (throttled, unreachable) is a reason to retry, not a refused write (507)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(
+            "read the document's record from its store", exc, "nothing was changed. Retry shortly, or tell the operator"
+        )
+        self.status = 503
+        self.headers = {"Retry-After": "2"}
 
 
 def _lease(data: dict[str, Any]) -> dict[str, Any]:
@@ -128,13 +141,13 @@ class StoreRegistry(Registry):
     # Records -------------------------------------------------------------------------------------
 
     def _write_meta(self, record: DocumentRecord) -> None:
-        lease = {"holder": self.holder, "until": time.time() + self.lease_seconds}
-        meta = {**record.to_meta(), "lease": lease}
+        until = time.time() + self.lease_seconds
+        meta = {**record.to_meta(), "lease": {"holder": self.holder, "until": until}}
         pending = record.status in PENDING_STATUSES
         failure: OSError | None = None
         try:
             if pending:  # the mark first: a pending record without one would never be taken over
-                self.backend.put(f"{PENDING}/{record.id}", PENDING_MARK, b"")
+                self._mark_pending(record.id, until)
             self.backend.put(_key(record.id), META, json.dumps(meta, indent=1).encode("utf-8"))
             if not pending:
                 self._unmark_pending(record.id)
@@ -148,8 +161,39 @@ class StoreRegistry(Registry):
         elif failure is not None:
             raise failure
 
+    def _mark_pending(self, doc_id: str, until: float) -> None:
+        self.backend.put(f"{PENDING}/{doc_id}", PENDING_MARK, json.dumps({"until": until}).encode("utf-8"))
+
     def _unmark_pending(self, doc_id: str) -> None:
         self.backend.remove(f"{PENDING}/{doc_id}", last=PENDING_MARK)
+
+    def _mark_until(self, doc_id: str) -> float | None:
+        """The lease deadline that the pending mark of `doc_id` was last written with; None when there is no mark,
+        0 for a mark that holds none (written by an earlier version)."""
+        try:
+            data = json.loads(self.backend.get(f"{PENDING}/{doc_id}", PENDING_MARK))
+            return float(data["until"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return 0.0
+
+    def _remove_stale_mark(self, doc_id: str, now: float) -> None:
+        """Removes the pending mark of a document that is not pending (or has no record), once no write can be
+        on its way: it is what a process killed between a record and its mark's removal left."""
+        # A writer puts the mark before the record, so a scan between the two finds no record (a new upload) or
+        # the old one (a document read again); removing that mark would leave the pending record without one,
+        # never taken over if its writer died. A mark written within its lease may be such a write: it stays.
+        until = self._mark_until(doc_id)
+        if until is None or until > now:
+            return
+        self._unmark_pending(doc_id)
+        # The store cannot remove a mark only if it is the one looked at: a write that put a fresh mark after the
+        # look loses it to this removal. Its record, once written, says so: looking again puts the mark back (and a
+        # record written after this second look gets its mark back from its writer's next renewal).
+        data = self._stored_meta(doc_id)
+        if data is not None and data.get("status") in PENDING_STATUSES:
+            self._mark_pending(doc_id, float(_lease(data).get("until", 0)))
 
     def _deleted(self, doc_id: str) -> bool:
         try:
@@ -187,12 +231,13 @@ class StoreRegistry(Registry):
         return data
 
     def _refresh(self, doc_id: str) -> DocumentRecord | None:
+        """The record as the store has it now (None when deleted); OSError when the store cannot be read."""
         try:
             data = self._stored_meta(doc_id)
             fresh = DocumentRecord.from_meta(data) if data is not None else None
-        except (OSError, ValueError) as exc:
-            # One unreadable or malformed record is logged and passed over: it must not fail a listing (every
-            # tenant's), a replica's start or the takeovers.
+        except ValueError as exc:
+            # A malformed record (its tombstone was looked for, and there is none) is logged and passed over: it
+            # must not fail a listing (every tenant's), a replica's start or the takeovers.
             log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
             with self._lock:
                 return self._records.get(doc_id)
@@ -216,11 +261,22 @@ class StoreRegistry(Registry):
         return known
 
     def get(self, doc_id: str) -> DocumentRecord | None:
+        """The record as the store has it now; `StoreUnreadable` (503) when the store cannot be read: what this
+        process holds of it may have been deleted by another, so its cache in memory is dropped, not answered."""
         if not valid_document_id(doc_id):
             return None
-        return self._refresh(doc_id)
+        try:
+            return self._refresh(doc_id)
+        except OSError as exc:
+            log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
+            self.forget_loaded(doc_id)
+            raise StoreUnreadable(exc) from exc
 
     def list(self) -> list[DocumentRecord]:
+        """Every record as the store has it now. Unlike `get`, a store that cannot be read lists the records (or the
+        one record) as this process last read them: a listing serves no document, and one record the store fails to
+        return must not fail every tenant's listing nor a replica's start; a question about one of them still
+        reads it from the store (`get`)."""
         try:
             ids = [doc_id for doc_id in self.backend.children(DOCUMENTS) if valid_document_id(doc_id)]
         except OSError as exc:
@@ -228,8 +284,16 @@ class StoreRegistry(Registry):
             return super().list()
         with self._lock:
             gone = set(self._records) - set(ids)
-        records = [record for record in (self._refresh(doc_id) for doc_id in [*ids, *gone]) if record is not None]
+        records = [record for record in map(self._listed, [*ids, *gone]) if record is not None]
         return sorted(records, key=lambda r: r.created_at)
+
+    def _listed(self, doc_id: str) -> DocumentRecord | None:
+        try:
+            return self._refresh(doc_id)
+        except OSError as exc:
+            log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
+            with self._lock:
+                return self._records.get(doc_id)
 
     def counts(self) -> dict[str, int]:
         """Documents by status as this process last read them (health checks must not read the whole store)."""
@@ -256,14 +320,18 @@ class StoreRegistry(Registry):
         return saved_document(record, self.backend.get(_key(record.id), DOCUMENT))
 
     def confirm_listed(self, record: DocumentRecord) -> bool:
-        """False once `record` is deleted, by this process or any other (its tombstone is looked up in the store);
-        a store that cannot be read leaves the record as this process knows it."""
+        """False once `record` is deleted, by this process or any other (its tombstone is looked up in the store).
+
+        False too, its cache in memory dropped, when the store cannot be read: a delete elsewhere cannot be ruled
+        out, and nothing of a deleted document may be served (a question about to start then ends as for a delete;
+        the record itself is left as it is, since it may well not be deleted)."""
         if not record.deleted:
             try:
                 deleted = self._deleted(record.id)
             except OSError as exc:
                 log.warning("cannot look for the tombstone of %s: %s", record.id, exc)
-                return True
+                self.forget_loaded(record.id)
+                return False
             if deleted:
                 record.deleted = True
                 self.forget_loaded(record.id)
@@ -276,7 +344,8 @@ class StoreRegistry(Registry):
 
     def delete(self, record: DocumentRecord) -> None:
         """Leaves the document's tombstone, then removes it from the store (its record last); returns only once
-        it is gone."""
+        it is gone. When removing fails (`StorageError`), the document is deleted all the same and what is left
+        of it goes later (see below)."""
         with record.io_lock:
             try:
                 self.backend.put(f"{DELETED}/{record.id}", TOMBSTONE, b"")
@@ -284,13 +353,21 @@ class StoreRegistry(Registry):
                 raise StorageError("delete the document", exc, "the document is unchanged") from exc
             record.deleted = True
             self.forget_loaded(record.id)
+            with self._lock:
+                self._records.pop(record.id, None)
             try:
                 self.backend.remove(_key(record.id), last=META)
                 self._unmark_pending(record.id)
             except OSError as exc:
-                raise self._incomplete_delete(record, exc) from exc
-        with self._lock:
-            self._records.pop(record.id, None)
+                # Unlike a local disk's, this document is not kept listed as delete_incomplete: its tombstone
+                # already hides it on every process (no listing shows it, GET and DELETE answer 404), and reading
+                # or listing it removes what is left (`_stored_meta`).
+                raise StorageError(
+                    "remove all of the document's files",
+                    exc,
+                    "the document is deleted all the same (no longer listed or found); what is left of it in the "
+                    "store is removed when documents are next listed",
+                ) from exc
 
     def _save_cache(self, doc_id: str, document: CompressedDocument) -> None:
         self.backend.publish(_key(doc_id), document)
@@ -303,7 +380,7 @@ class StoreRegistry(Registry):
     def renew(self, record: DocumentRecord) -> None:
         """Extends this process's lease on a document it is reading."""
         with record.io_lock:
-            if not record.deleted and record.reason_code != DELETE_INCOMPLETE:
+            if not record.deleted:
                 self._write_meta(record)
 
     def claim_expired(self, busy: set[str]) -> builtins.list[DocumentRecord]:
@@ -316,16 +393,15 @@ class StoreRegistry(Registry):
                 continue
             try:
                 data = self._stored_meta(doc_id)
-                until = float(_lease(data).get("until", 0)) if data is not None else 0.0
+                if data is None or data.get("status") not in PENDING_STATUSES:
+                    self._remove_stale_mark(doc_id, now)
+                    continue
+                if float(_lease(data).get("until", 0)) > now:
+                    continue
+                record = self._refresh(doc_id)
             except (OSError, ValueError, TypeError) as exc:  # one bad record must not stop the others' takeovers
                 log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
                 continue
-            if data is None or data.get("status") not in PENDING_STATUSES:
-                self._unmark_pending(doc_id)  # left by a process killed between the record and its mark
-                continue
-            if until > now:
-                continue
-            record = self._refresh(doc_id)
             if record is not None and self.update(record, status="queued"):
                 claimed.append(record)
         if not claimed:
@@ -396,7 +472,7 @@ class LeaseKeeper(_Ticker):
                 record = self.registry.get(doc_id)
                 if record is not None:
                     self.registry.renew(record)
-            except OSError as exc:  # one document's failed renewal must not stop the others' nor the takeovers
+            except (OSError, StorageError) as exc:  # one failed renewal must not stop the others' nor the takeovers
                 log.warning("cannot renew the lease of %s: %s", doc_id, exc)
         for record in self.registry.claim_expired(set(busy)):
             self._take_over(record)
