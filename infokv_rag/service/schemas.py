@@ -63,7 +63,7 @@ _ERROR_DESCRIPTIONS = {
     415: "Not a PDF or text file",
     422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
     429: "The caller's tenant holds its whole share of the queue (`tenant_queue_full`); retry later (see Retry-After)",
-    503: "Busy: too many queued requests; retry later (see Retry-After)",
+    503: "Busy (too many queued requests), or a shared store that cannot be read now; retry later (see Retry-After)",
     507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
 }
 

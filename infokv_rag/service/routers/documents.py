@@ -161,7 +161,7 @@ async def list_documents(service: ServiceDep, caller: CallerDep) -> DocumentList
     "/documents/{document_id}",
     response_model=DocumentInfo,
     summary="A document's status (queued, processing with progress, ready, failed with the reason) and sizes",
-    responses=error_responses(401, 404),
+    responses=error_responses(401, 404, 503),
 )
 async def get_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
     return document_info(await find_document(service, caller, document_id))
@@ -171,7 +171,7 @@ async def get_document(document_id: str, service: ServiceDep, caller: CallerDep)
     "/documents/{document_id}",
     response_model=DocumentDeleted,
     summary="Delete a document and its cache (stops reading it if still in progress)",
-    responses=error_responses(401, 404, 507),
+    responses=error_responses(401, 404, 503, 507),
 )
 async def delete_document(document_id: str, service: ServiceDep, caller: CallerDep) -> DocumentDeleted:
     """Answers only once the files are gone; otherwise 507, and the document stays listed (see reason_code)."""
