@@ -50,6 +50,7 @@ from torch import Tensor
 
 import infokv_rag
 import infokv_rag.kernels
+from benchmarks import quality, variants
 from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, mean_kl, progress, run_kvpress_peer
 from benchmarks.realdocs import KINDS, SPLITS, RealDoc, load_realdocs
 from benchmarks.variants import teacher_forced_logits
@@ -331,8 +332,9 @@ def default_cache_dir() -> Path:
 
 def code_digest() -> str:
     """A digest of the code that answers: the installed `infokv_rag` package (sources and shipped data such as
-    the surrogates), its kernels (installed from another directory), this module, and the versions of torch
-    and transformers.
+    the surrogates), its kernels (installed from another directory), this module and the benchmark modules it
+    measures with (`benchmarks.quality`: the KL and the kvpress job; `benchmarks.variants`: teacher-forced
+    logits), and the versions of torch and transformers.
 
     It is stamped on every cached record but kept out of the key: a change anywhere in the package would
     otherwise recompute hours of unrelated rows. A row answered by other code is reported instead."""
@@ -341,7 +343,8 @@ def code_digest() -> str:
         files = (p for p in package.rglob("*") if p.is_file() and p.suffix in {".py", ".safetensors", ".json"})
         for path in sorted(files):
             digest.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes())
-    digest.update(Path(__file__).read_bytes())
+    for module in (Path(__file__), Path(quality.__file__), Path(variants.__file__)):
+        digest.update(module.read_bytes())
     return digest.hexdigest()[:16]
 
 

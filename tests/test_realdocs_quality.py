@@ -288,3 +288,16 @@ def test_small_run_writes_the_reports_and_reuses_its_cache(
     assert run(parse_args(argv), engine=tiny) == 0
     fifth = capsys.readouterr()
     assert ": cached" not in fifth.err and "infokv@0.25: ingested" in fifth.err
+
+
+@pytest.mark.parametrize("module", ["quality", "variants"])
+def test_the_code_stamp_covers_the_benchmark_modules_that_measure(
+    module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed KL or teacher-forcing (benchmarks.quality, benchmarks.variants) is other code than the records'."""
+    measured = sys.modules[f"benchmarks.{module}"]
+    before = realdocs_quality.code_digest()
+    changed = tmp_path / f"{module}.py"
+    changed.write_bytes(Path(str(measured.__file__)).read_bytes() + b"\n# changed\n")
+    monkeypatch.setattr(measured, "__file__", str(changed))
+    assert realdocs_quality.code_digest() != before
