@@ -51,6 +51,8 @@ class FileStamp:
     name another file (or none) once the cache directory is moved, or the process changes directory after a load
     by a relative path. A file replaced by a rename, or removed, leaves the map on the inode that was verified:
     not a change. The descriptor is closed when the stamp goes, with the map it stamps (a `ColdTier` holds both).
+    The map keeps a descriptor of its own (Python's `mmap` duplicates the one it maps), so a loaded cold tier holds
+    two: a process keeping many loaded caches needs an open-files limit of twice their count.
     """
 
     def __init__(self, path: Path, handle: BinaryIO) -> None:
@@ -117,9 +119,18 @@ def make_temporary_directory(parent: Path, prefix: str) -> Path:
     return directory
 
 
+EARLIER_TEMPORARY_SUFFIX = re.compile("[a-z0-9_]{8}")
+"""What followed the prefix in the names `tempfile.mkdtemp` gave these directories before `make_temporary_directory`
+(up to cache format 8): a save killed under such a release left one."""
+
+
 def is_temporary_name(name: str, prefix: str) -> bool:
-    """Whether `name` is one that `make_temporary_directory` gives a directory made with `prefix`."""
-    return name.startswith(prefix) and TEMPORARY_SUFFIX.fullmatch(name[len(prefix) :]) is not None
+    """Whether `name` is one that `make_temporary_directory`, or an earlier release's `tempfile.mkdtemp`, gives a
+    directory made with `prefix`."""
+    suffix = name[len(prefix) :]
+    return name.startswith(prefix) and any(
+        form.fullmatch(suffix) for form in (TEMPORARY_SUFFIX, EARLIER_TEMPORARY_SUFFIX)
+    )
 
 
 def retired_prefix(target: Path) -> str:

@@ -281,8 +281,13 @@ def _sweep_leftovers(target: Path) -> None:
 
 
 def _holds_only_cache_files(directory: str) -> bool:
-    with os.scandir(directory) as entries:
-        return all(entry.name in CACHE_FILES and entry.is_file(follow_symlinks=False) for entry in entries)
+    """Whether `directory` holds a cache's files and nothing else, or (as a retired directory did up to format 8)
+    only a `cache` directory of them."""
+    with os.scandir(directory) as scanned:
+        entries = list(scanned)
+    if len(entries) == 1 and entries[0].name == "cache" and entries[0].is_dir(follow_symlinks=False):
+        return _holds_only_cache_files(entries[0].path)
+    return all(entry.name in CACHE_FILES and entry.is_file(follow_symlinks=False) for entry in entries)
 
 
 class CacheFiles(Protocol):

@@ -613,9 +613,10 @@ def test_a_retire_that_fails_leaves_no_retired_directory(
 
 
 def test_the_sweep_removes_only_what_a_save_left(doc_a: CompressedDocument, tmp_path: Path) -> None:
-    """A directory beside the target is swept only when a save named it (its prefix and 16 random hex digits)
-    and it holds nothing but a cache's files: a user's `.c.old-photos`, or one that only looks like a leftover,
-    is never removed, however old."""
+    """A directory beside the target is swept only when a save named it (its prefix and 16 random hex digits, or
+    8 characters of `tempfile.mkdtemp` as releases before format 9 did) and it holds nothing but a cache's files (or,
+    retired by such a release, a `cache` directory of them): a user's `.c.old-photos`, or one that only looks like a
+    leftover, is never removed, however old."""
     hex_name = "0123456789abcdef"
     users = {
         ".c.old-photos": "holiday.jpg",
@@ -623,6 +624,7 @@ def test_the_sweep_removes_only_what_a_save_left(doc_a: CompressedDocument, tmp_
         ".c.old-backup": TEXT,  # a cache file's name, in a directory no save named
         f".c.old-{hex_name}": "holiday.jpg",
         f".c.saving-{hex_name}": TENSORS + ".mine",
+        ".c.old-holidays": "holiday.jpg",  # named as an earlier release's mkdtemp would
     }
     for name, file in users.items():
         (tmp_path / name).mkdir()
@@ -633,6 +635,11 @@ def test_the_sweep_removes_only_what_a_save_left(doc_a: CompressedDocument, tmp_
         for file in names:
             (tmp_path / name / file).write_bytes(b"partial")
     (tmp_path / f".c.old-{'3' * 16}").mkdir()  # killed before the retire's rename
+    leftovers = {".c.saving-k3_x9qzt": [TENSORS, TEXT], ".c.old-a1b2c3d4/cache": [MANIFEST, TENSORS, TEXT]}
+    for name, names in leftovers.items():  # an earlier release's names; it retired a cache into <name>/cache
+        (tmp_path / name).mkdir(parents=True)
+        for file in names:
+            (tmp_path / name / file).write_bytes(b"partial")
     old = time.time() - STALE_SECONDS - 60
     for entry in tmp_path.iterdir():
         os.utime(entry, (old, old))
