@@ -32,7 +32,7 @@ from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.errors import StorageError  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
-from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry  # noqa: E402
+from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry, StoreUnreadable  # noqa: E402
 from infokv_rag.service.worker import IngestJob, ModelWorker  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
@@ -511,10 +511,30 @@ def test_a_store_that_cannot_tell_of_a_delete_serves_nothing_from_memory(
     assert refused.value.status == 503 and refused.value.code == "storage_error", refused.value.message
     assert holder.loaded(record.id) is None
     holder.remember_loaded(held, loaded_cache, "store")
-    assert not holder.confirm_listed(held), "a question about to start does not start"
-    assert holder.loaded(record.id) is None
+    with pytest.raises(StorageError) as refused:  # a question about to start ends with it (the worker's first turn)
+        holder.confirm_listed(held)
+    assert refused.value.status == 503 and holder.loaded(record.id) is None
     monkeypatch.undo()
     assert holder.get(record.id) is None
+
+
+def test_a_question_whose_store_cannot_tell_of_a_delete_is_a_503_to_retry(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fails between the route finding the document and the answer's first turn: the answer does not start,
+    and the client is told to retry (503 `storage_error`), not that the document is gone (404)."""
+    app = create_app(settings_for(tmp_path, f"file://{tmp_path}/store"), engine=random_engine)
+    with TestClient(app) as client:
+        doc_id = upload_ready(client, A, "memo.txt", SECRET)
+        registry = app.state.service.registry
+
+        def unreadable(record: DocumentRecord) -> bool:
+            raise StoreUnreadable(OSError(errno.EIO, "Service Unavailable (SlowDown)"))
+
+        monkeypatch.setattr(registry, "confirm_listed", unreadable)
+        assert_error(client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A), 503, "storage_error")
+        monkeypatch.undo()
+        assert client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).status_code == 200
 
 
 def test_an_incomplete_delete_in_a_store_says_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

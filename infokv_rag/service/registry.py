@@ -487,7 +487,7 @@ class Registry:
 
     def confirm_listed(self, record: DocumentRecord) -> bool:
         """False once `record` is deleted (a delete here marks the record at once; `StoreRegistry` also looks for
-        deletes by other processes)."""
+        deletes by other processes, and raises a `StorageError` when its store cannot tell)."""
         return not record.deleted
 
     def fail(self, record: DocumentRecord, code: str, reason: str) -> None:
@@ -512,6 +512,8 @@ class Registry:
                 return False
             self._save_cache(record.id, document)
             stats = document.stats
+            # Where its cache came from, with the status that shows it: a poll must not read ready and no origin.
+            record.cache_origin = "prefill"
             record.status = "ready"
             record.reason = record.reason_code = None
             record.tokens = stats.document_tokens

@@ -322,16 +322,16 @@ class StoreRegistry(Registry):
     def confirm_listed(self, record: DocumentRecord) -> bool:
         """False once `record` is deleted, by this process or any other (its tombstone is looked up in the store).
 
-        False too, its cache in memory dropped, when the store cannot be read: a delete elsewhere cannot be ruled
-        out, and nothing of a deleted document may be served (a question about to start then ends as for a delete;
-        the record itself is left as it is, since it may well not be deleted)."""
+        `StoreUnreadable` (503), its cache in memory dropped, when the store cannot be read: a delete elsewhere
+        cannot be ruled out, and nothing of a deleted document may be served (a question about to start ends with
+        that error; the record itself is left as it is, since it may well not be deleted)."""
         if not record.deleted:
             try:
                 deleted = self._deleted(record.id)
             except OSError as exc:
                 log.warning("cannot look for the tombstone of %s: %s", record.id, exc)
                 self.forget_loaded(record.id)
-                return False
+                raise StoreUnreadable(exc) from exc
             if deleted:
                 record.deleted = True
                 self.forget_loaded(record.id)
@@ -453,7 +453,10 @@ class DeleteWatcher(_Ticker):
 
     def tick(self) -> None:
         for record in self.worker.answering():
-            self.registry.confirm_listed(record)
+            try:
+                self.registry.confirm_listed(record)
+            except StorageError:  # cannot tell now (logged): looked up again next tick, the others meanwhile
+                continue
 
 
 class LeaseKeeper(_Ticker):

@@ -294,7 +294,12 @@ class ModelWorker:
             return self._end(job, Event("cancelled"), "cancelled")
         # Nothing of a deleted document is served, not even the rest of an answer. Its first turn asks the registry,
         # which sees a delete by another process too (later turns: `DeleteWatcher`).
-        if job.record.deleted or (job.started is None and not self.registry.confirm_listed(job.record)):
+        try:
+            listed = not job.record.deleted and (job.started is not None or self.registry.confirm_listed(job.record))
+        except StorageError as exc:  # a store that cannot tell of a delete now: the client may retry
+            self._close(job)
+            return self._end(job, Event("error", error=exc), "failed")
+        if not listed:
             self._close(job)
             return self._end(job, Event("deleted"), "cancelled")
         if job.started is None:
