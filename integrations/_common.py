@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Protocol, Union
 
 import torch
+from pydantic import SecretStr
 from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
@@ -439,6 +440,17 @@ def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password
     if path.is_file():  # anything else holds no password: opening it says what it is
         stat = path.stat()
         _check_password(path, stat.st_mtime_ns, stat.st_size, password)
+
+
+def as_secret(password: Any) -> Any:
+    """A password field's value held as a `SecretStr` (a str given is wrapped; anything else is left to the field's
+    type to refuse), so that no repr, dump or validation error shows it."""
+    return SecretStr(password) if isinstance(password, str) else password
+
+
+def revealed(password: str | SecretStr | None) -> str | None:
+    """The text of a password field (`as_secret`), for the one place that opens the PDF with it."""
+    return password.get_secret_value() if isinstance(password, SecretStr) else password
 
 
 def open_call_document(

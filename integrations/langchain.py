@@ -56,6 +56,7 @@ from ._common import (
     FrameworkDocuments,
     aiter_pieces,
     answer_info,
+    as_secret,
     call_model_name,
     call_options,
     check_call_password,
@@ -66,6 +67,7 @@ from ._common import (
     given_options,
     open_call_document,
     optional_config,
+    revealed,
     token_ids,
 )
 
@@ -226,7 +228,7 @@ class _InfoKVFields(BaseModel):
     @field_validator("password", mode="before")
     @classmethod
     def _secret(cls, value: Any) -> Any:
-        return SecretStr(value) if isinstance(value, str) else value
+        return as_secret(value)
 
     def _model_name(self, kwargs: dict[str, Any]) -> str:
         return call_model_name(self, kwargs)
@@ -241,7 +243,7 @@ class _InfoKVFields(BaseModel):
         )
 
     def _password(self) -> str | None:
-        return self.password.get_secret_value() if isinstance(self.password, SecretStr) else self.password
+        return revealed(self.password)
 
     def _check_password(self, kwargs: dict[str, Any]) -> None:
         """Refuses a wrong or missing password for the call's encrypted PDF before LangChain's answer cache is

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -33,12 +35,13 @@ from llama_index.core.base.llms.types import (
     ThinkingBlock,
 )
 from llama_index.core.base.response.schema import Response
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr, field_serializer, field_validator
+from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import BaseNode, NodeWithScore, TextNode
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, QueryType, TextNode
 from llama_index.core.schema import Document as LlamaDocument
 from llama_index.core.types import TokenAsyncGen
 
@@ -55,6 +58,7 @@ from ._common import (
     aiter_pieces,
     answer_info,
     answering_engine,
+    as_secret,
     call_model_name,
     call_options,
     check_call_password,
@@ -64,6 +68,7 @@ from ._common import (
     document_identity,
     open_call_document,
     optional_config,
+    revealed,
 )
 
 __all__ = ["DocumentQueryEngine", "InfoKV", "messages_to_turns"]
@@ -95,6 +100,10 @@ def messages_to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
                 raise ValueError(f"InfoKV reads text only; a {role} message holds a {type(block).__name__}")
         turns.append((role, "".join(parts)))
     return check_turns(turns)
+
+
+_NOT_SERIALISED = "not_serialised"
+"""The key of the description `InfoKV.to_json` gives of a document held in memory (`_document_as_json`)."""
 
 
 _HOW_TO_BIND = "as a field (InfoKV(document=...)) or as a call's kwarg (llm.complete(prompt, document=...))"
@@ -141,8 +150,11 @@ class InfoKV(CustomLLM):
     recall: float | int | None = Field(
         default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
     )
-    password: str | None = Field(
-        default=None, exclude=True, repr=False, description="opens `document` when it is an encrypted PDF file"
+    password: str | SecretStr | None = Field(
+        default=None,
+        exclude=True,
+        repr=False,
+        description="opens `document` when it is an encrypted PDF file; held as a SecretStr, never serialised",
     )
 
     _opened: CompressedDocument | None = PrivateAttr(default=None)
@@ -158,12 +170,34 @@ class InfoKV(CustomLLM):
     @field_validator("document", mode="before")
     @classmethod
     def _document(cls, value: Any) -> Any:
+        if isinstance(value, dict) and _NOT_SERIALISED in value:
+            raise TypeError(
+                f"this InfoKV was serialised with a {value[_NOT_SERIALISED]} as its document, which JSON does not "
+                "hold: pass it again, InfoKV.from_json(text, document=...)"
+            )
         return check_document(value, cls.__name__, cls.FRAMEWORK_DOCUMENTS)
 
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype(cls, value: Any) -> str | None:
         return coerce_dtype(value)
+
+    @field_validator("password", mode="before")
+    @classmethod
+    def _secret(cls, value: Any) -> Any:
+        return as_secret(value)
+
+    @field_serializer("document")
+    def _document_as_json(self, document: Any) -> Any:
+        """A path as its text; a document held in memory as a description only (`_NOT_SERIALISED`): its cache is
+        no JSON, and `from_json` refuses the description, asking for the document again."""
+        if isinstance(document, os.PathLike):
+            return os.fspath(document)
+        if isinstance(document, (CompressedDocument, Document)):
+            held = document.document if isinstance(document, CompressedDocument) else document
+            described = {"source": held.source, "pages": len(held.pages), "sha256": held.sha256}
+            return {_NOT_SERIALISED: type(document).__name__, **described}
+        return document
 
     @classmethod
     def class_name(cls) -> str:
@@ -178,14 +212,14 @@ class InfoKV(CustomLLM):
         """The compressed document this LLM answers from: read on first use, then shared while the fields (or
         the call's kwargs) that choose it stay the same; a field changed later chooses another."""
         if any(key in kwargs for key in DOCUMENT_OPTIONS):
-            return open_call_document(self, kwargs, self.password, _HOW_TO_BIND)
+            return open_call_document(self, kwargs, revealed(self.password), _HOW_TO_BIND)
         # Held here, not only in the process's shared cache: that one evicts documents other instances opened
         # since, and this instance would read its own again on every call.
         choice = self._fields_choice()
         if self._opened is not None and choice == self._opened_for:
-            check_call_password(self, {}, self.password)  # a password set since is checked as on a first read
+            check_call_password(self, {}, revealed(self.password))  # a password set since is checked as on a first read
             return self._opened
-        document = open_call_document(self, {}, self.password, _HOW_TO_BIND)
+        document = open_call_document(self, {}, revealed(self.password), _HOW_TO_BIND)
         self._opened, self._opened_for = document, choice
         return document
 
@@ -224,7 +258,7 @@ class InfoKV(CustomLLM):
 
     def to_payload(self) -> dict[str, Any]:
         """For instrumentation events: never loads weights or reads the document just to describe them."""
-        if self._opened is None:
+        if self._opened is None or self._opened_for != self._fields_choice():  # none, or another field's document
             return {"class_name": self.class_name(), "model_name": self._model_name(), "num_output": self.max_tokens}
         metadata = self._metadata(self._opened.engine, self._opened.cache.document_tokens)
         return {"class_name": self.class_name(), **metadata.model_dump()}
@@ -379,6 +413,27 @@ def _page_number(metadata: dict[str, Any], position: int) -> tuple[int, str | No
     return number, (label if label != str(number) else None)
 
 
+def _check_documents(documents: Any) -> None:
+    """TypeError, where they are given, for `from_documents` arguments that are no sequence of LlamaIndex Documents
+    (a path, one Document, strings), rather than an AttributeError from deep inside."""
+    takes = "DocumentQueryEngine.from_documents takes a sequence of LlamaIndex Documents"
+    if isinstance(documents, (str, os.PathLike)):
+        raise TypeError(f"{takes}, not a path: DocumentQueryEngine.from_file(path) reads a file")
+    if isinstance(documents, BaseNode):
+        raise TypeError(f"{takes}, not one {type(documents).__name__}: pass a list of it, [document]")
+    if not isinstance(documents, Sequence):
+        raise TypeError(f"{takes}; got {type(documents).__name__}")
+    strays = sorted({type(item).__name__ for item in documents if not isinstance(item, BaseNode)})
+    if strays:
+        raise TypeError(f"{takes}; got a {type(documents).__name__} holding {', '.join(strays)}")
+
+
+def _cited_files(files: Sequence[str]) -> dict[str, str]:
+    """How each file is cited: by its base name, or by its path where files in other folders share that name."""
+    sharing = Counter(os.path.basename(file) for file in set(files))
+    return {file: file if sharing[os.path.basename(file)] > 1 else os.path.basename(file) for file in files}
+
+
 def _check_llm_kwargs(llm_kwargs: dict[str, Any]) -> None:
     """TypeError for a keyword no `InfoKV` field takes (pydantic would drop it unseen, e.g. a misspelt option)."""
     unknown = sorted(set(llm_kwargs) - set(InfoKV.model_fields))
@@ -391,13 +446,16 @@ class DocumentQueryEngine(CustomQueryEngine):
 
     Every source node is a page of the document, its metadata holding `page_label` (str) and `page` (int)
     as LlamaIndex's PDF readers do, plus `file_name` when known. Pages are chosen after answering: those
-    holding the answer verbatim, else those sharing most of its (rare) words.
+    holding the answer verbatim, else those sharing most of its (rare) words. A query emits LlamaIndex's query
+    events and span, and the LLM's chat events (callbacks and instrumentation), as `llm.chat` does.
     """
 
     llm: InfoKV
     max_sources: int = Field(default=3, ge=0, description="most pages returned as source nodes")
     page_files: list[str] | None = Field(
-        default=None, description="the file of each page, in order, when the pages came from several files"
+        default=None,
+        description="the file each page is cited by, in order, when the pages came from several files (its base "
+        "name, or its path where files in several folders share one)",
     )
 
     @classmethod
@@ -407,20 +465,23 @@ class DocumentQueryEngine(CustomQueryEngine):
         *,
         model: str | None = None,
         compression: CompressionConfig | dict[str, Any] | None = None,
-        password: str | None = None,
+        password: str | SecretStr | None = None,
+        max_sources: int = 3,
+        callback_manager: CallbackManager | None = None,
         **llm_kwargs: Any,
     ) -> DocumentQueryEngine:
         """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache
-        directory; `password` opens an encrypted PDF. `llm_kwargs` are `InfoKV` fields."""
+        directory; `password` opens an encrypted PDF; `callback_manager` serves the engine and its LLM.
+        `llm_kwargs` are `InfoKV` fields."""
         _check_llm_kwargs(llm_kwargs)
         llm = InfoKV(
             model=model,
-            document=os.fspath(path),
+            document=path,  # checked by InfoKV (`check_document`), which says where LlamaIndex Documents go
             compression=optional_config(compression),
             password=password,
             **llm_kwargs,
         )
-        return cls(llm=llm)
+        return cls._with(llm, max_sources, callback_manager)
 
     @classmethod
     def from_documents(
@@ -429,40 +490,71 @@ class DocumentQueryEngine(CustomQueryEngine):
         *,
         model: str | None = None,
         compression: CompressionConfig | dict[str, Any] | None = None,
+        max_sources: int = 3,
+        callback_manager: CallbackManager | None = None,
         **llm_kwargs: Any,
     ) -> DocumentQueryEngine:
         """LlamaIndex `Document`s (e.g. from `SimpleDirectoryReader`), in order, as the pages of one document.
 
         A document's page number comes from its `page_label` / `page` metadata (as set by PDF readers), else from
-        its position within its file (`file_name` / `file_path`; 1, 2, ...); a `page_label` that is not a number
-        ("iv") is kept and cited as it is. `llm_kwargs` are `InfoKV` fields.
+        its position within its file (`file_path`, else `file_name`; 1, 2, ...); a `page_label` that is not a
+        number ("iv") is kept and cited as it is. A page cites its file by base name, or by path where files in
+        several folders share one. `callback_manager` serves the engine and its LLM; `llm_kwargs` are `InfoKV`
+        fields.
         """
+        _check_documents(documents)
         if not documents:
             raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
         _check_llm_kwargs(llm_kwargs)
+        files = [str(doc.metadata.get("file_path") or doc.metadata.get("file_name") or "") for doc in documents]
+        cited = _cited_files(files)
         pages, labels, names = [], [], []
         positions: dict[str, int] = {}
-        for doc in documents:
-            name = str(doc.metadata.get("file_name") or doc.metadata.get("file_path") or "")
-            positions[name] = positions.get(name, 0) + 1  # blank pages count: they are pages of the file
+        for doc, file in zip(documents, files, strict=True):
+            positions[file] = positions.get(file, 0) + 1  # blank pages count: they are pages of the file
             text = doc.get_content()
             if repair_extracted_text(text).strip():  # the pages document_from_pages keeps
-                number, label = _page_number(doc.metadata, positions[name])
+                number, label = _page_number(doc.metadata, positions[file])
                 pages.append((number, text))
                 labels.append(label)
-                names.append(name)
+                names.append(cited[file])
         source = names[0] if names and names[0] and all(name == names[0] for name in names) else None
         document = document_from_pages(pages, source=source, labels=labels)
         llm = InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs)
-        return cls(llm=llm, page_files=names if source is None and any(names) else None)
+        engine = cls._with(llm, max_sources, callback_manager)
+        engine.page_files = names if source is None and any(names) else None
+        return engine
+
+    @classmethod
+    def _with(cls, llm: InfoKV, max_sources: int, callback_manager: CallbackManager | None) -> DocumentQueryEngine:
+        if callback_manager is None:
+            return cls(llm=llm, max_sources=max_sources)
+        llm.callback_manager = callback_manager
+        return cls(llm=llm, max_sources=max_sources, callback_manager=callback_manager)
 
     @property
     def document(self) -> CompressedDocument:
         return self.llm.compressed_document()
 
-    def _start(self, query_str: str) -> tuple[Generation, CompressedDocument]:
-        system = [("system", self.llm.system_prompt)] if self.llm.system_prompt else []
-        return self.llm._start([*system, *question_turns(query_str)], {})
+    # BaseQueryEngine's, not CustomQueryEngine's (which skips them): a dispatcher span, QueryStartEvent and
+    # QueryEndEvent around `_query` / `_aquery`.
+    def query(self, str_or_query_bundle: QueryType) -> Response:
+        return BaseQueryEngine.query(self, str_or_query_bundle)  # type: ignore[return-value]
+
+    async def aquery(self, str_or_query_bundle: QueryType) -> Response:
+        return await BaseQueryEngine.aquery(self, str_or_query_bundle)  # type: ignore[return-value]
+
+    def _query(self, query_bundle: QueryBundle) -> Response:
+        return self.custom_query(query_bundle.query_str)
+
+    async def _aquery(self, query_bundle: QueryBundle) -> Response:
+        return await self.acustom_query(query_bundle.query_str)
+
+    @staticmethod
+    def _question(query_str: str) -> list[ChatMessage]:
+        """The query as chat messages: asked through the LLM's `chat`, whose decorator emits its callback and
+        instrumentation events (token counters, tracers), and which leads them with its `system_prompt`."""
+        return [ChatMessage(role=role, content=content) for role, content in question_turns(query_str)]
 
     def _source_nodes(self, document: Document, answer: str, query_str: str) -> list[NodeWithScore]:
         """The pages of `document` that support `answer`, as LlamaIndex source nodes (best first)."""
@@ -470,25 +562,23 @@ class DocumentQueryEngine(CustomQueryEngine):
         for index, score in supporting_pages(document, answer, query_str, limit=self.max_sources):
             page = document.pages[index]
             metadata: dict[str, Any] = {"page_label": page.cited_as, "page": page.number}
-            name = self.page_files[index] if self.page_files else document.source
+            name = self.page_files[index] if self.page_files else os.path.basename(document.source or "")
             if name:
-                metadata["file_name"] = os.path.basename(name)
+                metadata["file_name"] = name
             # By position: pages of several files may share numbers.
             node = TextNode(id_=f"{document.sha256[:16]}-page-{index + 1}", text=page.text, metadata=metadata)
             nodes.append(NodeWithScore(node=node, score=score))
         return nodes
 
-    def _response(self, query_str: str, text: str, generation: Generation, document: CompressedDocument) -> Response:
-        answer = text.strip()
-        nodes = self._source_nodes(document.document, answer, query_str)
-        info = answer_info(document, generation.usage)
-        return Response(response=answer, source_nodes=nodes, metadata=InfoKV._extra(info))
+    def _response(self, query_str: str, answer: ChatResponse, document: CompressedDocument) -> Response:
+        text = (answer.message.content or "").strip()
+        nodes = self._source_nodes(document.document, text, query_str)
+        return Response(response=text, source_nodes=nodes, metadata=answer.additional_kwargs)
 
     def custom_query(self, query_str: str) -> Response:
-        generation, document = self._start(query_str)
-        return self._response(query_str, generation.text(), generation, document)
+        answer = self.llm.chat(self._question(query_str))
+        return self._response(query_str, answer, self.document)
 
     async def acustom_query(self, query_str: str) -> Response:
-        generation, document = await asyncio.to_thread(self._start, query_str)
-        text = "".join([piece async for piece in aiter_pieces(generation)])
-        return self._response(query_str, text, generation, document)
+        answer = await self.llm.achat(self._question(query_str))
+        return self._response(query_str, answer, await asyncio.to_thread(lambda: self.document))

@@ -16,8 +16,13 @@ pytest.importorskip("llama_index.core")
 from llama_index.core import SimpleDirectoryReader
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.core.base.response.schema import Response
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document as LlamaDocument
+from pydantic import SecretStr
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
@@ -619,3 +624,126 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     with pytest.raises(ModelError, match=re.escape(refused)):
         InfoKV(document=str(saved), max_tokens=2).complete("What is the notice period?")
     assert InfoKV(model=model, document=str(saved), max_tokens=2).complete("What is the notice period?").text
+
+
+def test_a_query_emits_the_llm_events_a_direct_chat_emits(random_model_dir: Path) -> None:
+    """Token counters and tracers see a query's answer: LlamaIndex's query span and events, and the LLM's chat
+    callbacks and instrumentation events, on `query` and `aquery`."""
+
+    class Recorder(BaseEventHandler):
+        seen: list[str] = []
+
+        def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+            self.seen.append(type(event).__name__)
+
+    counter = TokenCountingHandler(tokenizer=str.split)
+    engine = DocumentQueryEngine.from_documents(
+        [LlamaDocument(text=COLD_TEXT)],
+        model=str(random_model_dir),
+        max_tokens=2,
+        callback_manager=CallbackManager([counter]),
+    )
+    recorder = Recorder()
+    dispatcher = get_dispatcher()
+    dispatcher.add_event_handler(recorder)
+    try:
+        for query in (engine.query, lambda question: asyncio.run(engine.aquery(question))):
+            recorder.seen.clear()
+            counter.reset_counts()
+            query("What is the notice period?")
+            assert recorder.seen == ["QueryStartEvent", "LLMChatStartEvent", "LLMChatEndEvent", "QueryEndEvent"]
+            assert len(counter.llm_token_counts) == 1
+    finally:
+        dispatcher.event_handlers.remove(recorder)
+
+
+def test_from_documents_numbers_and_cites_same_named_files_apart(tmp_path: Path) -> None:
+    for year, days in (("2023", "thirty"), ("2024", "ninety")):
+        (tmp_path / year).mkdir()
+        (tmp_path / year / "lease.txt").write_text(f"Lease {year}. The notice period is {days} days.")
+    (tmp_path / "2024" / "annex.txt").write_text("Annex. The deposit is two months of rent.")
+    documents = SimpleDirectoryReader(str(tmp_path), recursive=True).load_data()
+    engine = DocumentQueryEngine.from_documents(documents, model="no-such-model")
+    document = engine.llm.document
+    assert isinstance(document, Document)
+    assert [page.number for page in document.pages] == [1, 1, 1], "each file's pages are numbered from 1"
+
+    def cited(answer: str) -> Any:
+        return engine._source_nodes(document, answer, "What is it?")[0].node.metadata["file_name"]
+
+    assert cited("The notice period is ninety days.") == str(tmp_path / "2024" / "lease.txt")
+    assert cited("The deposit is two months of rent.") == "annex.txt"
+
+
+def test_from_file_and_from_documents_refuse_each_others_arguments(no_document_read: None) -> None:
+    pages = [LlamaDocument(text="The notice period is ninety days.", metadata={"file_name": "a.txt"})]
+    for documents in (pages, pages[0]):
+        with pytest.raises(TypeError, match=r"not LlamaIndex Documents: .*DocumentQueryEngine.from_documents"):
+            DocumentQueryEngine.from_file(documents, model="tiny")  # type: ignore[arg-type]
+    refusals: list[tuple[Any, str]] = [
+        ("contract.pdf", r"not a path: DocumentQueryEngine.from_file\(path\)"),
+        (Path("contract.pdf"), r"not a path"),
+        (pages[0], r"not one Document: pass a list of it, \[document\]"),
+        (["some text"], r"got a list holding str$"),
+        (3, r"; got int$"),
+    ]
+    for wrong, message in refusals:
+        with pytest.raises(TypeError, match="from_documents takes a sequence of LlamaIndex Documents" + ".*" + message):
+            DocumentQueryEngine.from_documents(wrong, model="tiny")
+
+
+def test_to_json_keeps_a_path_and_describes_a_document_held_in_memory(random_model_dir: Path, tmp_path: Path) -> None:
+    model = str(random_model_dir)
+    path = tmp_path / "contract.txt"
+    path.write_text(COLD_TEXT)
+    by_path = InfoKV(model=model, document=path, password="s3cret")
+    assert InfoKV.from_json(by_path.to_json()).document == str(path)
+    document = document_from_text(COLD_TEXT)
+    for held in (document, get_engine(model).ingest_text(COLD_TEXT, COMPRESSION)):
+        serialised = InfoKV(model=model, document=held, password=SecretStr("s3cret")).to_json()
+        described = json.loads(serialised)["document"]
+        assert described == {
+            "not_serialised": type(held).__name__,
+            "source": None,
+            "pages": 1,
+            "sha256": document.sha256,
+        }
+        assert "s3cret" not in serialised and "password" not in serialised
+        with pytest.raises(TypeError, match=rf"serialised with a {type(held).__name__} .*from_json\(text, document="):
+            InfoKV.from_json(serialised)
+        assert InfoKV.from_json(serialised, document=held).document is held
+
+
+def test_the_payload_describes_no_document_the_fields_no_longer_choose(random_model_dir: Path) -> None:
+    llm = InfoKV(model=str(random_model_dir), document_text="The notice period is ninety days.", max_tokens=2)
+    llm.complete("What is the notice period?")
+    assert llm.to_payload()["context_window"] == llm.metadata.context_window
+    llm.document_text = COLD_TEXT  # another document: the one read before no longer describes this LLM
+    assert "context_window" not in llm.to_payload()
+    llm.compressed_document()
+    assert llm.to_payload()["context_window"] == llm.metadata.context_window
+
+
+def test_the_factories_take_the_engines_max_sources_and_callback_manager(tmp_path: Path) -> None:
+    path = tmp_path / "contract.txt"
+    path.write_text(COLD_TEXT)
+    callbacks = CallbackManager([])
+    for engine in (
+        DocumentQueryEngine.from_file(path, model="no-such-model", max_sources=5, callback_manager=callbacks),
+        DocumentQueryEngine.from_documents(
+            [LlamaDocument(text=COLD_TEXT)], model="no-such-model", max_sources=5, callback_manager=callbacks
+        ),
+    ):
+        assert engine.max_sources == 5
+        assert engine.callback_manager is callbacks and engine.llm.callback_manager is callbacks
+
+
+def test_a_password_may_be_a_secret_str(random_model_dir: Path, tmp_path: Path) -> None:
+    path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
+    model = str(random_model_dir)
+    llm = InfoKV(model=model, document=str(path), password=SecretStr("s3cret"), max_tokens=2)
+    assert llm.complete("Who is the account manager?").text
+    engine = DocumentQueryEngine.from_file(path, model=model, password=SecretStr("s3cret"), max_tokens=2)
+    assert "Lindqvist" in engine.document.document.text
+    assert isinstance(InfoKV(model=model, password="s3cret").password, SecretStr), "a str is held as a SecretStr"
+    assert "s3cret" not in repr(engine) + repr(engine.model_dump()) + engine.llm.to_json()
