@@ -56,6 +56,7 @@ class ProgressBar:
         self.enabled = enabled
         self.stream = stream
         self.started = time.perf_counter()
+        self._drawn = 0  # length of the line last drawn on a terminal
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -69,10 +70,15 @@ class ProgressBar:
             f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens "
             f"{rate:,.0f} tok/s ETA {eta:,.0f}s"
         )
-        terminal = stream.isatty()
-        stream.write(f"\r{line}" if terminal else f"{line}\n")
-        if terminal and done >= total:
-            stream.write("\n")
+        if not stream.isatty():
+            stream.write(f"{line}\n")
+        else:
+            # A shorter line ("ETA 8s" after "ETA 10s") must blank the end of the longer one it draws over: spaces do
+            # that on every terminal, an erase escape code not on all (a Windows console without ANSI support).
+            stream.write(f"\r{line.ljust(self._drawn)}")
+            self._drawn = len(line)
+            if done >= total:
+                stream.write("\n")
         stream.flush()
 
 

@@ -65,17 +65,21 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 PDF_HEADER_WINDOW = 1024
 _EOF_WINDOW = 1024
 # The last 1024 bytes are counted before padding: NULs and whitespace that a transfer or a disk image left after the
-# file (a file cut short ends in its content, not in padding).
+# file (a file cut short ends in its content, not in padding). The same padding before a PDF's header is tolerated.
 _PADDING = b"\x00\t\n\x0c\r "
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def reads_as_pdf(head: bytes, name: str) -> bool:
     """Whether `load_document` reads a file named `name` whose first bytes are `head` (at least
-    `PDF_HEADER_WINDOW` of them, or all) as a PDF: one starting with %PDF- whatever its name, and one named .pdf
-    holding it in its first `PDF_HEADER_WINDOW` bytes. Junk before the header is tolerated only in a file named
-    .pdf: a text file that merely mentions "%PDF-" near its top must stay text."""
-    named_pdf = Path(name).suffix.lower() in PDF_SUFFIXES
-    return head.startswith(b"%PDF-") or (named_pdf and b"%PDF-" in head[:PDF_HEADER_WINDOW])
+    `PDF_HEADER_WINDOW` of them, or all) as a PDF: one starting with %PDF- whatever its name (after a UTF-8
+    byte-order mark, whitespace or NULs, which a web server or a transfer may put before it and pypdf skips), and
+    one named .pdf holding it in its first `PDF_HEADER_WINDOW` bytes. Other junk before the header is tolerated
+    only in a file named .pdf: a text file that merely mentions "%PDF-" near its top must stay text."""
+    window = head[:PDF_HEADER_WINDOW]
+    if window.removeprefix(_UTF8_BOM).lstrip(_PADDING).startswith(b"%PDF-"):
+        return True
+    return Path(name).suffix.lower() in PDF_SUFFIXES and b"%PDF-" in window
 
 
 # pypdf reports recoverable damage through `logging`. Without any handler configured, Python's
@@ -107,7 +111,8 @@ class StrayBytesWarning(UserWarning):
 @dataclass(frozen=True)
 class Page:
     """One page's text. `number` is the 1-based page number in the source file; `label` the source's own label
-    for the page where it is not that number (a framework reader's page label "iv" or "A-1"), or None."""
+    for the page where it is not that number (a PDF's /PageLabels or a framework reader's page label: "iv", "A-1"),
+    or None."""
 
     number: int
     text: str
@@ -271,9 +276,9 @@ def document_from_pages(
 def load_document(path: str | os.PathLike[str], password: str | None = None) -> Document:
     """Read a PDF or text/markdown file into a Document.
 
-    A file starting with `%PDF-` is a PDF whatever its name; any other file that decodes as text
-    is text. `password` opens encrypted PDFs and is ignored otherwise. A UTF-8 file with a few stray
-    Windows-1252 bytes is read with a `StrayBytesWarning` (see `_MAX_STRAY_BYTES`).
+    A file starting with `%PDF-` (after whitespace, NULs or a UTF-8 byte-order mark) is a PDF whatever its name;
+    any other file that decodes as text is text. `password` opens encrypted PDFs and is ignored otherwise. A UTF-8
+    file with a few stray Windows-1252 bytes is read with a `StrayBytesWarning` (see `_MAX_STRAY_BYTES`).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
@@ -364,7 +369,7 @@ def _decode_text(data: bytes) -> str | None:
 def _read_text(data: bytes) -> tuple[str | None, tuple[int, ...]]:
     """Decoded text bytes (None when they are binary or their encoding cannot be told), and the byte offsets of
     the stray Windows-1252 bytes read within UTF-8 text (`_utf8_with_stray_bytes`; usually none)."""
-    if data.startswith(b"\xef\xbb\xbf"):
+    if data.startswith(_UTF8_BOM):
         text = _text_or_none(data[3:], "utf-8")
         if text is None:  # the byte-order mark says UTF-8: a few stray bytes are read as in a file without one
             stray = _utf8_with_stray_bytes(data, marked=True)
@@ -634,13 +639,18 @@ def repair_extracted_text(text: str) -> str:
 # A word broken across two lines by a hyphen: its head (from a word's start: a match tried at every letter of a
 # long run would take quadratic time) ends one line, its tail starts the next; `suffix` is the rest of the tail's
 # non-blank run.
+_LINE_BREAK_AT_HYPHEN = r"[-\u2010][ \t]*\n"
 _BROKEN_WORD = re.compile(
-    r"(?<![^\W\d_])(?P<head>[^\W\d_]+)[-\u2010][ \t]*\n(?P<tail>[^\W\d_]+)(?P<suffix>\S*)(?P<space>[ \t]*)"
+    rf"(?<![^\W\d_])(?P<head>[^\W\d_]+){_LINE_BREAK_AT_HYPHEN}(?P<tail>[^\W\d_]+)(?P<suffix>\S*)(?P<space>[ \t]*)"
+)
+# A word broken on more than two lines ("Gewähr-" "leistungs-" "frist"), whose pieces are known whole together only.
+_BROKEN_TWICE = re.compile(
+    rf"(?<![^\W\d_])(?P<pieces>[^\W\d_]+(?:{_LINE_BREAK_AT_HYPHEN}[^\W\d_]+){{2,}})(?P<suffix>\S*)(?P<space>[ \t]*)"
 )
 _WORD = re.compile(r"[^\W\d_]+")
 # "short- and long-term": a hyphen left hanging for the word after the conjunction, not a broken word.
 _CONJUNCTIONS = frozenset({"and", "or", "nor", "to", "und", "oder", "bis", "et", "ou", "y", "o", "e", "en", "of"})
-_JOIN_PASSES = 3  # a word broken twice ("Gewähr-" "leistungs-" "frist") takes a pass per break
+_JOIN_PASSES = 3  # a word broken twice that is not known whole ("Gewähr-" "leistungs-" "frist") takes a pass per break
 
 
 def join_broken_words(texts: Sequence[str]) -> list[str]:
@@ -656,15 +666,31 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
     starts a line of its own."""
     words = {word.lower() for text in texts for word in _WORD.findall(text)}
 
+    def breaks_a_word(head: str, tail: str) -> bool:
+        capitals = len(head) > 1 and head.isupper() and tail.isupper()  # "LIA-" "BILITY" in a heading
+        return (tail[0].islower() or capitals) and tail.lower() not in _CONJUNCTIONS
+
+    def rest_of_line(match: re.Match[str]) -> str:
+        return match["suffix"] + ("\n" if match["space"] else "")
+
     def rejoin(match: re.Match[str]) -> str:
         head, tail = match["head"], match["tail"]
-        capitals = len(head) > 1 and head.isupper() and tail.isupper()  # "LIA-" "BILITY" in a heading
-        if not (tail[0].islower() or capitals) or tail.lower() in _CONJUNCTIONS:
+        if not breaks_a_word(head, tail):
             return match[0]
         word = head + tail if (head + tail).lower() in words else f"{head}-{tail}"
-        return word + match["suffix"] + ("\n" if match["space"] else "")
+        return word + rest_of_line(match)
+
+    def rejoin_whole(match: re.Match[str]) -> str:
+        # Only the whole word is looked up: the word-by-word passes below would judge "Gewährleistungs" and
+        # "leistungsfrist", which no document writes, and keep both hyphens.
+        pieces = re.split(_LINE_BREAK_AT_HYPHEN, match["pieces"])
+        word = "".join(pieces)
+        if word.lower() not in words or not all(map(breaks_a_word, pieces, pieces[1:])):
+            return match[0]
+        return word + rest_of_line(match)
 
     def rejoined(prose: str) -> str:
+        prose = _BROKEN_TWICE.sub(rejoin_whole, prose)
         for _ in range(_JOIN_PASSES):
             prose, count = _BROKEN_WORD.subn(rejoin, prose)
             if not count:
@@ -811,6 +837,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         if page_count == 0 and missing is None:
             raise EmptyDocumentError(f"{name} is a PDF with no pages. Check that you picked the right file.")
 
+        labels = _page_labels(reader, page_count)
         pages: list[Page] = []
         failed: list[int] = []
         scanned: list[int] = []
@@ -842,7 +869,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
             assert page is not None
             text = _clean_page_text(raw or "")
             if text:
-                pages.append(Page(index + 1, text))
+                pages.append(Page(index + 1, text, labels[index]))
                 continue
             font = missing_font(page)
             if font is not None:
@@ -891,6 +918,20 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
     skipped = tuple(sorted(failed + scanned))
     told = _warn(issued, stacklevel=4)
     return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped, load_warnings=told)
+
+
+def _page_labels(reader: PdfReader, page_count: int) -> list[str | None]:
+    """Each page's `Page.label` from the PDF's /PageLabels ("i", "ii", "1"): None where the label is the page's
+    number or empty, and for every page when the label tree cannot be read (labels only name the pages, so a
+    malformed tree costs the document nothing but them)."""
+    try:
+        labels = reader.page_labels
+    except MemoryError:
+        raise
+    except Exception:
+        return [None] * page_count
+    stripped = (label.strip() for label in labels)
+    return [label if label and label != str(number) else None for number, label in enumerate(stripped, start=1)]
 
 
 def _ocr_command(name: str, *options: str) -> str:

@@ -200,14 +200,32 @@ def _place(value: Filled, located: Sequence[_Located]) -> tuple[int, bool] | Non
 
 
 def _already_drawn(value: Filled, fragments: Sequence[Fragment]) -> bool:
-    """Whether the page's content itself shows the value inside its box (a form flattened but kept)."""
+    """Whether the page's content itself shows the value inside its box (a form flattened but kept): the text
+    drawn there, joined, is the value but for whitespace (a value drawn line by line or word by word), or each of
+    the value's lines is drawn there (beside a caption in the top of the box)."""
+    if value.checked is not None:
+        return False
     x0, y0, x1, y1 = value.box
-    return value.checked is None and any(
-        fragment.text.strip() == value.text
-        and x0 - _ROW_TOLERANCE <= fragment.x <= x1
-        and y0 - _ROW_TOLERANCE <= fragment.y <= y1 + _ROW_TOLERANCE
+    inside = [
+        fragment.text
         for fragment in fragments
-    )
+        if x0 - _ROW_TOLERANCE <= fragment.x <= x1 and y0 - _ROW_TOLERANCE <= fragment.y <= y1 + _ROW_TOLERANCE
+    ]
+    if not inside:
+        return False
+    if _without_whitespace("".join(inside)) == _without_whitespace(value.text):
+        return True
+    drawn = {_single_spaced(text) for text in inside}
+    lines = [_single_spaced(line) for line in value.text.splitlines() if line.strip()]
+    return bool(lines) and all(line in drawn for line in lines)
+
+
+def _single_spaced(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _without_whitespace(text: str) -> str:
+    return "".join(text.split())
 
 
 def _annotations(page: PageObject) -> Iterator[DictionaryObject]:

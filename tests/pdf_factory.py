@@ -95,6 +95,16 @@ def mixed_pdf(path: Path, pages: Sequence[str | None]) -> Path:
     return path
 
 
+def page_labelled_pdf(path: Path, pages: Sequence[str | None], page_labels: DictionaryObject) -> Path:
+    """`mixed_pdf`'s pages with `page_labels` as the catalog's /PageLabels, the number tree that gives pages their
+    printed labels ("i", "ii", "1")."""
+    writer = PdfWriter(clone_from=mixed_pdf(path, pages))
+    writer._root_object[NameObject("/PageLabels")] = page_labels
+    with path.open("wb") as fh:
+        writer.write(fh)
+    return path
+
+
 def truncated_pdf(path: Path, pages: Sequence[str], keep: float = 0.6) -> Path:
     """A text PDF cut after `keep` of its bytes, as an interrupted download leaves it."""
     data = text_pdf_bytes(pages)

@@ -474,6 +474,26 @@ def test_progress_bar_formats(tmp_path: Path) -> None:
     assert silent.getvalue() == ""
 
 
+def test_progress_bar_on_a_terminal_blanks_what_a_longer_line_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from infokv_rag import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    bar = cli.ProgressBar("reading doc.pdf", enabled=True, stream=stream)
+    for done, elapsed in ((2000, 2.0), (3000, 3.0)):  # 1,000 tok/s: ETA 10s, then 9s
+        monkeypatch.setattr(cli.time, "perf_counter", lambda elapsed=elapsed: bar.started + elapsed)
+        bar(done, 12_000)
+    screen = ""
+    for drawn in stream.getvalue().split("\r")[1:]:  # what the terminal shows after each redraw
+        screen = drawn + screen[len(drawn) :]
+    assert screen.rstrip() == "reading doc.pdf [#######.......................] 3000/12000 tokens 1,000 tok/s ETA 9s"
+
+
 def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, tmp_path: Path) -> None:
     first = run_cli("calibrate", "--model", str(random_model_dir), "--device", "cpu", cache_dir=tmp_path)
     assert first.returncode == 0, first.stderr

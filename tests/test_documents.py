@@ -12,11 +12,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pypdf
 import pytest
 from pypdf.errors import DependencyError
+from pypdf.generic import ArrayObject, DictionaryObject, NameObject, NumberObject, TextStringObject
 
+from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import (
     PAGE_SEPARATOR,
     Document,
@@ -98,6 +101,18 @@ def test_pdf_is_sniffed_whatever_its_suffix(tmp_path: Path) -> None:
     path = tmp_path / "download.bin"
     path.write_bytes(pdfs.text_pdf_bytes(["Sniffed as a PDF."]))
     assert _load_quietly(path).text == "Sniffed as a PDF."
+
+
+@pytest.mark.parametrize("padding", [b"\r\n", b"\n\n \t", b"\x00\x00", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n"])
+@pytest.mark.parametrize("name", ["download", "download.txt"])
+def test_a_pdf_header_after_whitespace_nuls_or_a_bom_is_sniffed_whatever_its_suffix(
+    tmp_path: Path, padding: bytes, name: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(padding + pdfs.text_pdf_bytes(["Sniffed as a PDF."]))
+    doc = _load_quietly(path)
+    assert doc.text == "Sniffed as a PDF."
+    assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_pdf_header_after_junk_only_counts_for_pdf_suffix(tmp_path: Path) -> None:
@@ -268,6 +283,48 @@ def test_an_image_only_page_among_text_pages_is_reported(tmp_path: Path) -> None
     message = str(warning.message)
     assert "signed.pdf" in message and "pages 2, 4 of 4" in message and "OCR" in message and "ocrmypdf" in message
     assert doc.load_warnings == (message,)
+
+
+def _page_labels(*ranges: tuple[int, dict[str, Any]]) -> DictionaryObject:
+    """A /PageLabels number tree: each range's first page index and its label dictionary (/S style, /P prefix,
+    /St start)."""
+    nums: list[Any] = []
+    for first, spec in ranges:
+        nums += [NumberObject(first), DictionaryObject({NameObject(key): value for key, value in spec.items()})]
+    return DictionaryObject({NameObject("/Nums"): ArrayObject(nums)})
+
+
+def test_a_pdfs_page_labels_name_its_pages_in_citations(tmp_path: Path) -> None:
+    # Front matter i-iii (ii scanned, iii blank), then 1, then an annex A-1, then a page whose label is its number.
+    labels = _page_labels(
+        (0, {"/S": NameObject("/r")}),
+        (3, {"/S": NameObject("/D")}),
+        (4, {"/S": NameObject("/D"), "/P": TextStringObject("A-")}),
+        (5, {"/S": NameObject("/D"), "/St": NumberObject(6)}),
+    )
+    texts = ["Preface.", None, "", "The notice period is ninety days.", "Annex one.", "Last page."]
+    path = pdfs.page_labelled_pdf(tmp_path / "labelled.pdf", texts, labels)
+    with pytest.warns(PageExtractionWarning):
+        doc = load_document(path)
+    assert [(p.number, p.label, p.cited_as) for p in doc.pages] == [
+        (1, "i", "i"),
+        (4, "1", "1"),
+        (5, "A-1", "A-1"),
+        (6, None, "6"),
+    ]
+    assert doc.skipped_pages == (2,)  # skipped and blank pages are numbers in the file; the labels after them hold
+    assert Document.from_layout(doc.text, doc.layout()) == doc
+    [(index, _)] = supporting_pages(doc, "ninety days")
+    assert doc.pages[index].cited_as == "1"
+
+
+def test_a_malformed_page_label_tree_costs_only_the_labels(tmp_path: Path) -> None:
+    labels = _page_labels((0, {"/P": ArrayObject([NumberObject(1)])}))
+    path = pdfs.page_labelled_pdf(tmp_path / "badlabels.pdf", PAGES, labels)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the premise: pypdf cannot read this label tree
+        pypdf.PdfReader(path).page_labels  # noqa: B018
+    doc = _load_quietly(path)
+    assert [(p.number, p.label) for p in doc.pages] == [(1, None), (2, None), (3, None)]
 
 
 def test_resources_named_by_reference_hold_their_fonts(tmp_path: Path) -> None:
@@ -509,6 +566,14 @@ def test_a_broken_word_goes_whole_only_where_the_document_writes_it_whole() -> N
         "LIMITATION OF LIABILITY",
         "liability",
     ]
+    # Where the document writes it whole, it goes whole across every break, however many.
+    assert join_broken_words(["Die Gewähr-\nleistungs-\nfrist gilt.", "Gewährleistungsfrist"])[0] == (
+        "Die Gewährleistungsfrist\ngilt."
+    )
+    assert join_broken_words(["the in-\ndemni-\nfi-\ncation clause", "indemnification"])[0] == (
+        "the indemnification\nclause"
+    )
+    assert join_broken_words(["Gewähr-\nLeistungs-\nfrist", "gewährleistungsfrist"])[0] == "Gewähr-\nLeistungs-\nfrist"
     # Left alone: a capital, digit or dash after the break (something new), and a hyphen left hanging for the word
     # after a conjunction.
     kept = ["Items:\nfirst-\nSecond", "USD 7,-\n400", "pre-\n- post", "end-\n", "short-\nand long-term", "A-\nB"]
@@ -518,7 +583,7 @@ def test_a_broken_word_goes_whole_only_where_the_document_writes_it_whole() -> N
 def test_joining_broken_words_takes_linear_time() -> None:
     """A long run without spaces (a CJK paragraph, a sequence, text that lost its spaces) once took minutes."""
     started = time.perf_counter()
-    for text in ("a-" * 100_000 + "\nb", "x" * 100_000 + "-\nx", "x" * 100_000):
+    for text in ("a-" * 100_000 + "\nb", "x" * 100_000 + "-\nx", "x" * 100_000, "a-\n" * 100_000 + "b"):
         join_broken_words([text])
     assert time.perf_counter() - started < 5
 

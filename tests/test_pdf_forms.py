@@ -131,6 +131,28 @@ def test_a_boxed_forms_values_follow_their_own_captions() -> None:
     assert with_filled_values("Last name First name", fragments, values) == "Last name Whitcombe First name Dana"
 
 
+def test_a_value_the_content_also_draws_in_its_box_is_not_repeated() -> None:
+    """A form flattened but kept: the content draws each value in the value's box, line by line or word by word,
+    perhaps under a caption in the top of the box."""
+    address = Filled("12 Main St\nSpringfield", (160, 705, 360, 745), "address")
+    by_line = [Fragment("Address:", 72, 730), Fragment("12 Main St", 162, 730), Fragment("Springfield", 162, 716)]
+    assert with_filled_values("Address:\n12 Main St\nSpringfield", by_line, [address]) == (
+        "Address:\n12 Main St\nSpringfield"
+    )
+    captioned = [Fragment("Address", 162, 738), Fragment("12 Main St", 162, 724), Fragment("Springfield", 162, 710)]
+    assert with_filled_values("Address\n12 Main St\nSpringfield", captioned, [address]) == (
+        "Address\n12 Main St\nSpringfield"
+    )
+    fee = Filled("USD 7,400", (160, 725, 310, 743), "fee")
+    by_word = [Fragment("Fee:", 72, 730), Fragment("USD", 162, 730), Fragment(" 7,400", 185, 730)]
+    assert with_filled_values("Fee:\nUSD 7,400", by_word, [fee]) == "Fee:\nUSD 7,400"
+    # Only part of the value drawn in its box: the value is still read.
+    partly = [Fragment("Address:", 72, 730), Fragment("12 Main St", 162, 730)]
+    assert (
+        with_filled_values("Address:\n12 Main St", partly, [address]) == "Address:\n12 Main St 12 Main St\nSpringfield"
+    )
+
+
 def test_values_in_bytes_referenced_states_and_rich_text_are_read() -> None:
     writer = PdfWriter()
     state = writer._add_object(NameObject("/Yes"))
