@@ -12,7 +12,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save
 
@@ -88,6 +90,29 @@ def resign(path: Path, tensors: dict[str, torch.Tensor], name: str = TENSORS) ->
     manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest["checksum"] = _manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def rename_saved_model(path: Path, name: str) -> None:
+    """Rewrites the model the saved cache's manifest names and re-signs it: a cache made by a model since moved."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["model"]["name"] = name
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def record_engine_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names the adapters ask their shared engines for from now on (`integrations._common.get_engine`)."""
+    from infokv_rag.integrations import _common
+
+    asked: list[str] = []
+    load = _common.get_engine
+
+    def recorded(name: str, device: str | None = None, dtype: str | None = None) -> Any:
+        asked.append(name)
+        return load(name, device, dtype)
+
+    monkeypatch.setattr(_common, "get_engine", recorded)
+    return asked
 
 
 # A Hugging Face hub cache, laid out as huggingface_hub lays it out -----------------------------------

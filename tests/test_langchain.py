@@ -44,10 +44,10 @@ from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
-from infokv_rag.store import MANIFEST, _manifest_checksum, save_document
+from infokv_rag.store import save_document
 
 from .conftest import CORPUS
-from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
+from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, record_engine_loads, rename_saved_model, run_example
 from .pdf_factory import encrypted_pdf
 
 SUITE_TEXT = (
@@ -688,14 +688,6 @@ def test_a_bound_document_of_a_model_in_memory_is_fingerprinted_before_any_async
     assert "fingerprint" in vars(engine)
 
 
-def _renamed_model(saved: Path, name: str) -> None:
-    """Rewrites the model a saved cache's manifest names (re-signed): a cache made by a model since moved."""
-    manifest = json.loads((saved / MANIFEST).read_text())
-    manifest["model"]["name"] = name
-    manifest["checksum"] = _manifest_checksum(manifest)
-    (saved / MANIFEST).write_text(json.dumps(manifest))
-
-
 def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -705,14 +697,7 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     model = str(random_model_dir)
     saved = tmp_path / "cache"
     save_document(get_engine(model).ingest_text(SUITE_TEXT, COMPRESSION), saved)
-    loaded: list[str] = []
-    load = _common.get_engine
-
-    def spy(name: str, device: str | None = None, dtype: str | None = None) -> Any:
-        loaded.append(name)
-        return load(name, device, dtype)
-
-    monkeypatch.setattr(_common, "get_engine", spy)
+    loaded = record_engine_loads(monkeypatch)
     text = "Either party may terminate this agreement with ninety days written notice."
     expected = len(get_engine(model).tokenizer(text, add_special_tokens=False)["input_ids"])
     for adapter in (ChatInfoKV(document=str(saved), max_tokens=2), InfoKVLLM(document=saved, max_tokens=2)):
@@ -726,7 +711,7 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     assert set(loaded) == {model}
 
     moved = str(tmp_path / "moved" / "model")
-    _renamed_model(saved, moved)
+    rename_saved_model(saved, moved)
     for call in (
         lambda: ChatInfoKV(document=str(saved), max_tokens=2).invoke("Q?"),
         lambda: InfoKVLLM(document=str(saved)).get_num_tokens(text),

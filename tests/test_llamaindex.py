@@ -34,10 +34,10 @@ from infokv_rag.integrations._common import call_options, get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.prompt import question_turns
-from infokv_rag.store import MANIFEST, _manifest_checksum, save_document
+from infokv_rag.store import save_document
 
 from .conftest import CORPUS
-from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, run_example
+from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, record_engine_loads, rename_saved_model, run_example
 from .pdf_factory import encrypted_pdf, text_pdf
 
 # Without weights -----------------------------------------------------------------------------------
@@ -597,14 +597,7 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     model = str(random_model_dir)
     saved = tmp_path / "cache"
     save_document(get_engine(model).ingest_text(COLD_TEXT, COMPRESSION), saved)
-    loaded: list[str] = []
-    load = _common.get_engine
-
-    def spy(name: str, device: str | None = None, dtype: str | None = None) -> Any:
-        loaded.append(name)
-        return load(name, device, dtype)
-
-    monkeypatch.setattr(_common, "get_engine", spy)
+    loaded = record_engine_loads(monkeypatch)
     llm = InfoKV(document=str(saved), max_tokens=2)
     assert llm.to_payload()["model_name"] == model  # before the first call, which reads the document
     assert llm.complete("What is the notice period?").additional_kwargs["model_name"] == model
@@ -616,10 +609,7 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
     assert set(loaded) == {model}
 
     moved = str(tmp_path / "moved" / "model")
-    manifest = json.loads((saved / MANIFEST).read_text())
-    manifest["model"]["name"] = moved
-    manifest["checksum"] = _manifest_checksum(manifest)
-    (saved / MANIFEST).write_text(json.dumps(manifest))
+    rename_saved_model(saved, moved)
     refused = f"the saved cache {saved.resolve()} was made by model {moved!r}, which does not load here"
     with pytest.raises(ModelError, match=re.escape(refused)):
         InfoKV(document=str(saved), max_tokens=2).complete("What is the notice period?")
