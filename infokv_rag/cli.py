@@ -400,7 +400,7 @@ def _question_turns(questions: Sequence[str]) -> list[list[Turn]]:
 def _check_questions_fit(engine: Any, text: str, questions: Sequence[list[Turn]], max_new_tokens: int) -> None:
     """Refuses (`ContextLengthError`), before the prefill, a question that would not fit the context window beside
     the document with --max-new-tokens. A document too long by itself is left to its ingestion to refuse."""
-    document_tokens = len(engine.prompt.document_ids(text))
+    document_tokens = engine.count_document_tokens(text)
     if document_tokens > engine.max_document_tokens:
         return
     for index, turns in enumerate(questions):

@@ -28,6 +28,8 @@ from .placement import resolve_placement
 from .prompt import PromptFormat, Turn
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
+TOKENIZE_PIECE_CHARS = 16_384
+"""A document's text is counted in pieces of about this many characters, so that counting a huge one stops early."""
 QUESTION_RESERVE = 64
 """Context tokens a document must leave free for a question, beside an answer of the default length."""
 
@@ -184,6 +186,30 @@ class InfoKVEngine:
         defaults."""
         return self.context_window - QUESTION_RESERVE - DEFAULT_MAX_NEW_TOKENS
 
+    def count_document_tokens(self, text: str, limit: int | None = None) -> int:
+        """The exact token count of `text` as a document prefix when it is at most `limit` (default
+        `max_document_tokens`); otherwise a count above `limit`, found after tokenizing about `limit` tokens of the
+        text, never all of a huge one (a text file of megabytes takes a minute and gigabytes to tokenize whole).
+
+        Pieces are cut at whitespace, where a cut changes the count by a couple of tokens at most; counting stops
+        only once the sum passes `limit` by more than the cuts could explain.
+        """
+        limit = self.max_document_tokens if limit is None else limit
+        body = text.strip()
+        counted = self.prompt.head_tokens
+        start = pieces = 0
+        while start < len(body):
+            end = min(len(body), start + TOKENIZE_PIECE_CHARS)
+            if end < len(body):
+                cut = max(body.rfind(" ", start, end), body.rfind("\n", start, end))
+                end = cut if cut > start else end
+            counted += len(self.tokenizer(body[start:end], add_special_tokens=False)["input_ids"])
+            pieces += 1
+            if counted > limit + 2 * pieces:
+                return counted
+            start = end
+        return len(self.prompt.document_ids(text))  # short enough to tokenize whole: the exact count
+
     def check_question_fits(self, document_tokens: int, turns: Sequence[Turn], max_new_tokens: int) -> list[int]:
         """The token ids of a conversation asked after a document of `document_tokens` tokens; `ContextLengthError`
         when they and `max_new_tokens` would not fit the context window beside it (as an answer would refuse them:
@@ -234,13 +260,13 @@ class InfoKVEngine:
         self, document: Document, config: CompressionConfig | None = None, *, progress: ProgressCallback | None = None
     ) -> CompressedDocument:
         config = self.resolve_config(config)
-        ids = self.prompt.document_ids(document.text)
-        if len(ids) > self.max_document_tokens:
+        if self.count_document_tokens(document.text) > self.max_document_tokens:
             raise ContextLengthError(
-                f"the document is {len(ids)} tokens, but this model reads at most {self.max_document_tokens}: its "
-                f"context window of {self.context_window} less {self.context_window - self.max_document_tokens} for "
-                f"a question and its answer; split the document or use a model with a longer context"
+                f"the document is more than {self.max_document_tokens} tokens, the most this model reads: its context "
+                f"window of {self.context_window} less {self.context_window - self.max_document_tokens} for a "
+                "question and its answer; split the document or use a model with a longer context"
             )
+        ids = self.prompt.document_ids(document.text)
         result = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         result.stats.pages = len(document.pages)
         return CompressedDocument(

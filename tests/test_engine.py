@@ -231,6 +231,40 @@ def test_the_longest_document_read_can_still_be_asked_about_with_the_defaults(tm
     assert doc.ask(question)
 
 
+def test_bounded_token_count_is_exact_up_to_the_limit(random_engine: InfoKVEngine) -> None:
+    """Counting in pieces never refuses a document that fits, nor accepts one that does not."""
+    words = ("alpha", "notice", "period", "days", "12,500", "EUR", "\n\n", "penalty:", "ninety")
+    text = " ".join(words[(i * 7) % len(words)] for i in range(12_000))
+    exact = len(random_engine.prompt.document_ids(text))
+    assert random_engine.count_document_tokens(text, exact) == exact
+    assert random_engine.count_document_tokens(text, exact + 100) == exact
+    assert random_engine.count_document_tokens(text, exact - 1) > exact - 1
+    assert random_engine.count_document_tokens(text, exact // 4) > exact // 4
+
+
+def test_a_huge_text_is_refused_without_being_tokenized_whole(
+    random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megabytes of text take a minute and gigabytes to tokenize: the refusal comes after about a window's worth."""
+    huge = " ".join(CORPUS) * 20_000  # about 9 MB
+    tokenized: list[int] = []
+    tokenize, document_ids = type(random_engine.tokenizer).__call__, random_engine.prompt.document_ids
+
+    def tokenizer_call(self: Any, text: str, **options: Any) -> Any:
+        tokenized.append(len(text))
+        return tokenize(self, text, **options)
+
+    def whole_document(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return document_ids(text)
+
+    monkeypatch.setattr(type(random_engine.tokenizer), "__call__", tokenizer_call)
+    monkeypatch.setattr(random_engine.prompt, "document_ids", whole_document)
+    with pytest.raises(ContextLengthError, match=f"more than {random_engine.max_document_tokens} tokens"):
+        random_engine.ingest_text(huge)
+    assert tokenized and sum(tokenized) < len(huge) / 50
+
+
 def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     with pytest.raises(ContextLengthError, match="context window of 4096"):

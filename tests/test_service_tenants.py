@@ -25,7 +25,6 @@ from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service import uploads  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
-from infokv_rag.service.uploads import count_document_tokens  # noqa: E402
 
 from . import pdf_factory as pdfs  # noqa: E402
 from .service_helpers import (  # noqa: E402
@@ -639,17 +638,6 @@ def test_an_upload_over_its_tenants_share_or_a_full_queue_is_refused_before_it_i
         assert_error(not_multipart, 415, "multipart_required")
         assert upload_ready(client, A1, "memo.txt", SECRET)
         assert len(received) == 3 and list((data / "uploads").iterdir()) == []
-
-
-def test_bounded_token_count_is_exact_up_to_the_limit(random_engine: Any) -> None:
-    """Counting in pieces never refuses a document that fits, nor accepts one that does not."""
-    words = ("alpha", "notice", "period", "days", "12,500", "EUR", "\n\n", "penalty:", "ninety")
-    text = " ".join(words[(i * 7) % len(words)] for i in range(12_000))
-    exact = len(random_engine.prompt.document_ids(text))
-    assert count_document_tokens(random_engine, text, exact) == exact
-    assert count_document_tokens(random_engine, text, exact + 100) == exact
-    assert count_document_tokens(random_engine, text, exact - 1) > exact - 1
-    assert count_document_tokens(random_engine, text, exact // 4) > exact // 4
 
 
 # Storage truth -----------------------------------------------------------------------------------

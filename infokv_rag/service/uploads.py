@@ -39,9 +39,6 @@ _FIELDS = tuple(UploadOptions.model_fields)
 _RATIO_OR_COUNT_FIELDS = ("keep", "recall")
 _BITS_FIELDS = ("cold_bits", "stored_bits")
 
-TOKENIZE_PIECE_CHARS = 16_384
-"""Text is tokenized in pieces of about this many characters, so that counting stops early."""
-
 
 def display_name(raw: str | None) -> str:
     """The client's file name reduced to one safe path component (only ever shown, never trusted)."""
@@ -335,7 +332,7 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
             f"reads at most {settings.max_document_chars}; split the document",
         )
     limit = engine.max_document_tokens
-    tokens = count_document_tokens(engine, document.text, limit)
+    tokens = engine.count_document_tokens(document.text)
     if tokens > limit:
         raise ServiceError(
             413,
@@ -345,30 +342,6 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
             f"split the document",
         )
     return ParsedUpload(document, tokens, load_warnings)
-
-
-def count_document_tokens(engine: InfoKVEngine, text: str, limit: int) -> int:
-    """The exact token count of `text` as a document prefix when it is at most `limit`; otherwise a count
-    above `limit`, found after tokenizing about `limit` tokens of the text, never all of a huge one.
-
-    Pieces are cut at whitespace, where a cut changes the count by a couple of tokens at most; counting
-    stops only once the sum passes `limit` by more than the cuts could explain.
-    """
-    tokenizer = engine.prompt.tokenizer
-    body = text.strip()
-    counted = engine.prompt.head_tokens
-    start = pieces = 0
-    while start < len(body):
-        end = min(len(body), start + TOKENIZE_PIECE_CHARS)
-        if end < len(body):
-            cut = max(body.rfind(" ", start, end), body.rfind("\n", start, end))
-            end = cut if cut > start else end
-        counted += len(tokenizer(body[start:end], add_special_tokens=False)["input_ids"])
-        pieces += 1
-        if counted > limit + 2 * pieces:
-            return counted
-        start = end
-    return len(engine.prompt.document_ids(text))  # short enough to tokenize whole: the exact count
 
 
 def _without_paths(message: str, staged: StagedUpload) -> str:
