@@ -194,7 +194,12 @@ class InfoKVEngine:
         Pieces are cut at whitespace, where a cut changes the count by a couple of tokens at most; counting stops
         only once the sum passes `limit` by more than the cuts could explain.
         """
-        limit = self.max_document_tokens if limit is None else limit
+        past = self._count_past(text, self.max_document_tokens if limit is None else limit)
+        return past if past is not None else len(self.prompt.document_ids(text))  # the exact count
+
+    def _count_past(self, text: str, limit: int) -> int | None:
+        """A count of `text`'s tokens above `limit`, from pieces of it, as soon as one is certain; None when the
+        pieces never certainly pass it (the whole text is then short enough to tokenize whole)."""
         body = text.strip()
         counted = self.prompt.head_tokens
         start = pieces = 0
@@ -208,7 +213,7 @@ class InfoKVEngine:
             if counted > limit + 2 * pieces:
                 return counted
             start = end
-        return len(self.prompt.document_ids(text))  # short enough to tokenize whole: the exact count
+        return None
 
     def check_question_fits(self, document_tokens: int, turns: Sequence[Turn], max_new_tokens: int) -> list[int]:
         """The token ids of a conversation asked after a document of `document_tokens` tokens; `ContextLengthError`
@@ -260,13 +265,15 @@ class InfoKVEngine:
         self, document: Document, config: CompressionConfig | None = None, *, progress: ProgressCallback | None = None
     ) -> CompressedDocument:
         config = self.resolve_config(config)
-        if self.count_document_tokens(document.text) > self.max_document_tokens:
+        # The exact ids only of a text the pieces did not already find too long: tokenized whole once, not twice.
+        fits = self._count_past(document.text, self.max_document_tokens) is None
+        ids = self.prompt.document_ids(document.text) if fits else []
+        if not fits or len(ids) > self.max_document_tokens:
             raise ContextLengthError(
                 f"the document is more than {self.max_document_tokens} tokens, the most this model reads: its context "
                 f"window of {self.context_window} less {self.context_window - self.max_document_tokens} for a "
                 "question and its answer; split the document or use a model with a longer context"
             )
-        ids = self.prompt.document_ids(document.text)
         result = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         result.stats.pages = len(document.pages)
         return CompressedDocument(
