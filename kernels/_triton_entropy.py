@@ -5,7 +5,9 @@ One program owns BLOCK_N tokens and sweeps the whole vocabulary in BLOCK_V tiles
 ever exist in registers:
 
 * full vocabulary (TOP_K == 0): an online log-sum-exp carrying, per token, the running max m,
-  s = sum exp(z - m) and t = sum exp(z - m) * (z - m); H = log s - t / s.
+  s = sum exp(z - m) and t = sum exp(z - m) * (z - m); H = log s - t / s. As in the reference,
+  a -inf logit contributes 0 (not 0 * -inf = NaN) to t, and m starts at the most negative float32
+  rather than -inf, so that tiles whose logits are all -inf add nothing.
 * top-k (1 <= TOP_K <= 64): a running top-k list per token in registers (K_PAD = next power of
   two >= TOP_K slots). Tile values enter it by repeated max extraction, only while some row's tile
   max beats its current k-th best, which after the first tiles is rare. (tl.topk's bitonic network
@@ -31,6 +33,13 @@ _UPCAST_DOT_OPERANDS = triton_interpreter_active()
 _BLOCK_N = 64
 _BLOCK_V = 128
 _BLOCK_D = 64
+_FLOAT32_MIN = tl.constexpr(torch.finfo(torch.float32).min)
+
+
+@triton.jit
+def _xlogy_terms(e, zc):
+    """e * zc with e = exp(zc), but 0 where e == 0: a -inf logit's 0 * -inf is 0 log 0 = 0 (NaN stays NaN)."""
+    return tl.where(e == 0.0, 0.0, e * zc)
 
 
 @triton.jit
@@ -60,7 +69,7 @@ def _entropy_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     if TOP_K == 0:
-        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        m = tl.full((BLOCK_N,), _FLOAT32_MIN, tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         t = tl.zeros((BLOCK_N,), tl.float32)
     else:
@@ -97,15 +106,15 @@ def _entropy_kernel(
         z = tl.where(col_ok[None, :], z, float("-inf"))
 
         if TOP_K == 0:
-            # Every tile has a valid column, so m_new is finite; padded columns give exp(-inf) = 0.
+            # m starts finite, so m_new is finite; padded columns give exp(-inf) = 0.
             m_new = tl.maximum(m, tl.max(z, axis=1))
             zc = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
             e = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
             alpha = tl.exp(m - m_new)
-            # Re-centre t on the new max: (z - m_new) = (z - m) + (m - m_new). On the first tile
-            # m = -inf and s = 0; the where keeps 0 * inf = NaN out.
+            # Re-centre t on the new max: (z - m_new) = (z - m) + (m - m_new). While s = 0 (no finite logit
+            # yet) m - m_new can overflow to -inf; the where keeps 0 * -inf = NaN out.
             shift = tl.where(s > 0, m - m_new, 0.0) * s
-            t = alpha * (t + shift) + tl.sum(e * zc, axis=1)
+            t = alpha * (t + shift) + tl.sum(_xlogy_terms(e, zc), axis=1)
             s = alpha * s + tl.sum(e, axis=1)
             m = m_new
         else:
@@ -134,7 +143,8 @@ def _entropy_kernel(
         zc = tl.where(slot_ok, best - tl.max(best, axis=1)[:, None], 0.0)
         e = tl.where(slot_ok, tl.exp(zc), 0.0)
         s = tl.sum(e, axis=1)
-        t = tl.sum(e * zc, axis=1)
+        # A -inf logit enters the top-k once k exceeds the row's finite logits.
+        t = tl.sum(_xlogy_terms(e, zc), axis=1)
         entropy = tl.where(nan_logits > 0, float("nan"), tl.log(s) - t / s)
     tl.store(out_ptr + rows, entropy, mask=row_ok)
 

@@ -38,8 +38,11 @@ def _check_inputs(queries: Tensor, keys: Tensor) -> None:
     kv_heads, n, key_dim = keys.shape
     if head_dim != key_dim:
         raise ValueError(f"head dim mismatch: queries have {head_dim}, keys have {key_dim}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    # Zero heads would pass the modulo test with a GQA group of 0, which neither path can score.
+    if heads == 0 or kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(
+            f"need at least one query head, and a multiple of KV heads: got {heads} query and {kv_heads} KV heads"
+        )
     if not 1 <= q_len <= n:
         raise ValueError(f"need 1 <= queries ({q_len}) <= keys ({n}): queries are the last positions of the keys")
     if queries.device != keys.device:
@@ -107,7 +110,7 @@ def accumulated_attention_reference(
             m = torch.full((rows.shape[0],), float("-inf"), dtype=torch.float32, device=keys.device)
             total = torch.zeros(rows.shape[0], dtype=torch.float32, device=keys.device)
             for k0 in range(0, horizon, key_block):
-                logits = _masked_logits(rows, key_g, positions, k0, min(k0 + key_block, horizon), scaling)
+                logits, _ = _masked_logits(rows, key_g, positions, k0, min(k0 + key_block, horizon), scaling)
                 m_new = torch.maximum(m, logits.amax(dim=1))
                 total = total * (m - m_new).exp() + logits.sub_(m_new[:, None]).exp_().sum(dim=1)
                 m = m_new
@@ -115,15 +118,21 @@ def accumulated_attention_reference(
 
             # Pass 2: normalised probabilities, summed over the block's queries per head.
             for k0 in range(0, horizon, key_block):
-                logits = _masked_logits(rows, key_g, positions, k0, min(k0 + key_block, horizon), scaling)
-                probs = logits.sub_(lse[:, None]).exp_()
+                logits, future = _masked_logits(rows, key_g, positions, k0, min(k0 + key_block, horizon), scaling)
+                # A masked key's probability is exactly 0. For a NaN query (lse = NaN) exp(-inf - NaN) is
+                # NaN and would reach keys it cannot see, so zero after the exp, as the Triton kernel does.
+                probs = logits.sub_(lse[:, None]).exp_().masked_fill_(future, 0.0)
                 out[head_slice, k0 : k0 + probs.shape[1]] += probs.view(group, q1 - q0, -1).sum(dim=1)
     return out
 
 
-def _masked_logits(rows: Tensor, keys: Tensor, positions: Tensor, start: int, stop: int, scaling: float) -> Tensor:
+def _masked_logits(
+    rows: Tensor, keys: Tensor, positions: Tensor, start: int, stop: int, scaling: float
+) -> tuple[Tensor, Tensor]:
     """(R, stop - start) float32 scaled logits of rows (R, dh) against keys[start:stop] of one KV
-    head (n, dh); -inf where a key lies after the row's absolute position (positions, (R,))."""
+    head (n, dh), -inf where a key lies after the row's absolute position (positions, (R,)), and
+    that (R, stop - start) bool mask of future keys."""
     logits = (rows @ keys[start:stop].float().T).mul_(scaling)
     key_pos = torch.arange(start, stop, device=keys.device)
-    return logits.masked_fill_(key_pos[None, :] > positions[:, None], float("-inf"))
+    future = key_pos[None, :] > positions[:, None]
+    return logits.masked_fill_(future, float("-inf")), future

@@ -11,6 +11,12 @@ With m = max z, s = sum exp(z - m) and t = sum exp(z - m) * (z - m):
 
 so three running scalars per token suffice for the full vocabulary (an online log-sum-exp that
 rescales s and t when the running max grows), and the k largest logits suffice for top-k.
+
+A logit of -inf (an fp32 overflow of hidden @ weight.T) has p = 0 and contributes 0 log 0 = 0, as in
+H = -sum xlogy(p, p), not exp(z - m) * (z - m) = 0 * -inf = NaN: z - m is floored at the most negative
+float32, where exp still gives 0 and the term is 0. m is floored there too, so that a tile whose logits
+are all -inf adds s = t = 0 instead of centring on -inf (-inf - -inf is NaN). A row with no finite
+logit stays NaN, as its softmax is; NaN logits stay NaN.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ TRITON_MAX_TOP_K = 64
 _TOKEN_BLOCK = 512
 _VOCAB_BLOCK = 2048
 
+_FLOAT32_MIN = torch.finfo(torch.float32).min
+
 
 def _check_inputs(hidden: Tensor, weight: Tensor, top_k: int) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
@@ -44,6 +52,22 @@ def _check_inputs(hidden: Tensor, weight: Tensor, top_k: int) -> None:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = full vocabulary); got {top_k!r}")
+
+
+def _check_targets(targets: Tensor, hidden: Tensor, weight: Tensor) -> None:
+    """Refuse targets that indexing would misread: a negative one silently scores a row from the end of
+    the vocabulary, one >= V is a device-side assert on CUDA, and uint8 or bool ones index as masks."""
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 or int32 row indices; got {targets.dtype}")
+    if targets.device != weight.device:
+        raise ValueError(f"targets are on {targets.device} but weight is on {weight.device}")
+    if targets.numel():
+        # One reduction over the (n,) targets and one host sync, whatever V is.
+        low, high = torch.stack(torch.aminmax(targets)).tolist()
+        if low < 0 or high >= weight.shape[0]:
+            raise ValueError(f"targets must lie in [0, {weight.shape[0]}) (rows of weight); got {low} .. {high}")
 
 
 def _effective_top_k(top_k: int, vocab: int) -> int:
@@ -112,9 +136,11 @@ def _tile_logits(h: Tensor, weight: Tensor, start: int, vocab_block: int) -> Ten
 
 
 def _tile_stats(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(m, s, t) of a logits tile (consumed in place): max, sum exp(z-m), sum exp(z-m)*(z-m)."""
-    m = z.amax(dim=1)
-    z.sub_(m[:, None])
+    """(m, s, t) of a (tokens, tile) logits tile (consumed in place): max, sum exp(z-m), sum exp(z-m)*(z-m),
+    each (tokens,), with m and z - m floored so that -inf logits add 0 (see module doc)."""
+    m = z.amax(dim=1).clamp_(min=_FLOAT32_MIN)
+    # An in-place clamp, not a mask of e == 0: a fraction of the cost, next to the tile's matmul.
+    z.sub_(m[:, None]).clamp_(min=_FLOAT32_MIN)
     e = z.exp()
     s = e.sum(dim=1)
     t = z.mul_(e).sum(dim=1)
@@ -137,7 +163,8 @@ def _online_stats(h: Tensor, weight: Tensor, vocab_block: int) -> tuple[Tensor, 
         # and (z - m_new) = (z - m) + (m - m_new).
         d1, d2 = m - m_new, m2 - m_new
         a1, a2 = d1.exp(), d2.exp()
-        t = a1 * (t + d1 * s) + a2 * (t2 + d2 * s2)
+        # A part with no finite logit (s = 0) may lie so far below m_new that d is -inf: d * s would be NaN.
+        t = a1 * (t + d1.where(s > 0, 0.0) * s) + a2 * (t2 + d2.where(s2 > 0, 0.0) * s2)
         s = a1 * s + a2 * s2
         m = m_new
     return m, s, t
@@ -169,7 +196,8 @@ def predictive_surprisal(
     Args:
         hidden: (n, d) final hidden states (after the final norm).
         weight: (V, d) LM-head weight (or a subset of its rows), on the same device.
-        targets: (n,) int64 row indices into `weight` of the tokens that followed.
+        targets: (n,) int64 or int32 row indices into `weight` of the tokens that followed, on
+            weight's device, each in [0, V).
 
     Returns:
         (n,) float32. The log-normaliser comes from the same online log-sum-exp as the
@@ -178,8 +206,7 @@ def predictive_surprisal(
         already run at full speed.
     """
     _check_inputs(hidden, weight, 0)
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}")
+    _check_targets(targets, hidden, weight)
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], token_block):
         h = hidden[start : start + token_block].float()

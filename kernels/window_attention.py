@@ -54,7 +54,7 @@ def group_reduce(scores: Tensor, kv_heads: int, mode: Literal["mean", "max"] = "
 
     Args:
         scores: (H, n) per query head; heads h*G .. h*G + G - 1 share KV head h (G = H // kv_heads).
-        kv_heads: number of KV heads Hkv; must divide H.
+        kv_heads: number of KV heads Hkv, an int; must divide H (H >= 1).
         mode: "mean" or "max" over the G query heads of a group.
 
     Returns:
@@ -63,8 +63,11 @@ def group_reduce(scores: Tensor, kv_heads: int, mode: Literal["mean", "max"] = "
     if scores.dim() != 2:
         raise ValueError(f"scores must be (H, n); got {tuple(scores.shape)}")
     heads, n = scores.shape
-    if kv_heads <= 0 or heads % kv_heads != 0:
-        raise ValueError(f"kv_heads ({kv_heads}) must divide the number of query heads ({heads})")
+    # Zero heads would pass the modulo test and give a (kv_heads, n) mean over empty groups: NaN.
+    if heads == 0:
+        raise ValueError("scores has no query heads (H = 0)")
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads != 0:
+        raise ValueError(f"kv_heads ({kv_heads!r}) must be an int that divides the number of query heads ({heads})")
     grouped = scores.reshape(kv_heads, heads // kv_heads, n)
     if mode == "mean":
         return grouped.mean(dim=1)

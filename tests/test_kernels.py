@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -85,23 +86,24 @@ MiB = 2**20
 
 
 def dense_entropy(hidden: torch.Tensor, weight: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(n,) entropy from the full (n, V) logits matrix."""
+    """(n,) entropy -sum xlogy(p, p) from the full (n, V) logits matrix (p = 0 contributes 0)."""
     logits = hidden.float() @ weight.float().T
     if 0 < top_k < logits.shape[1]:
         logits = logits.topk(top_k, dim=1).values
-    log_p = logits.log_softmax(dim=1)
-    return -(log_p.exp() * log_p).sum(dim=1)
+    p = logits.softmax(dim=1)
+    return -torch.special.xlogy(p, p).sum(dim=1)
 
 
 def dense_column_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(H, n) column sums of the full (H, q, n) bottom-right-causal attention probabilities."""
+    """(H, n) column sums of the full (H, q, n) bottom-right-causal attention probabilities; a masked key's
+    probability is exactly 0, even in the row of a NaN query."""
     heads, q_len, _ = queries.shape
     kv_heads, n, _ = keys.shape
     expanded = keys.float().repeat_interleave(heads // kv_heads, dim=0)
     logits = queries.float() @ expanded.transpose(1, 2) * scaling
     positions = torch.arange(n - q_len, n, device=keys.device)
     future = torch.arange(n, device=keys.device)[None, :] > positions[:, None]
-    return logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1).masked_fill(future, 0.0).sum(dim=1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -350,6 +352,44 @@ def test_entropy_triton_gives_nan_where_one_logit_is_nan(top_k: int) -> None:
     torch.testing.assert_close(actual, expected, equal_nan=True)
 
 
+def lm_head_with_infinite_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (3, 4) and weight (130, 4) whose logits overflow float32 to -inf in places: none in row 0, every
+    third in row 1, and in row 2 the first 128 (a whole Triton tile, many reference tiles) beside two of 1e35."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.zeros(130, 4)
+    weight[:128, 0] = -3e38
+    weight[::3, 1] = -3e38
+    weight[:, 2] = torch.randn(130, generator=gen) * 3.0
+    weight[128:, 3] = 1.0
+    hidden = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 10.0, 1.0, 0.0], [10.0, 0.0, 1.0, 1e35]])
+    return hidden.to(DEVICE), weight.to(DEVICE)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_entropy_reference_counts_minus_inf_logits_as_zero_probability(top_k: int) -> None:
+    """The spec's H = -sum xlogy(p, p) is finite where some logits are -inf (p = 0 adds 0 log 0 = 0), also once
+    the top-k takes in -inf logits (row 2 has two finite ones) and where whole tiles hold nothing else."""
+    hidden, weight = lm_head_with_infinite_logits()
+    logits = hidden @ weight.T
+    assert logits.isneginf().sum(dim=1).tolist() == [0, 44, 128]
+    expected = dense_entropy(hidden, weight, top_k)
+    assert torch.isfinite(expected).all() and abs(expected[2].item() - math.log(2)) < 1e-6
+    assert_close(predictive_entropy_reference(hidden, weight, top_k), expected, "reference")
+    tiled = predictive_entropy_reference(hidden, weight, top_k, token_block=2, vocab_block=16)
+    assert_close(tiled, expected, "reference, tiny tiles")
+
+
+@runs_triton
+# The interpreter's numpy arithmetic warns on the overflow to -inf and on the masked-out 0 * -inf.
+@pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_entropy_triton_counts_minus_inf_logits_as_zero_probability(top_k: int) -> None:
+    hidden, weight = lm_head_with_infinite_logits()
+    with kernel_backend("triton"):
+        actual = predictive_entropy(hidden, weight, top_k)
+    assert_close(actual, dense_entropy(hidden, weight, top_k), "triton vs dense")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logit_std", [3.0, 100.0])
 def test_surprisal_matches_dense(dtype: torch.dtype, logit_std: float) -> None:
@@ -362,6 +402,33 @@ def test_surprisal_matches_dense(dtype: torch.dtype, logit_std: float) -> None:
     assert_close(tiled, expected, "surprisal, tiny tiles")
     with pytest.raises(ValueError, match="targets"):
         predictive_surprisal(hidden, weight, targets[:-1])
+
+
+# Targets that indexing would misread, each with the reason it must be refused for (V = 10).
+BAD_TARGETS: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "negative": (lambda: torch.tensor([-1, 0, 2], device=DEVICE), r"in \[0, 10\).*-1 \.\. 2"),
+    "past-the-vocabulary": (lambda: torch.tensor([10, 0, 2], device=DEVICE), r"in \[0, 10\).*0 \.\. 10"),
+    "float": (lambda: torch.tensor([0.0, 1.0, 2.0], device=DEVICE), "int64 or int32"),
+    "bool": (lambda: torch.tensor([True, False, True], device=DEVICE), "int64 or int32"),
+    "uint8": (lambda: torch.tensor([0, 1, 2], dtype=torch.uint8, device=DEVICE), "int64 or int32"),
+    "another-device": (lambda: torch.tensor([0, 1, 2], device="meta"), "device|are on"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TARGETS)
+def test_surprisal_rejects_bad_targets(case: str) -> None:
+    hidden, weight = make_lm_head(3, 10, 8, torch.float32)
+    targets, reason = BAD_TARGETS[case]
+    with pytest.raises(ValueError, match=reason):
+        predictive_surprisal(hidden, weight, targets())
+
+
+def test_surprisal_takes_int32_targets() -> None:
+    hidden, weight = make_lm_head(3, 10, 8, torch.float32)
+    targets = torch.tensor([9, 0, 2], device=DEVICE)
+    torch.testing.assert_close(
+        predictive_surprisal(hidden, weight, targets.int()), predictive_surprisal(hidden, weight, targets)
+    )
 
 
 def test_entropy_edge_cases() -> None:
@@ -462,6 +529,34 @@ def test_accumulated_attention_triton_matches_reference_and_dense(
     assert_close(actual, dense_column_attention(queries, keys, scaling), "triton vs dense")
 
 
+def attention_with_a_nan_query() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries (2, 3, 8) whose head 1 query 0 (position 6 of 9, an fp16 overflow upstream) is NaN, keys (1, 9, 8),
+    and the dense column sums: NaN in head 1's keys 0..6, which that query sees, and nowhere else."""
+    queries, keys = make_qk(2, 1, 3, 9, 8, torch.float32)
+    queries[1, 0] = float("nan")
+    expected = dense_column_attention(queries, keys, 0.35)
+    assert expected.isnan().tolist() == [[False] * 9, [True] * 7 + [False] * 2]
+    return queries, keys, expected
+
+
+@pytest.mark.parametrize("tiles", [{}, {"query_block": 2, "key_block": 4}], ids=["default-tiles", "tiny-tiles"])
+def test_attention_reference_keeps_a_nan_query_to_the_keys_it_sees(tiles: dict[str, int]) -> None:
+    queries, keys, expected = attention_with_a_nan_query()
+    torch.testing.assert_close(accumulated_attention_reference(queries, keys, 0.35, **tiles), expected, equal_nan=True)
+    torch.testing.assert_close(window_attention_reference(queries, keys, 0.35, **tiles), expected / 3, equal_nan=True)
+
+
+@runs_triton
+def test_attention_triton_keeps_a_nan_query_to_the_keys_it_sees() -> None:
+    queries, keys, expected = attention_with_a_nan_query()
+    with kernel_backend("triton"):
+        actual = accumulated_attention(queries, keys, 0.35)
+        window = window_attention(queries, keys, 0.35)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+    torch.testing.assert_close(actual, accumulated_attention_reference(queries, keys, 0.35), equal_nan=True)
+    torch.testing.assert_close(window, expected / 3, equal_nan=True)
+
+
 def test_attention_rejects_bad_inputs() -> None:
     queries, keys = make_qk(6, 4, 3, 10, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -471,6 +566,15 @@ def test_attention_rejects_bad_inputs() -> None:
         accumulated_attention(queries, keys, 1.0)
     with pytest.raises(ValueError, match="head dim mismatch"):
         window_attention(queries[:, :3], keys[..., :4], 1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=runs_triton)])
+def test_attention_rejects_zero_query_heads(backend: str) -> None:
+    """H = 0 passes "a multiple of Hkv" with a GQA group of 0: refused in both paths, not scored by one only."""
+    queries, keys = make_qk(0, 1, 3, 5, 8, torch.float32)
+    for score in (accumulated_attention, window_attention, accumulated_attention_reference, window_attention_reference):
+        with kernel_backend(backend), pytest.raises(ValueError, match="at least one query head"):
+            score(queries, keys, 0.35)
 
 
 def test_attention_head_dim_over_the_triton_limit_falls_back_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -498,6 +602,15 @@ def test_group_reduce() -> None:
         group_reduce(scores, 4)
     with pytest.raises(ValueError, match="mode"):
         group_reduce(scores, 2, "median")  # type: ignore[arg-type]
+
+
+def test_group_reduce_rejects_zero_heads_and_non_int_kv_heads() -> None:
+    """Zero heads would reduce to a (kv_heads, n) row of NaN means; a float or bool kv_heads is not a head count."""
+    with pytest.raises(ValueError, match="no query heads"):
+        group_reduce(torch.empty(0, 5), 1)
+    for kv_heads in (2.0, True):
+        with pytest.raises(ValueError, match="kv_heads"):
+            group_reduce(torch.zeros(6, 4), kv_heads)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- memory
