@@ -6,13 +6,12 @@ different numbers), with
   positions               (m_h,) int64 per head, ascending.
 Positions are not stored: per head they are the document positions that the hot cache holds neither in the layer
 nor among that head's extras (`infokv_rag.cache.ExtrasLayout`). Since any cold tier of as many entries per head
-would fit those shapes, a saved one carries its `binding` to the hot cache it complements.
+would fit those shapes, a saved one carries its binding to the hot cache it complements (the sha256 of the hot
+tensors' file: `infokv_rag.store`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,22 +26,6 @@ from .quantisation import TENSOR_NAMES, QuantisedEntries
 
 HeadEvictions = tuple[Tensor, Tensor, Tensor]
 """One KV head's evicted keys, values (m, head_dim) and positions (m,)."""
-
-
-def binding(text: str, fingerprint: str, hot: ResidentCache) -> str:
-    """What ties a cold tier to the one hot cache it complements: a sha256 over the document's text, the model's
-    fingerprint and, per layer and KV head, the positions the hot cache keeps. A cold tier that fits the shapes of
-    another document's cache, another model's or another compression's would otherwise be read as this one's.
-    Positions, not entries: holding the kept entries in codes (`stored_bits`) leaves the binding as it was."""
-    text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    digest = hashlib.sha256(json.dumps([text_sha256, fingerprint]).encode())
-    for index in range(len(hot.lengths)):
-        kept = hot.kept_positions(index)
-        # Each head's count first, so that where one head's positions end and the next's begin is bound too.
-        counts = torch.tensor([len(positions) for positions in kept], dtype=torch.int64)
-        ordered = torch.cat([positions.sort().values for positions in kept]).to(device="cpu", dtype=torch.int64)
-        digest.update(counts.numpy().tobytes() + ordered.numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass

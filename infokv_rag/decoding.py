@@ -117,6 +117,11 @@ def _decode(
                 _evict(session, document, options, position, incoming, question_end)
             positions = torch.arange(position, position + len(pending), device=runner.device)
             hidden = runner.forward(pending, positions, session, token_scores=pending_scores, recall=recall)
+            if recall is not None:
+                # The pass just read the cold tier, after the check above (other answers may have run between): a
+                # change in place that landed meanwhile was read too, so it is checked again before anything of the
+                # answer is given. (A truncation read through the map kills the process: no check can follow it.)
+                check_cold_source(document, budget)
             logits = runner.logits(hidden[-1])
         if recall is not None:
             usage.recalled_tokens, recall = sum(recall.recalled), None

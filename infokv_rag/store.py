@@ -3,7 +3,8 @@
 A saved cache is a directory:
   manifest.json        format version, model fingerprint, config, document hash and page map, token
                        counts, stats, and the sha256 of every other file; itself checksummed
-  tensors.safetensors  per layer: keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
+  tensors.safetensors  its binding to the rest of the cache in its metadata (`hot_binding`), and per layer:
+                       keys.L, values.L (kv_heads, kept_L, head_dim), positions.L, scores.L
                        (kv_heads, kept_L); with summaries (`infokv_rag.summaries`) summary_keys.L,
                        summary_values.L (kv_heads, m_L, head_dim) and summary_log_counts.L (kv_heads, m_L);
                        with per-head budgets (`infokv_rag.cache.HeadExtras`) extra_keys.L, extra_values.L
@@ -14,18 +15,20 @@ A saved cache is a directory:
                        extra_keys.L and extra_values.L, <name> each of `infokv_rag.quantisation.TENSOR_NAMES`
   document.txt         the document text (page spans in the manifest index into it)
   cold.safetensors     the cold tier, when the config keeps one (`infokv_rag.cold_tier`), its metadata holding
-                       its binding to the hot cache (`infokv_rag.cold_tier.binding`): verified on load, then
+                       its binding to the hot cache (the sha256 of tensors.safetensors): verified on load, then
                        memory-mapped from a local directory (a page is read when a question recalls it)
 Saving writes a sibling temporary directory, fsyncs it and renames it into place, so a crash leaves the
 old cache or none, never a half-written one. Loading verifies everything before any tensor is used.
 
-Format 9 binds the cold tier to its hot cache: a cold tier of an earlier format, which cannot be checked against
-the cache it was saved with, is refused (ingest the document again); caches without one are read as they were.
-Format 8 keeps each head's extras out of the cold tier (`infokv_rag.cold_tier`); format 7 may hold its entries in
-codes; format 6 may hold per-head extras; format 5 may hold summaries of the evicted entries; format 4 may hold a
-cold tier; format 3 stores the config as its shared fields plus `settings`, the method's own; format 2 (one flat
-dict of every field) is read too, each field that the method does not take dropped; a config without `summaries`
-had none.
+Format 10 binds the hot tensors to the text, the model, the config and the token counts (`hot_binding`), and the
+cold tier to the hot tensors' bytes: a cold tier of an earlier format (format 9 bound it to the kept positions
+only, which another cache's entries share) is refused (ingest the document again); an earlier cache without one
+is read as it was, its hot tensors unbound, a binding checked where its tensors hold one.
+Format 9 first bound the cold tier, by the kept positions. Format 8 keeps each head's extras out of the cold tier
+(`infokv_rag.cold_tier`); format 7 may hold its entries in codes; format 6 may hold per-head extras; format 5 may
+hold summaries of the evicted entries; format 4 may hold a cold tier; format 3 stores the config as its shared
+fields plus `settings`, the method's own; format 2 (one flat dict of every field) is read too, each field that the
+method does not take dropped; a config without `summaries` had none.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from safetensors.torch import load, save
 from . import scorers
 from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV, ResidentCache
 from .coded_cache import CodedCache, CodedExtras, CodedLayer
-from .cold_tier import ColdTier, binding
+from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
@@ -75,12 +78,17 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
 
-FORMAT_VERSION = 9
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
-COLD_TIER_BOUND_FROM = 9
-"""The first format whose cold tier carries its binding to the hot cache; an earlier one is refused."""
-COLD_BINDING = "binding"
-"""The key of the cold tier's binding in cold.safetensors' metadata."""
+FORMAT_VERSION = 10
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
+BOUND_FROM = 10
+"""The first format whose tensors carry their bindings (`hot_binding`; the cold tier's to the hot tensors' bytes):
+an earlier cold tier is refused, earlier hot tensors without a binding are read as they were."""
+BINDING = "binding"
+"""The key of a binding in the metadata of tensors.safetensors and cold.safetensors."""
+BOUND_RECORDS = ("config", "document", "tokens", "cold_tier")
+"""The manifest's records that the hot tensors are bound to (`hot_binding`)."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest larger than this is damaged (a saved one holds a few kilobytes per hundred pages): never parsed."""
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 TEXT = "document.txt"
@@ -104,15 +112,7 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     """The files of `document`'s saved cache, by name, the manifest last (the order to write them in)."""
     from . import __version__
 
-    tensors = _cache_tensors(document.cache)
-    if document.information_reference is not None:
-        tensors["information_reference"] = document.information_reference
-    tensor_bytes = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
     text_bytes = document.document.text.encode("utf-8")
-    cold: dict[str, bytes] = {}
-    if document.cold_tier is not None:
-        bound_to = binding(document.document.text, document.engine.fingerprint, document.cache)
-        cold[COLD] = _encode_cold_tier(document.cold_tier, bound_to)
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
@@ -126,25 +126,44 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
             "kept_per_layer": document.cache.kept_per_layer,
         },
         "stats": document.stats.to_dict(),
-        "files": {
-            name: {"sha256": _sha256(data), "bytes": len(data)}
-            for name, data in {TENSORS: tensor_bytes, TEXT: text_bytes, **cold}.items()
-        },
     }
     if document.cold_tier is not None:
         manifest["cold_tier"] = {"bits": document.cold_tier.bits}
+    tensors = _cache_tensors(document.cache)
+    if document.information_reference is not None:
+        tensors["information_reference"] = document.information_reference
+    tensor_bytes = save(
+        {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+        metadata={BINDING: hot_binding(text_bytes, document.engine.fingerprint, manifest)},
+    )
+    cold: dict[str, bytes] = {}
+    if document.cold_tier is not None:
+        cold[COLD] = _encode_cold_tier(document.cold_tier, _sha256(tensor_bytes))
+    manifest["files"] = {
+        name: {"sha256": _sha256(data), "bytes": len(data)}
+        for name, data in {TENSORS: tensor_bytes, TEXT: text_bytes, **cold}.items()
+    }
     manifest["checksum"] = _manifest_checksum(manifest)
     # The manifest goes last: a cache whose manifest is missing is never loadable.
     return {TENSORS: tensor_bytes, TEXT: text_bytes, **cold, MANIFEST: json.dumps(manifest, indent=1).encode()}
 
 
+def hot_binding(text: bytes, fingerprint: str, manifest: dict[str, Any]) -> str:
+    """What ties tensors.safetensors to the rest of its cache: a sha256 over the text's sha256, the model's
+    fingerprint and the manifest's `BOUND_RECORDS` as saved. Another cache's tensors or text fit the shapes of any
+    cache of as many tokens, and a config or token count edited in a re-signed manifest would read the tensors
+    otherwise than they were made (ignore some, place the question elsewhere): each would answer from a mix."""
+    record = [_sha256(text), fingerprint, *(manifest.get(key) for key in BOUND_RECORDS)]
+    return _sha256(json.dumps(record, sort_keys=True).encode())
+
+
 def _encode_cold_tier(cold_tier: ColdTier, bound_to: str) -> bytes:
-    """The cold tier's file, its `binding` to the hot cache `bound_to` in its metadata. A loaded one maps its
-    file: changed in place since it was verified, the map would read the new bytes, saved here under fresh
+    """The cold tier's file, bound to the hot tensors whose sha256 is `bound_to` (in its metadata). A loaded one
+    maps its file: changed in place since it was verified, the map would read the new bytes, saved here under fresh
     checksums as if verified (or die on a truncation), so the file is checked first (`CacheStoreError`), and
     again after it was read for a change made meanwhile."""
     cold_tier.check_source()
-    data = save(cold_tier.tensors(), metadata={COLD_BINDING: bound_to})
+    data = save(cold_tier.tensors(), metadata={BINDING: bound_to})
     cold_tier.check_source()
     return data
 
@@ -417,9 +436,14 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise CacheStoreError(f"cannot read {manifest_path} ({exc}); check the store and try again") from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CacheStoreError(
+            f"{manifest_path} is damaged ({len(raw)} bytes, a manifest holds at most {MAX_MANIFEST_BYTES}); delete "
+            "the cache and ingest again"
+        )
     try:
         manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise CacheStoreError(f"{manifest_path} is damaged ({exc}); delete the cache and ingest again") from exc
     if not isinstance(manifest, dict):
         raise CacheStoreError(f"{manifest_path} is damaged (not a JSON object); delete the cache and ingest again")
@@ -435,6 +459,14 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
     if manifest.get("checksum") != _manifest_checksum(manifest):
         raise CacheStoreError(
             f"{manifest_path} fails its checksum (edited or damaged); delete {path} and ingest the document again"
+        )
+    # Each name is read from the cache (`_verified_files` reads them all): one of another file, outside it too,
+    # would have its content checked against the manifest's sha256 (telling whether a guess of it is right).
+    names = manifest.get("files")
+    if not isinstance(names, dict) or not {TENSORS, TEXT} <= set(names) <= CACHE_FILES - {MANIFEST}:
+        raise CacheStoreError(
+            f"{path} holds an incomplete or malformed manifest (its files are not {TENSORS}, {TEXT} and, with a "
+            f"cold tier, {COLD}); ingest the document again"
         )
     return manifest
 
@@ -533,16 +565,25 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
             f"{path} was made by model {model['name']!r} (fingerprint {model['fingerprint'][:12]}), not by the "
             f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
         )
+    runner = engine.runner
+    n = int(manifest["tokens"]["document"])
+    # Before anything of n entries is made: a count beyond the model's context window would ask for any memory.
+    if not 0 < n <= engine.context_window:
+        raise CacheStoreError(
+            f"{path} says its document is {n} tokens, outside the 1 to {engine.context_window} of this model's "
+            "context window; ingest the document again"
+        )
     try:
-        tensors = load(_read_verified(files, TENSORS, manifest["files"][TENSORS]))
+        tensor_bytes = _read_verified(files, TENSORS, manifest["files"][TENSORS])
+        tensors, hot_bound_to = load(tensor_bytes), _binding_of(tensor_bytes)
     except Exception as exc:  # safetensors raises its own error type on a malformed header
         if isinstance(exc, InfoKVError):
             raise
         raise CacheStoreError(f"{path}/{TENSORS} cannot be parsed ({exc}); ingest the document again") from exc
     _check_finite(tensors, f"{path}/{TENSORS}")
-    text = _read_verified(files, TEXT, manifest["files"][TEXT]).decode("utf-8")
-    runner = engine.runner
-    n = int(manifest["tokens"]["document"])
+    text_bytes = _read_verified(files, TEXT, manifest["files"][TEXT])
+    text = text_bytes.decode("utf-8")
+    document = Document.from_layout(text, manifest["document"])
     # Positions index the text's tokens: a cache of another text would cite, and answer from, the wrong one. The
     # template head before the text is counted as saved: one that prints the date may read longer on another day.
     head_now = engine.prompt.head_tokens
@@ -571,11 +612,28 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         cache = DocumentCache(layers, n, sinks, summaries, extras)
     else:
         cache = _coded_cache(tensors, config.stored_bits, n, sinks, summaries, config.heads_differ, runner, path)
+    unread = sorted(set(tensors) - set(_cache_tensors(cache)) - {"information_reference"})
+    if unread:
+        shown = ", ".join(unread[:3]) + (", ..." if len(unread) > 3 else "")
+        raise CacheStoreError(
+            f"{path}/{TENSORS} holds tensors that its config does not read ({shown}): the cache would answer without "
+            "entries the document kept; ingest the document again"
+        )
+    _check_document_end(cache, config, path)
+    # Checked once the checks above found nothing wrong in the tensors (they say what is): it tells the whole file
+    # of another cache, or a manifest edited to read it otherwise. Hot tensors saved before it are read unbound.
+    if (hot_bound_to is not None or manifest["format_version"] >= BOUND_FROM) and hot_bound_to != hot_binding(
+        text_bytes, engine.fingerprint, manifest
+    ):
+        raise CacheStoreError(
+            f"{path}/{TENSORS} is not bound to this cache's text, model, config and token counts (another cache's "
+            f"tensors or text copied in, or its manifest edited?); delete {path} and ingest the document again"
+        )
     cold = None
     if config.recall and COLD not in manifest["files"]:
         raise CacheStoreError(f"{path} was made with recall {config.recall} but holds no cold tier; ingest again")
     if COLD in manifest["files"]:
-        if manifest["format_version"] < COLD_TIER_BOUND_FROM:
+        if manifest["format_version"] < BOUND_FROM:
             raise CacheStoreError(
                 f"{path} holds a cold tier saved by an older version of infokv-rag (cache format "
                 f"{manifest['format_version']}), which cannot be checked against the cache it was saved with; "
@@ -583,19 +641,20 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
             )
         cold_tensors, bound_to, stamp = _read_cold_tensors(files, manifest["files"][COLD])
         _check_finite(cold_tensors, f"{path}/{COLD}")
-        # Its shapes fit any cache of as many entries per head: only the binding tells another one's.
-        if bound_to != binding(text, engine.fingerprint, cache):
+        # Its shapes fit any cache of as many entries per head: only the binding, to the hot tensors' bytes (bound
+        # in turn to the text, model and config), tells another one's, even one that keeps the same positions. Their
+        # sha256 is the manifest's, verified as they were read.
+        if bound_to != manifest["files"][TENSORS]["sha256"]:
             raise CacheStoreError(
-                f"{path}/{COLD} is not the cold tier of this cache (its binding names another document's text, "
-                f"another model or other kept positions: copied in from another cache?); delete {path} and ingest "
-                "the document again"
+                f"{path}/{COLD} is not the cold tier of this cache (its binding names other hot tensors: copied in "
+                f"from another cache?); delete {path} and ingest the document again"
             )
         cold = ColdTier.from_tensors(cold_tensors, cache, int(manifest["cold_tier"]["bits"]), path)
         cold.source = stamp
     return SavedDocument(
         cache,
         config,
-        Document.from_layout(text, manifest["document"]),
+        document,
         # Bytes as held here: the entries are read into this engine's dtype, which may not be the saver's.
         dataclasses.replace(
             DocumentStats(**stats_fields),
@@ -606,6 +665,23 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
         information.to(runner.device) if information is not None else None,
         cold,
     )
+
+
+def _check_document_end(cache: ResidentCache, config: CompressionConfig, path: str) -> None:
+    """Refuses a cache whose entries do not reach its document's last token: every config that keeps an
+    observation window (`window` > 0: the last tokens read, always kept) or keeps everything holds position n-1.
+    A token count raised in a re-signed manifest (with the head before the text, so that the text still reads as
+    that count) would otherwise place the question past the document."""
+    if config.window == 0 and config.method_spec.compresses:
+        return
+    held = [positions for positions in cache.layer_positions() if positions.numel()]
+    held += [positions for positions, _ in cache.extra_positions() or [] if positions.numel()]
+    last = max((int(positions.max()) for positions in held), default=-1)
+    if last != cache.document_tokens - 1:
+        raise CacheStoreError(
+            f"{path} says its document is {cache.document_tokens} tokens, but its entries end at position {last}: "
+            "they were made for another document length; ingest the document again"
+        )
 
 
 MAY_BE_INFINITE = ("scores.", "summary_log_counts.")
@@ -750,14 +826,19 @@ def _read_cold_tensors(
 
     buffer = _verified(files, COLD, record, read)
     try:
-        tensors = safetensors_views(buffer)
-        metadata = safetensors_header(buffer)[0].get("__metadata__")
+        tensors, bound_to = safetensors_views(buffer), _binding_of(buffer)
     except (ValueError, KeyError, struct.error) as exc:
         raise CacheStoreError(
             f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"
         ) from exc
-    bound_to = metadata.get(COLD_BINDING) if isinstance(metadata, dict) else None
     return tensors, bound_to, (stamps[0] if stamps else None)
+
+
+def _binding_of(buffer: bytes | bytearray | mmap.mmap) -> str | None:
+    """The binding in the metadata of the safetensors file in `buffer`; None when it holds none. Raises as
+    `safetensors_header` does on a malformed file."""
+    metadata = safetensors_header(buffer)[0].get("__metadata__")
+    return metadata.get(BINDING) if isinstance(metadata, dict) else None
 
 
 def _extra_positions(
@@ -828,8 +909,8 @@ class CacheStore:
     """Saved caches keyed by (document sha256, model fingerprint, compression config).
 
     Ingesting the same file again with the same model and config loads the stored cache instead of
-    prefilling; a stored entry that fails verification, or that holds other text than the file reads as now
-    (saved by a release that read PDFs otherwise), is replaced by a fresh ingestion.
+    prefilling; a stored entry that fails verification (or its load in any other way), or that holds other text
+    than the file reads as now (saved by a release that read PDFs otherwise), is replaced by a fresh ingestion.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -859,8 +940,8 @@ class CacheStore:
         if (path / MANIFEST).is_file():
             try:
                 stored = engine.load(path)
-            except InfoKVError:
-                pass  # damaged or stale entry: fall through and rebuild it
+            except Exception:  # damaged or stale in any way (not only as the checks say: `InfoKVError`)
+                pass  # fall through and rebuild it
             else:
                 # A whole, verified cache may still be another entry's, moved here by hand: it must be this
                 # document's, made with this config, or it is rebuilt too. The same file read into other text

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -345,6 +346,31 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
         (path / COLD).write_bytes(good)
 
 
+def test_a_cold_tier_changed_in_place_while_a_question_reads_it_is_refused_before_any_answer(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change that lands after the check before an answer, while the question's pass reads the cold tier (other
+    answers run between the two), is read with it: the answer is refused before any of it is given."""
+    path = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1)).save(tmp_path / "doc")
+    loaded = random_engine.load(path)
+    forward = random_engine.runner.forward
+
+    def written_over_while_read(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("recall") is not None:
+            data = (path / COLD).read_bytes()
+            with open(path / COLD, "r+b") as handle:  # the same bytes, in place: what the map reads is still whole
+                handle.write(data)
+            status = os.stat(path / COLD)
+            os.utime(path / COLD, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # file times tick coarsely
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(random_engine.runner, "forward", written_over_while_read)
+    given: list[str] = []
+    with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+        given.extend(loaded.stream(QUESTION, max_new_tokens=8))
+    assert given == []
+
+
 @pytest.mark.parametrize("where", ["directory moved", "another working directory"])
 def test_a_mapped_cold_tier_changed_in_place_is_noticed_wherever_its_directory_is(
     where: str, random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -431,24 +457,50 @@ def test_a_foreign_cold_tier_of_the_same_shapes_is_refused_even_with_a_consisten
     assert again.ask(QUESTION, max_new_tokens=8) == other.ask(QUESTION, max_new_tokens=8)
 
 
-def test_a_cold_tier_saved_before_it_was_bound_is_refused_and_a_cache_without_one_loads(
-    random_engine: InfoKVEngine, tmp_path: Path
+def test_a_cold_tier_of_a_cache_that_keeps_the_same_positions_is_refused(
+    random_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A cold tier of format 8 or earlier holds no binding: it cannot be told from another cache's, so it is not read
-    (the cache is ingested again); an older cache without a cold tier has nothing to bind and loads as it was."""
+    """streaming_llm keeps positions by place alone: the same text cached at another dtype keeps the same positions
+    in other entries, and its cold tier (codes of as many bits) fits shapes and positions. The binding is to the hot
+    tensors' bytes, so it is refused."""
+    config = CompressionConfig(method="streaming_llm", keep=0.3, recall=0.1, cold_bits=8)
+    paths = {
+        dtype: InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu", dtype=dtype)
+        .ingest_text(TEXT, config)
+        .save(tmp_path / dtype)
+        for dtype in ("fp32", "bf16")
+    }
+    shutil.copy(paths["fp32"] / COLD, paths["bf16"] / COLD)
+    manifest = json.loads((paths["bf16"] / MANIFEST).read_text())
+    manifest["files"][COLD] = json.loads((paths["fp32"] / MANIFEST).read_text())["files"][COLD]
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (paths["bf16"] / MANIFEST).write_text(json.dumps(manifest))
+    engine = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu", dtype="bf16")
+    with pytest.raises(CacheStoreError, match="cold.safetensors is not the cold tier of this cache"):
+        engine.load(paths["bf16"])
 
-    def as_format_8(path: Path) -> Path:
+
+@pytest.mark.parametrize("version", [8, 9])
+def test_a_cold_tier_saved_before_it_was_bound_to_the_hot_tensors_is_refused_and_a_cache_without_one_loads(
+    version: int, random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """A cold tier of format 8 or earlier holds no binding, one of format 9 a binding to the kept positions only: it
+    cannot be told from another cache's, so it is not read (the cache is ingested again); an older cache without a
+    cold tier loads as it was."""
+
+    def as_older_format(path: Path) -> Path:
         manifest = json.loads((path / MANIFEST).read_text())
-        manifest["format_version"] = 8
+        manifest["format_version"] = version
         manifest["checksum"] = _manifest_checksum(manifest)
         (path / MANIFEST).write_text(json.dumps(manifest))
         return path
 
     with_cold_tier = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
-    with pytest.raises(CacheStoreError, match=r"cold tier saved by an older version of infokv-rag \(cache format 8\)"):
-        random_engine.load(as_format_8(with_cold_tier.save(tmp_path / "cold")))
+    older = rf"cold tier saved by an older version of infokv-rag \(cache format {version}\)"
+    with pytest.raises(CacheStoreError, match=older):
+        random_engine.load(as_older_format(with_cold_tier.save(tmp_path / "cold")))
     without = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
-    loaded = random_engine.load(as_format_8(without.save(tmp_path / "hot")))
+    loaded = random_engine.load(as_older_format(without.save(tmp_path / "hot")))
     assert loaded.ask(QUESTION, max_new_tokens=8) == without.ask(QUESTION, max_new_tokens=8)
 
 

@@ -28,7 +28,17 @@ from safetensors.torch import load_file, save_file
 from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import Page, document_from_text, load_document
 from infokv_rag.signals import LayerBudgetSettings
-from infokv_rag.store import FORMAT_VERSION, MANIFEST, STALE_SECONDS, TENSORS, TEXT, _manifest_checksum, describe
+from infokv_rag.store import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    STALE_SECONDS,
+    TENSORS,
+    TEXT,
+    _manifest_checksum,
+    _sha256,
+    describe,
+)
 
 from .conftest import CORPUS
 from .helpers import document_cache, resign
@@ -239,7 +249,7 @@ DAMAGE = {
     "unknown-format-version": (
         lambda d: _edit_manifest(d, lambda m: m.update(format_version=FORMAT_VERSION + 1), True),
         rf"uses cache format {FORMAT_VERSION + 1}, "
-        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7, 8 and {FORMAT_VERSION}",
+        rf"but this version of infokv-rag reads formats 2, 3, 4, 5, 6, 7, 8, 9 and {FORMAT_VERSION}",
     ),
     # Consistent manifests (re-signed, as a broken tool would) holding fields in other shapes.
     "manifest-stats-a-list": (
@@ -302,6 +312,40 @@ def test_info_refuses_a_malformed_manifest_as_load_does(
             read(copy)
 
 
+def test_a_manifest_nested_too_deep_or_too_large_is_damaged_for_load_info_and_a_save(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, saved_a: Path, tmp_path: Path
+) -> None:
+    """Parsing either would raise RecursionError, or take memory without end: `CacheStoreError` instead, and a save
+    refuses the directory as it refuses any that is not a cache of ours."""
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    nested = b"[" * 100_000 + b"]" * 100_000
+    large = json.dumps({"format_version": FORMAT_VERSION, "padding": "x" * MAX_MANIFEST_BYTES}).encode()
+    for content in (nested, large):
+        (copy / MANIFEST).write_bytes(content)
+        for read in (describe, random_engine.load):
+            with pytest.raises(CacheStoreError, match=r"manifest\.json is damaged"):
+                read(copy)
+        with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
+            doc_a.save(copy)
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "absolute", "notes.txt"])
+def test_a_manifest_naming_other_files_than_a_caches_own_is_refused_without_reading_them(
+    name: str, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
+) -> None:
+    """`infokv-rag info` checks every file the manifest names: one outside the cache, named with a guess of its
+    sha256, would tell whether the guess is right."""
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"hunter2\n")
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    (copy / "notes.txt").write_bytes(outside.read_bytes())
+    guessed = {"sha256": _sha256(b"hunter2\n"), "bytes": 8}
+    _edit_manifest(copy, lambda m: m["files"].update({str(outside) if name == "absolute" else name: guessed}), True)
+    for read in (describe, random_engine.load):
+        with pytest.raises(CacheStoreError, match="malformed manifest"):
+            read(copy)
+
+
 @pytest.fixture(scope="module")
 def other_random_engine(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> InfoKVEngine:
     """Same architecture and tokenizer as random_engine, different weights."""
@@ -343,6 +387,79 @@ def test_a_head_that_holds_a_position_twice_is_refused_without_a_cold_tier_too(
     resign(path, tensors)
     with pytest.raises(CacheStoreError, match=f"layer {layer} holds a position of head {head} twice"):
         random_engine.load(path)
+
+
+# --- bindings -------------------------------------------------------------------------------------
+
+
+def _as_format_9(path: Path) -> Path:
+    """The saved cache as format 9 saved it: its tensors without a binding (`resign` writes them bare)."""
+    resign(path, load_file(path / TENSORS))
+    _edit_manifest(path, lambda m: m.update(format_version=9), True)
+    return path
+
+
+def _copy_in(path: Path, source: Path, name: str) -> None:
+    """The file `name` of the cache `source` copied into the cache `path`, its manifest re-signed to match."""
+    shutil.copy(source / name, path / name)
+    record = json.loads((source / MANIFEST).read_text())["files"][name]
+    _edit_manifest(path, lambda m: m["files"].update({name: record}), True)
+
+
+def test_another_caches_text_or_tensors_behind_a_re_signed_manifest_are_refused(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """Two documents of as many tokens, a full cache each: either's tensors fit the other's text, so only the hot
+    tensors' binding tells a mix of the two; and the manifest's document record is bound too (a `CacheStore` trusts
+    its sha256)."""
+    config = CompressionConfig(method="full")
+    doc, other = (random_engine.ingest_text(text, config) for text in (TEXT_A, " ".join(CORPUS[::-1] * 2)))
+    assert doc.cache.document_tokens == other.cache.document_tokens
+    path, other_path = doc.save(tmp_path / "doc"), other.save(tmp_path / "other")
+    for name in (TEXT, TENSORS):
+        mixed = Path(shutil.copytree(path, tmp_path / f"with-other-{name}"))
+        _copy_in(mixed, other_path, name)
+        with pytest.raises(CacheStoreError, match=r"tensors\.safetensors is not bound to this cache"):
+            random_engine.load(mixed)
+    _edit_manifest(path, lambda m: m["document"].update(sha256=other.document.sha256), True)
+    with pytest.raises(CacheStoreError, match=r"tensors\.safetensors is not bound to this cache"):
+        random_engine.load(path)
+
+
+def test_tensors_the_config_does_not_read_are_refused_in_every_format(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, saved_a: Path, tmp_path: Path
+) -> None:
+    """The default per-head budgets saved, the config re-signed as uniform budgets: the heads' extras, entries the
+    document kept, would be silently left out. A cache without a binding (format 9) loads as it was, but not so."""
+    for bound in (True, False):
+        copy = Path(shutil.copytree(saved_a, tmp_path / f"copy-{bound}"))
+        if not bound:
+            assert_same_document(random_engine.load(_as_format_9(copy)), doc_a)
+        _edit_manifest(copy, lambda m: m["config"]["settings"].update(layer_budgets="uniform"), True)
+        with pytest.raises(CacheStoreError, match=r"holds tensors that its config does not read \(extra_"):
+            random_engine.load(copy)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+@pytest.mark.parametrize("to", ["the model's most", "beyond any"])
+def test_a_token_count_raised_with_the_head_before_the_text_is_refused(
+    bound: bool, to: str, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
+) -> None:
+    """tokens.head and tokens.document raised together in a re-signed manifest: the text still reads as that many
+    tokens, but the entries end where the document did, and the question would be placed past it. A count no
+    document of this model reaches is refused before anything of its size is made (it asked for any memory)."""
+    n = random_engine.load(saved_a).cache.document_tokens
+    raised, message = (
+        (random_engine.max_document_tokens - n, "its entries end at position")
+        if to == "the model's most"
+        else (10**13, "outside the 1 to")
+    )
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    if not bound:
+        _as_format_9(copy)
+    _edit_manifest(copy, lambda m: m["tokens"].update(head=m["tokens"]["head"] + raised, document=n + raised), True)
+    with pytest.raises(CacheStoreError, match=message):
+        random_engine.load(copy)
 
 
 # --- older formats -------------------------------------------------------------------------------
@@ -820,6 +937,23 @@ def test_store_rebuilds_a_damaged_or_foreign_entry(
         doc, reused = store.ingest(random_engine, document, config)
         assert reused is False and doc.document.sha256 == document.sha256 and doc.config.keep == 0.25
         assert random_engine.load(entry).document.sha256 == document.sha256, "and the entry is rebuilt"
+
+
+def test_store_rebuilds_an_entry_whose_load_fails_in_any_way(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that fails otherwise than the checks refuse (an allocation, a bug) leaves the entry to be rebuilt,
+    as a damaged one is, not the question to fail."""
+    document, config = document_from_text(TEXT_A), CompressionConfig(keep=0.25)
+    store = CacheStore(tmp_path / "store")
+    store.ingest(random_engine, document, config)
+
+    def fails(directory: object) -> NoReturn:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(random_engine, "load", fails)
+    rebuilt, reused = store.ingest(random_engine, document, config)
+    assert reused is False and rebuilt.document.sha256 == document.sha256
 
 
 def test_store_rebuilds_a_cache_of_the_same_file_read_into_other_text(
