@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,7 @@ def test_requests_are_routed_by_the_document_they_are_about() -> None:
         forwarded("POST", "/v1/chat/completions", b"{not json"),
         forwarded("POST", "/v1/chat/completions", b'{"document_id": "../../etc"}'),
         forwarded("POST", "/v1/chat/completions", b"[1, 2]"),
+        forwarded("POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000),  # too deep for the decoder
     ):
         assert routing_key(request) == ""
 
@@ -212,23 +213,79 @@ def test_a_caller_that_stops_reading_disconnects_the_replica_app() -> None:
     asyncio.run(scenario())
 
 
-def test_the_ingress_refuses_a_body_over_the_limit_as_each_route_does() -> None:
-    """413, and 400 on OpenAI's route (its clients raise BadRequestError for 400 only), before any replica."""
+class Replicas:
+    """The replicas' handle, in this process: records what the ingress forwards, and answers 200."""
+
+    def __init__(self) -> None:
+        self.forwarded: list[ForwardedRequest] = []
+
+    def options(self, **_: Any) -> Replicas:
+        return self
+
+    def remote(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        self.forwarded.append(request)
+
+        async def parts() -> AsyncIterator[ResponseStart | bytes]:
+            yield ResponseStart(200, [])
+            yield b"{}"
+
+        return parts()
+
+
+def through_ingress(
+    ingress: Ingress, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any, int]:
+    """(status, headers, error code or None, bytes of the body the ingress read) of a request whose body arrives
+    1 KiB at a time with no Content-Length, as a chunked upload's does."""
     from starlette.requests import Request
 
-    ingress = Ingress(workers=None, max_body_bytes=10)  # type: ignore[arg-type]  # never reached
+    chunks = [body[start : start + 1024] for start in range(0, len(body), 1024)]
+    read = 0
 
-    async def refuse(path: str) -> int:
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"x" * 11, "more_body": False}
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        chunk = chunks.pop(0) if chunks else b""
+        read += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
 
-        scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
-        response = await ingress(Request(scope, receive))
-        assert json.loads(bytes(response.body))["error"]["code"] == "request_too_large"
-        return response.status_code
+    raw = [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
+    scope = {"type": "http", "method": method, "path": path, "headers": raw, "query_string": b""}
+    response = asyncio.run(ingress(Request(scope, receive)))
+    error = json.loads(bytes(response.body)).get("error", {}).get("code") if response.status_code != 200 else None
+    return response.status_code, dict(response.headers), error, read
 
-    assert asyncio.run(refuse("/v1/documents/doc_x/ask")) == 413
-    assert asyncio.run(refuse("/v1/chat/completions")) == 400
+
+def test_the_ingress_refuses_a_body_over_its_routes_limit_as_the_replica_does() -> None:
+    """413, and 400 on OpenAI's route (its clients raise BadRequestError for 400 only), before any replica, as soon
+    as a body passes its route's limit: an upload's for uploads, the far smaller JSON limit for any other."""
+    replicas = Replicas()
+    ingress = Ingress(replicas, Settings(api_keys=(f"tenantA:{KEY_A}",), max_request_bytes=2000))  # type: ignore[arg-type]
+    body = b"x" * 3000
+    assert through_ingress(ingress, "POST", "/v1/documents/doc_x/ask", body, A)[::2] == (413, "request_too_large")
+    assert through_ingress(ingress, "POST", "/v1/chat/completions", body, A)[::2] == (400, "request_too_large")
+    assert replicas.forwarded == []
+    assert through_ingress(ingress, "POST", "/v1/documents", body, A)[0] == 200
+    assert [request.body for request in replicas.forwarded] == [body]
+
+
+def test_the_ingress_reads_no_body_of_a_caller_without_a_valid_key() -> None:
+    """401 as the replica answers it, before a byte of the body is read: no anonymous client can make the ingress
+    hold its bodies. Routes open to anyone still are."""
+    replicas = Replicas()
+    ingress = Ingress(replicas, Settings(api_keys=(f"tenantA:{KEY_A}",)))  # type: ignore[arg-type]
+    body = b"x" * 3000
+    for headers, code in (({}, "missing_api_key"), (bearer("not-a-key-of-ours"), "invalid_api_key")):
+        for path in ("/v1/documents", "/v1/chat/completions", "/v1/documents/doc_x/ask"):
+            status, response_headers, error, read = through_ingress(ingress, "POST", path, body, headers)
+            assert (status, error, read) == (401, code, 0), path
+            assert response_headers["www-authenticate"].startswith("Bearer")
+    assert replicas.forwarded == []
+    assert through_ingress(ingress, "GET", "/healthz")[0] == 200
+    assert through_ingress(ingress, "POST", "/v1/documents", body, A)[0] == 200
+    assert [(request.path, request.body) for request in replicas.forwarded] == [
+        ("/healthz", b""),
+        ("/v1/documents", body),
+    ]
 
 
 def test_serve_ray_refuses_to_start_without_a_store(

@@ -183,6 +183,39 @@ def test_same_file_from_two_tenants_shares_a_cache_only_when_configured(
         assert ids(client, A1) == set() and ids(client, B) == {doc_b}
 
 
+def _budgets_read(client: TestClient, headers: dict[str, str], doc_id: str) -> tuple[int, dict[str, int]]:
+    """What a document's budgets change: the tokens it keeps, and a question's usage (the tokens it recalls)."""
+    kept = client.get(f"/v1/documents/{doc_id}", headers=headers).json()["kept_tokens"]
+    return kept, ask(client, headers, doc_id).json()["usage"]
+
+
+@pytest.mark.parametrize("option", ["keep", "recall"])
+def test_a_token_count_and_a_ratio_of_the_same_number_share_no_cache(
+    random_engine: Any, tmp_path: Path, option: str
+) -> None:
+    """`1` is one token and `1.0` a ratio (every token): equal numbers, other budgets. The same file uploaded with
+    each is read twice, and neither document answers from the other's cache put in its place (as a release that
+    shared them left it): it is read again, and answers as it did."""
+    data = tmp_path / "data"
+    memo = b" ".join([SECRET] * 8)  # long enough for one token and every token to differ, kept or recalled
+    with running(random_engine, data, share_caches=True) as client:
+        count = upload_ready(client, A1, "same.txt", memo, **{option: "1"})
+        ratio = upload_ready(client, B, "same.txt", memo, **{option: "1.0"})
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (2, 0)
+        own = _budgets_read(client, B, ratio)
+        assert own != _budgets_read(client, A1, count)
+    cache = data / "documents" / ratio / "cache"
+    shutil.rmtree(cache)
+    shutil.copytree(data / "documents" / count / "cache", cache)
+    with running(random_engine, data, share_caches=True) as client:
+        assert_error(ask(client, B, ratio), 409, "cache_rebuilding")
+        assert wait_settled(client, ratio, B)["status"] == "ready"
+        assert _budgets_read(client, B, ratio) == own
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (1, 0)
+
+
 def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(
     random_engine: Any, tmp_path: Path
 ) -> None:
@@ -281,6 +314,14 @@ def test_keys_and_tenants_are_validated() -> None:
     with pytest.raises(ConfigError, match="tenant name") as refused:
         Settings(api_keys=("s3cr3t!%:long-enough-key",))
     assert "s3cr3t" not in str(refused.value)  # it may be part of a bare key that holds a colon
+    # A key that HTTP headers do not carry as configured could never authenticate: refused at start, never echoed.
+    for entry in ("tenantC:clé-secrète-0001", "tenantC:tab\tinside-0001"):
+        with pytest.raises(ConfigError, match="tenant 'tenantC' holds a character that is not printable ASCII") as bad:
+            Settings(api_keys=(entry,))
+        assert "clé" not in str(bad.value) and "inside" not in str(bad.value)
+    # Bytes that are not UTF-8 in the environment (read as surrogates) too, in a bare key named by its digest.
+    with pytest.raises(ConfigError, match="tenant 'key-[0-9a-f]{12}' holds a character that is not printable ASCII"):
+        Settings.from_env({"INFOKV_API_KEYS": "key-\udcff-long-enough"})
     # In the environment, '#' is part of a key (comments are for keys files); and no key is shown by a repr.
     hashed = Settings.from_env({"INFOKV_API_KEYS": "tenantA:Pa55word#2024-long"})
     assert hashed.keyring.find("Pa55word#2024-long") is not None and hashed.keyring.find("Pa55word") is None
@@ -606,6 +647,18 @@ def test_an_encrypted_pdf_over_the_page_limit_is_refused_before_its_text_is_read
         for name, data, fields in (("locked.pdf", locked, {"password": "pw123"}), ("owner.pdf", owner_only, {})):
             error = assert_error(upload(client, A1, name, data, **fields), 413, "too_many_pages")
             assert "has 5 pages" in error["message"], error
+
+
+def test_behind_a_path_prefix_each_route_keeps_its_body_limit(random_engine: Any, tmp_path: Path) -> None:
+    """Served under a prefix (`--root-path`, behind a proxy), where the server puts the prefix in front of the path:
+    an upload still has the upload limit, and any other body the JSON limit."""
+    app = create_app(settings_for(tmp_path / "data", max_request_bytes=1024), engine=random_engine)
+    memo = b" ".join([SECRET] * 30)  # over the JSON limit, far under the upload limit
+    with TestClient(app, base_url="http://testserver/infokv", root_path="/infokv") as client:
+        doc_id = upload_ready(client, A1, "memo.txt", memo)
+        assert ask(client, A1, doc_id).status_code == 200
+        error = assert_error(ask(client, A1, doc_id, question=memo.decode()), 413, "request_too_large")
+        assert "limit of 1024 bytes" in error["message"], error
 
 
 def test_an_upload_over_its_tenants_share_or_a_full_queue_is_refused_before_it_is_received(

@@ -50,26 +50,42 @@ UPLOAD_OVERHEAD = 64 * 1024
 """Multipart framing and form fields allowed on top of the upload size limit."""
 
 
+def route_path(scope: Scope) -> str:
+    """The path that the routes match. Behind a proxy that serves the API under a prefix (`--root-path`), the server
+    puts the prefix in front of `path`, and the routing strips it again (as Starlette's does, whole segments only)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :]
+    return path
+
+
+def body_limit(settings: Settings, method: str, path: str) -> int:
+    """The most bytes the body of a request for `path` (its `route_path`) may hold: an upload's file and form, or
+    any other request's (a JSON question or chat)."""
+    if method == "POST" and path.rstrip("/") == "/v1/documents":
+        return settings.max_upload_bytes + UPLOAD_OVERHEAD
+    return settings.max_request_bytes
+
+
 class BodyTooLarge(StarletteHTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes")
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over the limit (413; 400 on OpenAI's route, `errors.status_on`) before they are read,
-    or as soon as they pass it."""
+    """Refuses request bodies over their route's limit (`body_limit`; 413, 400 on OpenAI's route: `errors.status_on`)
+    before they are read, or as soon as they pass it."""
 
-    def __init__(self, app: ASGIApp, default_limit: int, upload_limit: int) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.default_limit = default_limit
-        self.upload_limit = upload_limit
+        self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/documents"
-        limit = self.upload_limit if upload else self.default_limit
+        limit = body_limit(self.settings, scope["method"], route_path(scope))
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -210,11 +226,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
     app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(page.router)
-    app.add_middleware(
-        BodyLimitMiddleware,
-        default_limit=settings.max_request_bytes,
-        upload_limit=settings.max_upload_bytes + UPLOAD_OVERHEAD,
-    )
+    app.add_middleware(BodyLimitMiddleware, settings=settings)
     app.add_middleware(SecurityHeadersMiddleware)
     return app
 

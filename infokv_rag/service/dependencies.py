@@ -78,18 +78,13 @@ def presents_admin_key(settings: Settings, headers: Headers) -> bool:
     return bool(found) and all(credential is not None and credential.admin for credential in found)
 
 
-async def optional_caller(
-    request: Request,
-    service: ServiceDep,
-    _bearer_scheme: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-    _header_scheme: Annotated[str | None, Security(_header)],
-) -> Principal | None:
-    """The caller, or None when the request presents no key (routes open to anyone); keys that it presents
-    must all be valid and name the same tenant (else 401)."""
-    keyring = service.settings.keyring
+def identify(settings: Settings, headers: Headers) -> Principal | None:
+    """The caller of a request with `headers`, or None when it presents no key (routes open to anyone); keys that it
+    presents must all be valid and name the same tenant (else 401)."""
+    keyring = settings.keyring
     if not keyring:  # anonymous access was enabled explicitly (Settings.check_startable)
         return _ANONYMOUS
-    keys = presented_keys(request.headers)
+    keys = presented_keys(headers)
     if not keys:
         return None
     found = [keyring.find(key) for key in keys]
@@ -103,16 +98,31 @@ async def optional_caller(
     return principals.pop()
 
 
-OptionalCallerDep = Annotated[Principal | None, Depends(optional_caller)]
-
-
-async def authenticate(caller: OptionalCallerDep) -> Principal:
-    """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
+def required(caller: Principal | None) -> Principal:
+    """The caller that `identify` found; 401 when the request presents no key."""
     if caller is None:
         raise _unauthorized(
             "missing_api_key", "an API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
         )
     return caller
+
+
+async def optional_caller(
+    request: Request,
+    service: ServiceDep,
+    _bearer_scheme: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    _header_scheme: Annotated[str | None, Security(_header)],
+) -> Principal | None:
+    """The caller (`identify`), or None when the request presents no key."""
+    return identify(service.settings, request.headers)
+
+
+OptionalCallerDep = Annotated[Principal | None, Depends(optional_caller)]
+
+
+async def authenticate(caller: OptionalCallerDep) -> Principal:
+    """The caller. Every credential presented must be valid, and all of them must name the same tenant."""
+    return required(caller)
 
 
 CallerDep = Annotated[Principal, Depends(authenticate)]

@@ -197,12 +197,16 @@ def status_on(path: str, status: int) -> int:
     return 400 if status in (413, 422) and path.rstrip("/").endswith(OPENAI_CHAT_PATH) else status
 
 
+def error_response(path: str, exc: ServiceError) -> JSONResponse:
+    """The response that tells `exc` to the client of a request for `path`."""
+    status = status_on(path, exc.status)
+    return JSONResponse(error_body(status, exc.code, exc.message, exc.param), status_code=status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
-        status = status_on(request.url.path, exc.status)
-        body = error_body(status, exc.code, exc.message, exc.param)
-        return JSONResponse(body, status_code=status, headers=exc.headers)
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(core.InfoKVError)
     async def _core(_: Request, exc: core.InfoKVError) -> JSONResponse:

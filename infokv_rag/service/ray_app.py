@@ -9,12 +9,12 @@ documents, their owners and their caches live in the shared store, so any replic
 document by loading its cache from the store, without a prefill. An upload is read by the replica that
 received it, which publishes the cache to the store.
 
-The ingress forwards every HTTP request unchanged to a replica, chosen by Ray Serve's model multiplexing
-with the document's id as the model id (from the path, or `document_id` of an OpenAI chat request): a
-replica that has served a document (or received its upload) keeps getting its questions while it holds
-it, so its cache stays in memory there. Every response carries `x-infokv-replica` (the replica's id), and a
-response to an admin key `x-infokv-prefills` (how many documents that replica has read), so that operators
-and tests can tell who answered and whether it read the document itself.
+The ingress forwards every HTTP request it does not refuse itself (`Ingress`) unchanged to a replica, chosen by
+Ray Serve's model multiplexing with the document's id as the model id (from the path, or `document_id` of an
+OpenAI chat request): a replica that has served a document (or received its upload) keeps getting its questions
+while it holds it, so its cache stays in memory there. Every response carries `x-infokv-replica` (the replica's
+id), and a response to an admin key `x-infokv-prefills` (how many documents that replica has read), so that
+operators and tests can tell who answered and whether it read the document itself.
 
 This module imports Ray: only `infokv-rag serve --ray` and Ray's own CLI import it (extra [scale]).
 """
@@ -41,9 +41,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from ..errors import ConfigError
-from .app import UPLOAD_OVERHEAD, create_app
-from .dependencies import presents_admin_key
-from .errors import error_body, status_on
+from .app import BodyTooLarge, body_limit, create_app, route_path
+from .dependencies import identify, presents_admin_key, required
+from .errors import ServiceError, error_body, error_response
 from .registry import valid_document_id
 from .settings import Settings
 
@@ -88,7 +88,7 @@ def routing_key(request: ForwardedRequest) -> str:
     if request.method == "POST" and request.path.rstrip("/") == CHAT_PATH:
         try:
             return _document_id(json.loads(request.body).get("document_id"))
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deeply
             return ""  # the replica answers the malformed request with its usual error
     return ""
 
@@ -189,31 +189,41 @@ class ModelWorkerReplica:
 
 
 class Ingress:
-    """Forwards each request to a model-worker replica, routed by the document it is about."""
+    """Forwards each request to a model-worker replica, routed by the document it is about.
 
-    def __init__(self, workers: DeploymentHandle, max_body_bytes: int) -> None:
+    It holds each request's whole body in memory before forwarding it, so it refuses, with the replica's answer and
+    before reading the body, a body over its route's limit (`body_limit`: a JSON body's is far below an upload's)
+    and a POST (every route that takes a body needs a key) whose keys are missing or not valid. Otherwise anyone
+    could make it hold an upload's limit for each of the many requests it admits at once.
+    """
+
+    def __init__(self, workers: DeploymentHandle, settings: Settings) -> None:
         self.workers = workers
-        self.max_body_bytes = max_body_bytes
+        self.settings = settings
 
-    async def _body(self, request: Request) -> bytes | None:
-        """The whole body, or None as soon as it is larger than any request a replica accepts."""
+    async def _body(self, request: Request) -> bytes:
+        """The whole body, once the request may send it; the `ServiceError` a replica would answer with for a body
+        over the limit (by its Content-Length, or as soon as it passes it), or for a caller it does not know."""
+        limit = body_limit(self.settings, request.method, route_path(request.scope))
+        too_large = ServiceError(413, "request_too_large", BodyTooLarge(limit).detail)
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return None
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        if request.method == "POST":
+            required(identify(self.settings, request.headers))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
+            if size > limit:
+                raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
 
     async def __call__(self, request: Request) -> Response:
-        body = await self._body(request)
-        if body is None:
-            message = f"the request body is larger than this server's limit of {self.max_body_bytes} bytes"
-            status = status_on(request.url.path, 413)
-            return JSONResponse(error_body(status, "request_too_large", message), status_code=status)
+        try:
+            body = await self._body(request)
+        except ServiceError as exc:
+            return error_response(request.url.path, exc)
         forwarded = ForwardedRequest(
             method=request.method,
             path=request.url.path,
@@ -281,7 +291,7 @@ def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0, repl
     return (
         _deployment(Ingress)
         .options(name="Ingress", max_ongoing_requests=per_replica * replicas, ray_actor_options={"num_cpus": 0})
-        .bind(workers, settings.max_upload_bytes + UPLOAD_OVERHEAD)
+        .bind(workers, settings)
     )
 
 

@@ -555,8 +555,8 @@ class Registry:
             and other.status == "ready"
             and other.sha256 == record.sha256
             and other.method == record.method
-            and other.keep == record.keep
-            and other.recall == record.recall
+            and _budget(other.keep) == _budget(record.keep)
+            and _budget(other.recall) == _budget(record.recall)
             and other.cold_bits == record.cold_bits
             and other.stored_bits == record.stored_bits
         ]
@@ -696,17 +696,32 @@ class Registry:
         return document
 
 
+def _budget(value: float | int) -> tuple[str, float | int]:
+    """A keep or recall budget as a value to compare: `1` (one token) and `1.0` (a ratio: every token) are equal
+    numbers, but other budgets."""
+    return type(value).__name__, value
+
+
 def _check_belongs(record: DocumentRecord, document: CompressedDocument) -> None:
     """Refuses (`CacheStoreError`) a whole, verified cache that is not this record's: another upload's, or one
-    made with other options (moved into place by hand). The document is then read again."""
+    made with other options (moved into place by hand, or shared by a release that took a count for a ratio). The
+    document is then read again. The recall budget is compared too, though the cache's bytes do not depend on it:
+    the cache's config gives each question's default recall."""
     config = document.config
     made_with = (
         config.method,
-        config.keep,
+        _budget(config.keep),
         config.stored_bits,
-        bool(config.recall),
+        _budget(config.recall) if config.recall else None,
         config.cold_bits if config.recall else None,
     )
-    asked = (record.method, record.keep, record.stored_bits, bool(record.recall), record.cold_bits)
+    # A recall of 0 or 0.0 keeps no cold tier; its saved config leaves the field out, and reads it back as 0.
+    asked = (
+        record.method,
+        _budget(record.keep),
+        record.stored_bits,
+        _budget(record.recall) if record.recall else None,
+        record.cold_bits,
+    )
     if (record.sha256 is not None and document.document.sha256 != record.sha256) or made_with != asked:
         raise CacheStoreError(f"the saved cache of {record.id} holds another document or was made with other options")

@@ -53,9 +53,9 @@ class Settings:
     keys_file: Path | None = None
     allow_anonymous: bool = False
     share_caches: bool = False
-    """Serve an upload from an identical ready upload's cache (same file, method and keep), whichever tenant
-    made it. Off by default: sharing saves a prefill but tells a tenant, by its speed, that someone else
-    uploaded the same file."""
+    """Serve an upload from an identical ready upload's cache (same file and options: the count `1` is not the
+    ratio `1.0`), whichever tenant made it. Off by default: sharing saves a prefill but tells a tenant, by its
+    speed, that someone else uploaded the same file."""
     # Limits
     max_upload_bytes: int = 32 * 1024 * 1024
     max_document_chars: int = 2_000_000

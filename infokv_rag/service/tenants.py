@@ -23,6 +23,9 @@ from ..errors import ConfigError
 
 MIN_KEY_CHARS = 8
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+KEY_PATTERN = re.compile(r"^[\x20-\x7e]+$")
+"""Printable ASCII: HTTP header values carry no other characters portably (servers read them as Latin-1, clients
+send UTF-8 or refuse to send them), so a key with any other would never match as configured."""
 KEY_ADVICE = "generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
 
 
@@ -56,7 +59,8 @@ def key_digest(key: str) -> bytes:
 
 
 def bare_key_tenant(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+    # From the key's digest: a key from the environment may hold undecodable bytes (surrogates), refused after.
+    return "key-" + key_digest(key).hex()[:12]
 
 
 def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEYS") -> Credential:
@@ -78,6 +82,11 @@ def parse_entry(entry: str, *, admin: bool = False, where: str = "INFOKV_API_KEY
         raise ConfigError(
             f"{where}: the API key of tenant {tenant!r} is shorter than {MIN_KEY_CHARS} characters; "
             f"API keys must be at least {MIN_KEY_CHARS} characters long; {KEY_ADVICE}"
+        )
+    if not KEY_PATTERN.fullmatch(key):
+        raise ConfigError(
+            f"{where}: the API key of tenant {tenant!r} holds a character that is not printable ASCII, which HTTP "
+            f"headers do not carry portably: no client could present it; {KEY_ADVICE}"
         )
     return Credential(tenant=tenant, digest=key_digest(key), admin=admin)
 
