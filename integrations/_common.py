@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Protocol, Union
 
 import torch
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
@@ -99,6 +100,14 @@ def optional_config(config: CompressionConfig | dict[str, Any] | None) -> Compre
     return None if config is None else coerce_config(config)
 
 
+def config_fields(config: CompressionConfig | None) -> dict[str, Any] | None:
+    """An adapter's `compression` field as its serialisers write it: every field and method setting written out, so
+    that `optional_config` makes the same config of it. Not `to_dict`, which leaves out values that a saved cache's
+    reader (`CompressionConfig.from_dict`) puts back and the constructor would fill with today's defaults; and not
+    pydantic's own, which writes the method's settings as their base class, with no fields: `{}`."""
+    return None if config is None else dataclasses.asdict(config)
+
+
 def _is_saved_cache(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
@@ -119,24 +128,51 @@ def _source_key(source: DocumentSource | None, text: str | None) -> tuple[Any, .
         layout = json.dumps(source.layout(), sort_keys=True)
         content = hashlib.sha256(f"{layout}\n{source.text}".encode("utf-8", "surrogatepass")).hexdigest()
         return ("document", source.sha256, content)
-    path = Path(os.fspath(source)).expanduser().resolve()  # type: ignore[arg-type]
+    name = os.fspath(source)  # type: ignore[arg-type]
+    path = _document_path(name)
     saved = _saved_cache_stamp(path)
     if saved is not None:
         return ("cache", *saved)
     if not path.is_file():
-        _refuse_source(os.fspath(source), path)  # type: ignore[arg-type]
+        _refuse_source(name, path)
     stat = path.stat()
     return ("file", str(path), stat.st_mtime_ns, stat.st_size)
 
 
+def _document_path(name: str) -> Path:
+    """A document's path, absolute. A name that no file can have (longer than a file name may be, a NUL in it) is
+    most likely the document's text given where its path goes: refused saying so (`_text_as_path`), where the
+    filesystem's first look at it would raise a bare `OSError` or `ValueError`."""
+    try:
+        path = Path(name).expanduser().resolve()
+        path.exists()  # the filesystem's first look at the name, where it refuses one that no file can have
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ENAMETOOLONG:
+            raise
+        _text_as_path(name)
+    return path
+
+
+def _text_as_path(name: str) -> NoReturn:
+    """Refuses a document's text given as its path (`document=`), showing its start only."""
+    shown = name if len(name) <= 60 else f"{name[:60]}..."
+    raise FileNotFoundError(
+        f"document {shown!r} is no file: it looks like the document's text, which goes in document_text= "
+        "(document= takes a .pdf/.txt/.md file or a saved cache directory)"
+    )
+
+
 def _refuse_source(name: str, path: Path) -> NoReturn:
-    """Raises what the core says of a `path` that is neither a file nor a saved cache: not found; a saved cache's
-    directory without its manifest (`CacheStoreError`, as `InfoKVEngine.load`); another directory
-    (`IsADirectoryError`, as `load_document`); a pipe or a device (`UnsupportedFormatError`)."""
+    """Raises what the core says of a `path` that is neither a file nor a saved cache: not found (a name with a line
+    break in it: the document's text, `_text_as_path`); a saved cache's directory without its manifest
+    (`CacheStoreError`, as `InfoKVEngine.load`); another directory (`IsADirectoryError`, as `load_document`); a pipe
+    or a device (`UnsupportedFormatError`)."""
     if not path.exists():
+        if "\n" in name:
+            _text_as_path(name)
         raise FileNotFoundError(
             f"document {name!r} not found: pass a .pdf/.txt/.md file, a saved cache directory "
-            "(from doc.save()), or the text itself"
+            "(from doc.save()), or the text itself as document_text="
         )
     if path.is_dir() and any((path / part).exists() for part in (TENSORS, TEXT, COLD)):
         read_manifest(path)  # a cache's files without their manifest: "not a saved document cache (no manifest)"
@@ -184,7 +220,7 @@ def _manifest_stamp(source: Any, text: str | None) -> tuple[str, int, int] | Non
     instead of it)."""
     if text is not None or not isinstance(source, (str, os.PathLike)):
         return None
-    return _saved_cache_stamp(Path(os.fspath(source)).expanduser().resolve())
+    return _saved_cache_stamp(_document_path(os.fspath(source)))
 
 
 def answering_model(model: str | None, source: Any, text: str | None) -> str:
@@ -380,6 +416,21 @@ def check_document(value: Any, adapter: str, framework: FrameworkDocuments) -> A
     raise TypeError(f"{adapter}'s document is {DOCUMENT_SOURCES}; got {type(value).__name__}")
 
 
+def refuse_unknown_fields(model: type[BaseModel], data: Any) -> Any:
+    """`data`, the keyword arguments that make a `model`, when each names one of its fields; TypeError naming the
+    others and the fields it takes otherwise: pydantic would drop them unseen (a misspelling, the core's
+    `max_new_tokens`), and the adapter would answer with its defaults instead."""
+    if isinstance(data, dict):
+        taken = set(model.model_fields)
+        unknown = sorted(str(name) for name in set(data) - taken)
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword argument(s) {', '.join(unknown)}: not a field of {model.__name__}, which takes "
+                f"{', '.join(sorted(taken))}"
+            )
+    return data
+
+
 class AdapterFields(Protocol):
     """The fields both adapters declare: what a call resolves its document and options from."""
 
@@ -436,7 +487,7 @@ def check_call_password(adapter: AdapterFields, kwargs: dict[str, Any], password
     source, text = _call_source(adapter, kwargs)
     if text is not None or source is None or isinstance(source, (CompressedDocument, Document)):
         return
-    path = Path(os.fspath(source)).expanduser().resolve()
+    path = _document_path(os.fspath(source))
     if path.is_file():  # anything else holds no password: opening it says what it is
         stat = path.stat()
         _check_password(path, stat.st_mtime_ns, stat.st_size, password)
@@ -451,6 +502,52 @@ def as_secret(password: Any) -> Any:
 def revealed(password: str | SecretStr | None) -> str | None:
     """The text of a password field (`as_secret`), for the one place that opens the PDF with it."""
     return password.get_secret_value() if isinstance(password, SecretStr) else password
+
+
+def fields_choice(adapter: AdapterFields) -> str:
+    """What the fields' document depends on (its content, model, compression, device and dtype), as text."""
+    choice = [
+        document_identity(adapter.document, adapter.document_text),
+        adapter.model,
+        config_fields(adapter.compression),
+        adapter.device,
+        adapter.dtype,
+    ]
+    return json.dumps(choice, sort_keys=True)
+
+
+class DocumentHold:
+    """Where an adapter holds the document its own fields chose, once read: not only the process's shared cache,
+    which evicts documents other adapters opened since, so that this one would read its own again on every call.
+
+    An adapter keeps one as a private attribute, which a copy of it (pydantic's `model_copy`, as an adapter may make
+    for a call's options) shares: give a copy whose fields choose another document its own."""
+
+    def __init__(self) -> None:
+        self._held: tuple[str, CompressedDocument] | None = None
+        """(`fields_choice`, the document it chose): replaced whole, so that no thread reads half of it."""
+
+    def held(self, adapter: AdapterFields) -> CompressedDocument | None:
+        """The document the adapter's fields chose and it read already; None before that, or once a field changed."""
+        held = self._held
+        return held[1] if held is not None and held[0] == fields_choice(adapter) else None
+
+    def document(
+        self, adapter: AdapterFields, kwargs: dict[str, Any], password: str | None, how_to_bind: str
+    ) -> CompressedDocument:
+        """The document of one of the adapter's calls (`open_call_document`), held when it is the fields' own (the
+        call names none of `DOCUMENT_OPTIONS`) and read again once a field that chooses it changes. The password is
+        checked on every call, as on a first read."""
+        if any(key in kwargs for key in DOCUMENT_OPTIONS):
+            return open_call_document(adapter, kwargs, password, how_to_bind)
+        choice = fields_choice(adapter)
+        held = self._held
+        if held is not None and held[0] == choice:
+            check_call_password(adapter, {}, password)
+            return held[1]
+        document = open_call_document(adapter, {}, password, how_to_bind)
+        self._held = (choice, document)
+        return document
 
 
 def open_call_document(
@@ -554,6 +651,18 @@ class AnswerInfo:
     def input_tokens(self) -> int:
         """Question tokens plus the document tokens served from the cache."""
         return self.usage.prompt_tokens + self.usage.cached_tokens
+
+    def token_counts(self) -> dict[str, int]:
+        """The answer's token counts as OpenAI's usage (and the service's `/v1/chat/completions`) reports them: the
+        document served from the cache is part of the prompt (`prompt_tokens` = `input_tokens`, `cached_tokens`
+        of it), and the total is the prompt and the completion."""
+        completion = self.usage.completion_tokens
+        return {
+            "prompt_tokens": self.input_tokens,
+            "cached_tokens": self.usage.cached_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.input_tokens + completion,
+        }
 
     def metadata(self) -> dict[str, Any]:
         return {

@@ -43,7 +43,16 @@ from langchain_core.outputs import (
     LLMResult,
 )
 from langchain_core.runnables import Runnable
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS
@@ -52,7 +61,9 @@ from infokv_rag.prompt import Turn, check_conversation
 
 from ._common import (
     CALL_KWARGS,
+    DOCUMENT_OPTIONS,
     AnswerInfo,
+    DocumentHold,
     FrameworkDocuments,
     aiter_pieces,
     answer_info,
@@ -63,10 +74,11 @@ from ._common import (
     check_document,
     check_turns,
     coerce_dtype,
+    config_fields,
     document_identity,
     given_options,
-    open_call_document,
     optional_config,
+    refuse_unknown_fields,
     revealed,
     token_ids,
 )
@@ -128,12 +140,12 @@ _NO_TOOLS = (
 
 
 def _usage_metadata(info: AnswerInfo) -> UsageMetadata:
-    usage = info.usage
+    counts = info.token_counts()
     return UsageMetadata(
-        input_tokens=info.input_tokens,
-        output_tokens=usage.completion_tokens,
-        total_tokens=info.input_tokens + usage.completion_tokens,
-        input_token_details=InputTokenDetails(cache_read=usage.cached_tokens),
+        input_tokens=counts["prompt_tokens"],
+        output_tokens=counts["completion_tokens"],
+        total_tokens=counts["total_tokens"],
+        input_token_details=InputTokenDetails(cache_read=counts["cached_tokens"]),
     )
 
 
@@ -204,10 +216,22 @@ class _InfoKVFields(BaseModel):
     """Opens `document` (or a call's) when it is an encrypted PDF file. Held as a `SecretStr`, and no part of the
     repr, the dumps, LangChain's serialisation or its answer cache's key."""
 
+    _hold: DocumentHold = PrivateAttr(default_factory=DocumentHold)
+    """The document the fields chose, once read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        return refuse_unknown_fields(cls, data)
+
     @field_validator("compression", mode="before")
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_serializer("compression")
+    def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:
+        return config_fields(config)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -238,7 +262,7 @@ class _InfoKVFields(BaseModel):
 
         kwargs as per call: `document`, `document_text`, `model`, `compression`.
         """
-        return open_call_document(
+        return self._hold.document(
             self, kwargs, self._password(), how_to_bind="as a field or per call with .bind(document=...)"
         )
 
@@ -410,7 +434,8 @@ class InfoKVLLM(LLM, _InfoKVFields):
     """A completion LLM over one compressed document: the prompt is the user turn after the document.
 
     Streaming fires `on_llm_new_token` per piece; each generation's `generation_info` holds the finish
-    reason and token usage (`cached_tokens` = document tokens served from the cache).
+    reason and token usage as OpenAI's: `prompt_tokens` counts the document, `cached_tokens` of it served from the
+    cache, and `total_tokens` is `prompt_tokens` + `completion_tokens`.
     """
 
     @property
@@ -432,7 +457,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
         # become the fields of a copy, so that answers for another document or length are never served.
         options = _call_fields(self, kwargs)
         if options:
-            return self.model_copy(update=options).generate(prompts, stop, callbacks, **kwargs)
+            return self._with_fields(options).generate(prompts, stop, callbacks, **kwargs)
         self._check_password(kwargs)  # before LangChain's answer cache, which keys on no password
         return super().generate(prompts, stop, callbacks, **kwargs)
 
@@ -441,9 +466,17 @@ class InfoKVLLM(LLM, _InfoKVFields):
     ) -> LLMResult:
         options = _call_fields(self, kwargs)
         if options:
-            return await self.model_copy(update=options).agenerate(prompts, stop, callbacks, **kwargs)
+            return await self._with_fields(options).agenerate(prompts, stop, callbacks, **kwargs)
         self._check_password(kwargs)
         return await super().agenerate(prompts, stop, callbacks, **kwargs)
+
+    def _with_fields(self, options: dict[str, Any]) -> InfoKVLLM:
+        """A copy whose fields hold a call's options (`_call_fields`). It shares the document this LLM holds, unless
+        the call chooses another, which it holds apart: this LLM's own is kept for its next calls."""
+        copy = self.model_copy(update=options)
+        if any(name in options for name in DOCUMENT_OPTIONS):
+            copy._hold = DocumentHold()
+        return copy
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -453,15 +486,7 @@ class InfoKVLLM(LLM, _InfoKVFields):
 
     @staticmethod
     def _info(info: AnswerInfo) -> dict[str, Any]:
-        usage = info.usage
-        return {
-            **info.metadata(),
-            "usage": {
-                "prompt_tokens": usage.prompt_tokens,
-                "cached_tokens": usage.cached_tokens,
-                "completion_tokens": usage.completion_tokens,
-            },
-        }
+        return {**info.metadata(), "usage": info.token_counts()}
 
     @staticmethod
     def _check_prompts(prompts: list[str]) -> None:

@@ -14,7 +14,6 @@ chat messages follow it in the model's chat template. Needs the `llamaindex` ext
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -35,7 +34,14 @@ from llama_index.core.base.llms.types import (
     ThinkingBlock,
 )
 from llama_index.core.base.response.schema import Response
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr, field_serializer, field_validator
+from llama_index.core.bridge.pydantic import (
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -52,8 +58,7 @@ from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
 from ._common import (
-    DOCUMENT_OPTIONS,
-    AnswerInfo,
+    DocumentHold,
     FrameworkDocuments,
     aiter_pieces,
     answer_info,
@@ -61,13 +66,12 @@ from ._common import (
     as_secret,
     call_model_name,
     call_options,
-    check_call_password,
     check_document,
     check_turns,
     coerce_dtype,
-    document_identity,
-    open_call_document,
+    config_fields,
     optional_config,
+    refuse_unknown_fields,
     revealed,
 )
 
@@ -157,15 +161,22 @@ class InfoKV(CustomLLM):
         description="opens `document` when it is an encrypted PDF file; held as a SecretStr, never serialised",
     )
 
-    _opened: CompressedDocument | None = PrivateAttr(default=None)
-    """The document of the latest call that used the fields' own (for `to_payload`, which must not read one)."""
-    _opened_for: str | None = PrivateAttr(default=None)
-    """What in the fields chose `_opened` (`_fields_choice`): while that holds, calls answer from `_opened`."""
+    _hold: DocumentHold = PrivateAttr(default_factory=DocumentHold)
+    """The document the fields chose, once read (`to_payload` describes it, and reads none)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        return refuse_unknown_fields(cls, data)
 
     @field_validator("compression", mode="before")
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_serializer("compression")
+    def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:
+        return config_fields(config)
 
     @field_validator("document", mode="before")
     @classmethod
@@ -211,29 +222,7 @@ class InfoKV(CustomLLM):
     def compressed_document(self, **kwargs: Any) -> CompressedDocument:
         """The compressed document this LLM answers from: read on first use, then shared while the fields (or
         the call's kwargs) that choose it stay the same; a field changed later chooses another."""
-        if any(key in kwargs for key in DOCUMENT_OPTIONS):
-            return open_call_document(self, kwargs, revealed(self.password), _HOW_TO_BIND)
-        # Held here, not only in the process's shared cache: that one evicts documents other instances opened
-        # since, and this instance would read its own again on every call.
-        choice = self._fields_choice()
-        if self._opened is not None and choice == self._opened_for:
-            check_call_password(self, {}, revealed(self.password))  # a password set since is checked as on a first read
-            return self._opened
-        document = open_call_document(self, {}, revealed(self.password), _HOW_TO_BIND)
-        self._opened, self._opened_for = document, choice
-        return document
-
-    def _fields_choice(self) -> str:
-        """What the fields' document depends on (its content, model, compression, device and dtype), as text."""
-        compression = None if self.compression is None else self.compression.to_dict()
-        choice = [
-            document_identity(self.document, self.document_text),
-            self.model,
-            compression,
-            self.device,
-            self.dtype,
-        ]
-        return json.dumps(choice, sort_keys=True)
+        return self._hold.document(self, kwargs, revealed(self.password), _HOW_TO_BIND)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -258,9 +247,10 @@ class InfoKV(CustomLLM):
 
     def to_payload(self) -> dict[str, Any]:
         """For instrumentation events: never loads weights or reads the document just to describe them."""
-        if self._opened is None or self._opened_for != self._fields_choice():  # none, or another field's document
+        held = self._hold.held(self)
+        if held is None:  # none read yet, or another field's document
             return {"class_name": self.class_name(), "model_name": self._model_name(), "num_output": self.max_tokens}
-        metadata = self._metadata(self._opened.engine, self._opened.cache.document_tokens)
+        metadata = self._metadata(held.engine, held.cache.document_tokens)
         return {"class_name": self.class_name(), **metadata.model_dump()}
 
     # Generation ------------------------------------------------------------------------------------
@@ -294,33 +284,31 @@ class InfoKV(CustomLLM):
         return messages_to_turns(self._extend_messages(messages))
 
     @staticmethod
-    def _extra(info: AnswerInfo) -> dict[str, Any]:
-        usage = info.usage
-        return {
-            **info.metadata(),
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": info.input_tokens + usage.completion_tokens,
-        }
+    def _answered(
+        text: str, generation: Generation, document: CompressedDocument, delta: str | None = None
+    ) -> CompletionResponse:
+        """The response that ends an answer (`delta` "" when streamed): its metadata and token counts in
+        `additional_kwargs`, and the counts also as `raw["usage"]`, where LlamaIndex's `TokenCountingHandler` reads a
+        model's own (else it counts the messages again with its tokenizer, without the document)."""
+        info = answer_info(document, generation.usage)
+        counts = info.token_counts()
+        return CompletionResponse(
+            text=text, delta=delta, additional_kwargs={**info.metadata(), **counts}, raw={"usage": counts}
+        )
 
     def _completions(self, generation: Generation, document: CompressedDocument) -> CompletionResponseGen:
         text = ""
         for piece in generation:
             text += piece
             yield CompletionResponse(text=text, delta=piece)
-        yield CompletionResponse(
-            text=text, delta="", additional_kwargs=self._extra(answer_info(document, generation.usage))
-        )
+        yield self._answered(text, generation, document, delta="")
 
     async def _acompletions(self, generation: Generation, document: CompressedDocument) -> CompletionResponseAsyncGen:
         text = ""
         async for piece in aiter_pieces(generation):
             text += piece
             yield CompletionResponse(text=text, delta=piece)
-        yield CompletionResponse(
-            text=text, delta="", additional_kwargs=self._extra(answer_info(document, generation.usage))
-        )
+        yield self._answered(text, generation, document, delta="")
 
     @staticmethod
     def _as_chat(response: CompletionResponse) -> ChatResponse:
@@ -328,13 +316,14 @@ class InfoKV(CustomLLM):
             message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
             delta=response.delta,
             additional_kwargs=response.additional_kwargs,
+            raw=response.raw,
         )
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         generation, document = self._start(self._prompt_turns(prompt, formatted), kwargs)
         text = generation.text()
-        return CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+        return self._answered(text, generation, document)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -345,9 +334,7 @@ class InfoKV(CustomLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         generation, document = self._start(self._chat_turns(messages), kwargs)
         text = generation.text()
-        return self._as_chat(
-            CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
-        )
+        return self._as_chat(self._answered(text, generation, document))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -358,7 +345,7 @@ class InfoKV(CustomLLM):
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         generation, document = await self._astart(self._prompt_turns(prompt, formatted), kwargs)
         text = "".join([piece async for piece in aiter_pieces(generation)])
-        return CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
+        return self._answered(text, generation, document)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -369,9 +356,7 @@ class InfoKV(CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         generation, document = await self._astart(self._chat_turns(messages), kwargs)
         text = "".join([piece async for piece in aiter_pieces(generation)])
-        return self._as_chat(
-            CompletionResponse(text=text, additional_kwargs=self._extra(answer_info(document, generation.usage)))
-        )
+        return self._as_chat(self._answered(text, generation, document))
 
     async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
         await self._aopen()
@@ -434,13 +419,6 @@ def _cited_files(files: Sequence[str]) -> dict[str, str]:
     return {file: file if sharing[os.path.basename(file)] > 1 else os.path.basename(file) for file in files}
 
 
-def _check_llm_kwargs(llm_kwargs: dict[str, Any]) -> None:
-    """TypeError for a keyword no `InfoKV` field takes (pydantic would drop it unseen, e.g. a misspelt option)."""
-    unknown = sorted(set(llm_kwargs) - set(InfoKV.model_fields))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}: not a field of InfoKV")
-
-
 class DocumentQueryEngine(CustomQueryEngine):
     """Answers queries from one compressed document; source nodes are the pages that support the answer.
 
@@ -473,7 +451,6 @@ class DocumentQueryEngine(CustomQueryEngine):
         """A .pdf/.txt/.md file (read by infokv-rag's loader, keeping the PDF's page numbers) or a saved cache
         directory; `password` opens an encrypted PDF; `callback_manager` serves the engine and its LLM.
         `llm_kwargs` are `InfoKV` fields."""
-        _check_llm_kwargs(llm_kwargs)
         llm = InfoKV(
             model=model,
             document=path,  # checked by InfoKV (`check_document`), which says where LlamaIndex Documents go
@@ -505,7 +482,6 @@ class DocumentQueryEngine(CustomQueryEngine):
         _check_documents(documents)
         if not documents:
             raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
-        _check_llm_kwargs(llm_kwargs)
         files = [str(doc.metadata.get("file_path") or doc.metadata.get("file_name") or "") for doc in documents]
         cited = _cited_files(files)
         pages, labels, names = [], [], []

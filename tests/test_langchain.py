@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -37,13 +38,14 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import ValidationError
 
-from infokv_rag import CompressionConfig
+from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
 from infokv_rag.errors import CacheStoreError, ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
+from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.store import save_document
 
 from .conftest import CORPUS
@@ -86,6 +88,13 @@ class TestChatInfoKVStandardUnit(_NoToolCalling, ChatModelUnitTests):
     def chat_model_params(self) -> dict[str, Any]:
         # No max_tokens here: test_standard_params passes its own.
         return {"model": "tiny", "document_text": SUITE_TEXT}
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        # The suite also passes a hosted model's client settings (api_key, timeout, max_retries): ChatInfoKV has
+        # none, and refuses a keyword that is no field of it rather than drop it unseen.
+        params = super().standard_chat_model_params
+        return {name: value for name, value in params.items() if name in ChatInfoKV.model_fields}
 
 
 class TestChatInfoKVStandardIntegration(_NoToolCalling, ChatModelIntegrationTests):
@@ -198,6 +207,52 @@ def test_a_document_of_another_type_is_refused_where_it_is_given(no_document_rea
             adapter(model="tiny", document_text=SUITE_TEXT).invoke("Q?", document=pages[0])
         assert adapter(model="tiny", document=Path("contract.txt")).document == Path("contract.txt")  # os.PathLike
         assert adapter(model="tiny", document=document_from_text(SUITE_TEXT)).document is not None
+
+
+def test_a_keyword_that_is_no_field_is_refused_when_the_adapter_is_made(no_document_read: None) -> None:
+    """pydantic drops a keyword that is no field: the core's `max_new_tokens` or a misspelling would leave the adapter
+    answering with its defaults (256 greedy tokens), where a call's kwargs refuse the same names."""
+    misspelt: dict[str, Any] = {"max_new_tokens": 5, "temprature": 0.7}
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        takes = r"which takes cache, callbacks, compression, .*max_tokens, .*temperature, top_p, verbose$"
+        with pytest.raises(TypeError, match=rf"max_new_tokens, temprature: not a field of {adapter.__name__}, {takes}"):
+            adapter(model="tiny", document_text=SUITE_TEXT, **misspelt)
+        with pytest.raises(TypeError, match="api_key: not a field"):  # a hosted model's: none here
+            adapter.model_validate({"model": "tiny", "api_key": "sk-..."})
+        llm = adapter(model="tiny", document_text=SUITE_TEXT, max_tokens=5, tags=["qa"], streaming=True)
+        assert (llm.max_tokens, llm.tags, llm.streaming) == (5, ["qa"], True)  # LangChain's fields are fields too
+
+
+@pytest.mark.parametrize("adapter", [ChatInfoKV, InfoKVLLM])
+def test_the_compression_survives_serialisation_with_its_method_settings(
+    adapter: type[ChatInfoKV | InfoKVLLM], no_document_read: None
+) -> None:
+    """pydantic wrote a config's method settings as their base class, which has no fields (`{}`), and
+    `CompressionConfig.to_dict` leaves out values (`summaries` 0, `layer_budgets` "uniform") that the constructor
+    fills with today's defaults: the adapter made again from its dump compressed its document otherwise."""
+    configs = [
+        CompressionConfig(method="snapkv", keep=0.5, settings={"pooling_kernel": 7}),
+        CompressionConfig(keep=64, recall=0.1, summaries=0, settings={"tau": 0.5, "layer_budgets": "uniform"}),
+    ]
+    for config in configs:
+        llm = adapter(model="tiny", document_text=SUITE_TEXT, compression=config)
+        assert llm.model_dump()["compression"]["settings"] == dataclasses.asdict(config)["settings"]
+        assert adapter.model_validate(llm.model_dump()).compression == config
+        assert adapter.model_validate_json(llm.model_dump_json()).compression == config
+    assert adapter(model="tiny").model_dump()["compression"] is None
+
+
+def test_a_documents_text_given_as_its_path_is_refused_saying_where_it_goes(no_document_read: None) -> None:
+    """Text passed as `document=`: one longer than a file name may be (or holding a NUL) made the filesystem raise a
+    bare OSError (ValueError); text with a line break was "not found"."""
+    texts = ["The notice period is ninety days. " * 10, "Notice period:\nninety days.", "ninety\x00days"]
+    as_text = r"is no file: it looks like the document's text, which goes in document_text="
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        for text in texts:
+            with pytest.raises(FileNotFoundError, match=as_text):
+                adapter(model="tiny", document=text).invoke("What is the notice period?")
+        with pytest.raises(FileNotFoundError, match="not found: .*or the text itself as document_text="):
+            adapter(model="tiny", document="The notice period is ninety days.").invoke("What is the notice period?")
 
 
 def test_an_option_given_as_none_keeps_the_adapters_own(random_model_dir: Path) -> None:
@@ -498,6 +553,59 @@ def test_tokens_are_counted_and_stop_strings_read_as_the_model_does(random_model
     # A stop given as a string is one sequence, as the core takes it, not a stop at any of its characters.
     assert call_options(chat, {}, "ninety").stop == ("ninety",)
     assert call_options(chat, {}, ["ninety", ""]).stop == ("ninety",)
+
+
+def test_the_adapters_count_the_document_in_the_prompt_tokens(random_model_dir: Path) -> None:
+    """As OpenAI's usage and the service's `/v1/chat/completions`: `InfoKVLLM`'s prompt tokens left the document out
+    (and it gave no total), where `ChatInfoKV`'s input tokens hold it."""
+    question = "What is the notice period?"
+    chat = ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=3)
+    metadata = chat.invoke(question).usage_metadata
+    assert metadata is not None
+    document_tokens = chat.compressed_document().stats.document_tokens
+    expected = {
+        "prompt_tokens": metadata["input_tokens"],
+        "cached_tokens": document_tokens,
+        "completion_tokens": 3,
+        "total_tokens": metadata["input_tokens"] + 3,
+    }
+    assert metadata["input_token_details"].get("cache_read") == document_tokens < metadata["input_tokens"]
+    assert metadata["total_tokens"] == expected["total_tokens"]
+    llm = InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=3)
+    for streaming in (False, True):
+        info = llm.model_copy(update={"streaming": streaming}).generate([question]).generations[0][0].generation_info
+        assert info is not None and info["usage"] == expected, streaming
+
+
+@pytest.mark.parametrize("adapter", [ChatInfoKV, InfoKVLLM])
+def test_an_adapter_keeps_its_document_when_the_shared_cache_evicts_it(
+    adapter: type[ChatInfoKV | InfoKVLLM], random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's shared cache evicts documents other adapters opened since: an adapter that held none of its own
+    read (prefilled and compressed) its document again on every call. A call's own options (for `InfoKVLLM` the
+    fields of a copy) answer from the document held, and a call's own document leaves it held."""
+    ingested: list[str] = []
+    ingest_text = InfoKVEngine.ingest_text
+
+    def count(self: InfoKVEngine, text: str, *args: Any, **kwargs: Any) -> CompressedDocument:
+        ingested.append(text)
+        return ingest_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(InfoKVEngine, "ingest_text", count)
+    monkeypatch.setattr(_common, "_DOCUMENTS", LoadOnceCache(capacity=1))
+    first, second = (
+        adapter(model=str(random_model_dir), document_text=f"Contract {number}: the notice period is {number} days.")
+        for number in (1, 2)
+    )
+    question = "What is the notice period?"
+    for llm in (first, second, first, second):
+        llm.invoke(question, max_tokens=1)
+    assert len(ingested) == 2, "each adapter reads its document once, though the shared cache holds one"
+    first.invoke(question, max_tokens=1, document_text=OTHER_TEXT)
+    first.invoke(question, max_tokens=1)
+    assert ingested[2:] == [OTHER_TEXT], "a call's own document is read apart; the adapter's own stays held"
+    first.document_text = "Contract 3: the notice period is 3 days."
+    assert first.compressed_document().document.text == first.document_text and len(ingested) == 4
 
 
 def test_recall_without_a_cold_tier_is_refused(random_model_dir: Path) -> None:

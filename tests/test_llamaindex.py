@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -202,6 +203,47 @@ def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
     for option in ("max_new_tokens", "max_token", "stop_sequences"):
         with pytest.raises(ValueError, match=f"unknown option.*{option}"):
             llm.complete("Q?", **{option: 2})
+
+
+def test_a_keyword_that_is_no_field_is_refused_when_the_llm_is_made(no_document_read: None) -> None:
+    """pydantic drops a keyword that is no field: the core's `max_new_tokens` or a misspelling would leave the LLM
+    answering with its defaults (256 greedy tokens), where a call's kwargs and the query engine's factories refuse
+    the same names."""
+    misspelt: dict[str, Any] = {"max_new_tokens": 5, "temprature": 0.7}
+    takes = r"which takes callback_manager, completion_to_prompt, compression, .*max_tokens, .*temperature, top_p$"
+    with pytest.raises(TypeError, match=rf"max_new_tokens, temprature: not a field of InfoKV, {takes}"):
+        InfoKV(model="tiny", document_text="The notice period is ninety days.", **misspelt)
+    llm = InfoKV(model="tiny", document_text="The notice period is ninety days.", max_tokens=5, system_prompt="Hi.")
+    assert (llm.max_tokens, llm.system_prompt) == (5, "Hi.")  # LlamaIndex's fields are fields too
+    assert InfoKV.from_dict(llm.to_dict()).max_tokens == 5  # its dict's class_name is no field: from_dict drops it
+
+
+def test_the_compression_survives_serialisation_with_its_method_settings(no_document_read: None) -> None:
+    """pydantic wrote a config's method settings as their base class, which has no fields (`{}`), and
+    `CompressionConfig.to_dict` leaves out values (`summaries` 0, `layer_budgets` "uniform") that the constructor
+    fills with today's defaults: `from_json(to_json())` compressed its document otherwise, and every instrumentation
+    event's `model_dict` showed no settings."""
+    configs = [
+        CompressionConfig(method="snapkv", keep=0.5, settings={"pooling_kernel": 7}),
+        CompressionConfig(keep=64, recall=0.1, summaries=0, settings={"tau": 0.5, "layer_budgets": "uniform"}),
+    ]
+    for config in configs:
+        llm = InfoKV(model="tiny", document_text="The notice period is ninety days.", compression=config)
+        assert llm.to_dict()["compression"]["settings"] == dataclasses.asdict(config)["settings"]
+        assert InfoKV.from_json(llm.to_json()).compression == config
+        assert InfoKV.from_dict(llm.to_dict()).compression == config
+    assert json.loads(InfoKV(model="tiny").to_json())["compression"] is None
+
+
+def test_a_documents_text_given_as_its_path_is_refused_saying_where_it_goes(no_document_read: None) -> None:
+    """Text passed as `document=`: one longer than a file name may be (or holding a NUL) made the filesystem raise a
+    bare OSError (ValueError); text with a line break was "not found"."""
+    as_text = r"is no file: it looks like the document's text, which goes in document_text="
+    for text in ("The notice period is ninety days. " * 10, "Notice period:\nninety days.", "ninety\x00days"):
+        with pytest.raises(FileNotFoundError, match=as_text):
+            InfoKV(model="tiny", document=text).complete("What is the notice period?")
+        with pytest.raises(FileNotFoundError, match=as_text):
+            DocumentQueryEngine.from_file(text, model="tiny").query("What is the notice period?")
 
 
 def test_bad_options_and_questions_are_refused_before_the_document_is_read(no_document_read: None) -> None:
@@ -502,6 +544,38 @@ def test_recall_from_compression_and_per_call(random_model_dir: Path, tmp_path: 
     response = engine.query("What is the notice period?")
     assert isinstance(response, Response) and response.metadata is not None
     assert response.metadata["recalled_tokens"] == 4 * layers
+
+
+def test_the_token_counts_hold_the_document_in_the_prompt(random_model_dir: Path) -> None:
+    """As OpenAI's usage, the service's `/v1/chat/completions` and `ChatInfoKV` count them: the prompt tokens left the
+    document out, though the total held it. `TokenCountingHandler` counts the model's own (`raw["usage"]`), not the
+    messages again with its tokenizer, without the document."""
+    counter = TokenCountingHandler(tokenizer=str.split)
+    llm = InfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=3)
+    llm.callback_manager = CallbackManager([counter])
+    question = "What is the notice period?"
+    document = llm.compressed_document()
+    answered = document.generate([("user", question)], GenerationOptions.build(max_new_tokens=3))
+    answered.text()
+    expected = {
+        "prompt_tokens": answered.usage.prompt_tokens + document.stats.document_tokens,
+        "cached_tokens": document.stats.document_tokens,
+        "completion_tokens": 3,
+        "total_tokens": answered.usage.prompt_tokens + document.stats.document_tokens + 3,
+    }
+    messages = [ChatMessage(role=MessageRole.USER, content=question)]
+    responses: dict[str, Any] = {
+        "complete": lambda: llm.complete(question),
+        "stream_complete": lambda: list(llm.stream_complete(question))[-1],
+        "chat": lambda: llm.chat(messages),
+        "stream_chat": lambda: list(llm.stream_chat(messages))[-1],
+    }
+    for path, respond in responses.items():
+        counter.reset_counts()
+        response = respond()
+        assert {name: response.additional_kwargs[name] for name in expected} == expected, path
+        assert response.raw == {"usage": expected}, path
+        assert (counter.prompt_llm_token_count, counter.completion_llm_token_count) == (expected["prompt_tokens"], 3)
 
 
 def test_a_compressed_document_refuses_another_compression(random_model_dir: Path) -> None:
