@@ -6,6 +6,7 @@ needs >=5.24, so this script imports only torch, transformers and kvpress, never
 
     .venv-kvpress/bin/python benchmarks/kvpress_peer.py JOB.json OUT.json
     .venv-kvpress/bin/python benchmarks/kvpress_peer.py JOB.json --check   # verify the shortcuts below
+    .venv-kvpress/bin/python benchmarks/kvpress_peer.py --versions         # kvpress, transformers, torch
 
 JOB: {model_dir, dtype, device, presses, keeps, max_new_tokens, eos_token_ids, documents: [{name,
 prefix_ids, questions: [{suffix_ids, reference_ids}]}]}; the ids are the project's own prompt tokens, so
@@ -413,14 +414,23 @@ def check_kvzip(model: Any, prefix: list[int], questions: list[dict[str, Any]], 
     return passed
 
 
+def versions() -> dict[str, str]:
+    """The packages whose release decides the answers: realdocs_quality stamps its cached kvpress rows with them."""
+    return {package: version(package) for package in ("kvpress", "transformers", "torch")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("job", help="job JSON written by benchmarks/quality.py")
+    parser.add_argument("job", nargs="?", help="job JSON written by benchmarks/quality.py")
     parser.add_argument("out", nargs="?", help="where to write the answers (not needed with --check)")
     parser.add_argument("--check", action="store_true", help="verify replay and batching on the first document")
+    parser.add_argument("--versions", action="store_true", help="print the versions the answers record, and exit")
     args = parser.parse_args()
-    if not args.check and args.out is None:
-        parser.error("give an output path, or --check")
+    if args.versions:
+        print(json.dumps(versions()))
+        return 0
+    if args.job is None or (not args.check and args.out is None):
+        parser.error("give a job and an output path, or a job and --check")
     with open(args.job) as handle:
         job = json.load(handle)
     unknown = set(job["presses"]) - set(PRESSES) - {KVZIP}
@@ -449,9 +459,8 @@ def main() -> int:
             f"{len(document['questions'])} questions; prefill {timing['prefill_s']:.0f}s, "
             f"compress {timing['compress_s']:.0f}s, answers {timing['answer_s']:.0f}s"
         )
-    versions = {package: version(package) for package in ("kvpress", "transformers", "torch")}
     with open(args.out, "w") as handle:
-        json.dump({"versions": versions, "timings": timings, "rows": rows}, handle)
+        json.dump({"versions": versions(), "timings": timings, "rows": rows}, handle)
     return 0
 
 

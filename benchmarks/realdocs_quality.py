@@ -20,7 +20,9 @@ of that width (`CompressionConfig.stored_bits`), its bytes those of the codes.
 Results are cached on disk per (model fingerprint, document sha256 and text, row's resolved config,
 max_new_tokens), one entry per question, so iterating on one method recomputes only that method's rows:
 `$INFOKV_CACHE_DIR/bench/realdocs` (default ~/.cache/infokv-rag/bench/realdocs). The key holds the
-config, not the code: after changing a method's code, recompute its rows with `--fresh ROW ...`.
+config, not the code: after changing a method's code, recompute its rows with `--fresh ROW ...`. A row answered by
+other code (`code_digest`; the kvpress rows: `peer_digest`), or whose KL was teacher-forced on another full answer
+than the full row's now, is reused and reported as answered by other code.
 
     python -m benchmarks.realdocs_quality --split test                      # the reported run
     python -m benchmarks.realdocs_quality --split dev --rows infokv@0.25 'infokv@0.25[tau=0.5]' --no-kvpress
@@ -36,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +58,8 @@ from benchmarks.quality import KVPRESS_PRESSES, FullAnswer, Task, kvpress_job, m
 from benchmarks.realdocs import KINDS, SPLITS, RealDoc, load_realdocs
 from benchmarks.variants import teacher_forced_logits
 from infokv_rag import CompressedDocument, CompressionConfig, ConfigError, InfoKVEngine
-from infokv_rag.documents import Document, Page, load_document
-from infokv_rag.evaluation import answer_matches
+from infokv_rag.documents import Document, load_document
+from infokv_rag.evaluation import BLANK_DOCUMENT, answer_matches
 from infokv_rag.generation import Generation, GenerationOptions
 from infokv_rag.models import cache_root
 from infokv_rag.placement import DTYPES, dtype_name
@@ -82,8 +85,6 @@ DEFAULT_ROWS = (
 DEFAULT_PRESSES = ("kvzip", "snapkv")
 CACHE_VERSION = 1
 """Bump when what a cached entry means changes (prompt, decoding, KL definition)."""
-BLANK = Document(text="", pages=(Page(1, ""),), source="blank", sha256="")
-"""The closed-book control: a document with no text (the prompt's instruction and an empty body)."""
 SHARED_FIELDS = tuple(
     f.name for f in dataclasses.fields(CompressionConfig) if f.name not in ("method", "keep", "settings")
 )
@@ -330,6 +331,25 @@ def default_cache_dir() -> Path:
     return cache_root() / "bench" / "realdocs"
 
 
+def reference_digest(ids: Sequence[int]) -> str:
+    """The full cache's answer ids that a row's KL is teacher-forced on, digested: stored with each KL, since the
+    full row can be recomputed (`--fresh full`) after the row, leaving that KL measured on another answer."""
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def peer_digest(python: Path) -> str:
+    """A digest of the code that answers the kvpress rows: `code_digest()` (the prompts and the job), the peer
+    (benchmarks/kvpress_peer.py) and the versions of kvpress, transformers and torch in its environment."""
+    versions = subprocess.run(
+        [str(python), str(ROOT / "benchmarks/kvpress_peer.py"), "--versions"], capture_output=True, text=True
+    )
+    if versions.returncode:
+        raise SystemExit(f"the kvpress peer could not report its versions: {versions.stderr.strip()}")
+    digest = hashlib.sha256(code_digest().encode() + versions.stdout.encode())
+    digest.update((ROOT / "benchmarks/kvpress_peer.py").read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def code_digest() -> str:
     """A digest of the code that answers: the installed `infokv_rag` package (sources and shipped data such as
     the surrogates), its kernels (installed from another directory), this module and the benchmark modules it
@@ -413,6 +433,14 @@ class DocumentResult:
     def missing(self, label: str) -> list[str]:
         return [q for q, _ in self.questions if q not in self.records[label]["questions"]]
 
+    def other_reference(self, label: str) -> bool:
+        """Whether any of the row's cached KL was teacher-forced on another answer than the full record's now (or
+        on one not recorded, as before the answers' digests were stored)."""
+        cached = self.records[label]["questions"]
+        return any(
+            cached[q].get("reference") != reference_digest(self.full_ids(q)) for q, _ in self.questions if q in cached
+        )
+
 
 class Bench:
     """The engine, the cache and the run's options; `run_document` fills a document's engine rows."""
@@ -450,7 +478,7 @@ class Bench:
     def ingest(self, document: Document, config: CompressionConfig) -> tuple[CompressedDocument, float]:
         """The product's ingestion, timed; the first call of a run warms up first (one-time costs untimed)."""
         if not self._warm:
-            self.engine.ingest_document(BLANK, FULL_ROW.config)
+            self.engine.ingest_document(BLANK_DOCUMENT, FULL_ROW.config)
             self._warm = True
         clock = time.perf_counter()
         compressed = self.engine.ingest_document(document, config)
@@ -479,7 +507,9 @@ class Bench:
         for row in [FULL_ROW, NO_DOCUMENT_ROW, *rows]:
             record = result.records[row.label] = self.cache.load(self.key(result.document, row.identity()), row.label)
             missing = result.missing(row.label)
-            stale = bool(record["questions"]) and record.get("code") != self.code
+            stale = bool(record["questions"]) and (
+                record.get("code") != self.code or (row is not FULL_ROW and result.other_reference(row.label))
+            )
             if stale:
                 self.other_code.add(row.label)
             if not missing:
@@ -492,7 +522,7 @@ class Bench:
             else:
                 identity = json.dumps([row.blank, row.config.cache_identity()], sort_keys=True)
                 if identity not in ingested:
-                    ingested[identity] = self.ingest(BLANK if row.blank else result.document, row.config)
+                    ingested[identity] = self.ingest(BLANK_DOCUMENT if row.blank else result.document, row.config)
                 compressed, seconds = ingested[identity]
                 compressed = dataclasses.replace(compressed, config=row.config)
             clock = time.perf_counter()
@@ -502,6 +532,7 @@ class Bench:
                 if row is not FULL_ROW:
                     logits = teacher_forced_logits(compressed, question_turns(question), result.full_ids(question))
                     entry["kl"] = mean_kl(reference(question), logits)
+                    entry["reference"] = reference_digest(result.full_ids(question))
                 record["questions"][question] = entry
             record["ingest"] = {"seconds": seconds, "full_seconds": full_seconds, "stats": compressed.stats.to_dict()}
             record["code"] = "mixed" if stale else self.code
@@ -515,11 +546,18 @@ class Bench:
 def run_peer(
     bench: Bench, results: Sequence[DocumentResult], rows: Sequence[PeerRow], python: Path, stem: Path
 ) -> None:
-    """Fills the kvpress rows: the documents with any question missing go to the peer in one job."""
+    """Fills the kvpress rows: the documents with any question missing go to the peer in one job, which answers
+    all of their rows anew; a document's cached rows by other code or on another full answer are reported."""
+    code = peer_digest(python)
     for result in results:
         for row in rows:
             result.records[row.label] = bench.cache.load(bench.key(result.document, row.identity()), row.label)
     pending = [result for result in results if any(result.missing(row.label) for row in rows)]
+    for result in results:
+        if result not in pending:
+            for row in rows:
+                if result.records[row.label].get("code") != code or result.other_reference(row.label):
+                    bench.other_code.add(row.label)
     if not pending:
         progress(f"kvpress peer: every row cached ({bench.elapsed()})")
         return
@@ -542,12 +580,18 @@ def run_peer(
         question = result.questions[output["question"]][0]
         text = bench.engine.tokenizer.decode(output["ids"], skip_special_tokens=True)
         label = PeerRow(output["press"], output["keep"]).label
-        result.records[label]["questions"][question] = {"answer": text, "ids": output["ids"], "kl": output["kl"]}
+        result.records[label]["questions"][question] = {
+            "answer": text,
+            "ids": output["ids"],
+            "kl": output["kl"],
+            "reference": reference_digest(result.full_ids(question)),
+        }
     timings = {timing["document"]: timing for timing in peer["timings"]}
     for result in pending:
         for row in rows:
             record = result.records[row.label]
             record["peer"] = {"versions": peer["versions"], "timing": timings[result.doc.doc_id]}
+            record["code"] = code
             bench.cache.save(record)
 
 

@@ -6,22 +6,33 @@ Imported as `_common`: `python examples/<name>.py` puts the examples folder on s
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
 from infokv_rag.documents import load_document
-from infokv_rag.errors import ConfigError
+from infokv_rag.errors import ConfigError, DocumentError
 from infokv_rag.scorers import method_names
 from infokv_rag.store import MANIFEST
 
-SAMPLE = Path(__file__).resolve().parent / "sample" / "apache-license-2.0.pdf"
-SAMPLE_QUESTIONS = [
-    "When was Version 2.0 of the Apache License issued (month and year)?",
-    'In the definition of "Legal Entity", what share of the outstanding shares amounts to control?',
-    "On what basis does the Licensor provide the Work, according to the Disclaimer of Warranty?",
-]
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+SAMPLE = SAMPLE_DIR / "maintenance-agreement.pdf"
+"""The examples' document: an agreement written for this project, so no model answers it from memory."""
+SAMPLE_QUESTIONS = SAMPLE_DIR / "maintenance-agreement-questions.md"
+
+
+def read_questions(path: Path = SAMPLE_QUESTIONS) -> list[tuple[str, list[str]]]:
+    """(question, accepted answer texts) from the markdown table of a sample's questions file."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            rows.append((cells[1], re.findall(r"`([^`]+)`", cells[2])))
+    if not rows:
+        raise DocumentError(f"no questions found in {path}: restore it from the repository (git checkout {path})")
+    return rows
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +54,7 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
     parser.add_argument("--password", default=None, help="opens an encrypted PDF")
     args = parser.parse_args(argv)
-    args.questions = args.question or SAMPLE_QUESTIONS
+    args.questions = args.question or [question for question, _ in read_questions()]
     # Refusals below are errors of infokv-rag's or of the system: `run` reports them in one line, as the CLI does.
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")

@@ -2,55 +2,41 @@
 
     make demo                       # or: python examples/demo.py [--model default] [--keep 0.25] [--stored-bits 4]
 
-The sample is the Apache License 2.0 (examples/sample/apache-license-2.0.pdf); the questions and the
-text a right answer contains come from examples/sample/QUESTIONS.md. The compressed cache goes into
-the cache store ($INFOKV_CACHE_DIR/documents, default ~/.cache/infokv-rag/documents), so a second run
-(and `infokv-rag ask examples/sample/apache-license-2.0.pdf --recall 0.1 -q ...`, with the demo's --keep and
---recall: they are part of the cache's key) reuses it instead of reading the document again.
+The sample is an equipment maintenance agreement written for this project (examples/sample/maintenance-
+agreement.pdf: an order form with the deal's figures, then standard terms), so no model knows its answers;
+the questions and the text a right answer contains come from examples/sample/maintenance-agreement-questions.md.
+The compressed cache goes into the cache store ($INFOKV_CACHE_DIR/documents, default
+~/.cache/infokv-rag/documents), so a second run (and `infokv-rag ask examples/sample/maintenance-agreement.pdf
+--recall 0.1 -q ...`, with the demo's --keep and --recall: they are part of the cache's key) reuses it instead
+of reading the document again.
 
-What it prints: each answer, from the compressed cache alone and with recall from its cold tier
-(`--recall`, default 0.1; 0 for none), and whether it contains the expected text (as whole words:
-`infokv_rag.evaluation.answer_matches`); the compressed
-cache's size against the full cache's; and the time to the first token of a question answered from the cache
-against the time to re-read the document. The re-read is measured, not estimated: the document is
-prefilled again without compression (method "full"), then the same question is asked; re-reading
-costs that prefill plus the question's time to first token on the full cache.
+What it prints: each answer, from the compressed cache alone and with recall from its cold tier (`--recall`,
+default 0.1; 0 for none, the default with `--method full`), and whether it contains the expected text (as whole
+words: `infokv_rag.evaluation.answer_matches`); the compressed cache's size against the full cache's; the time to
+the first token of a question answered from the cache against the time to re-read the document; and, for reference,
+the same questions against the full (uncompressed) cache and against no document at all (what the model answers
+from memory: a right answer there does not need the document). The re-read is measured, not estimated: the document
+is prefilled again without compression (method "full"), then the same question is asked; re-reading costs that
+prefill plus the question's time to first token on the full cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from _common import exit_codes, run
+from _common import SAMPLE, exit_codes, read_questions, run
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar, ratio_or_count
 from infokv_rag.documents import load_document
-from infokv_rag.errors import ConfigError, DocumentError
-from infokv_rag.evaluation import answer_matches
+from infokv_rag.errors import ConfigError
+from infokv_rag.evaluation import BLANK_DOCUMENT, answer_matches
 from infokv_rag.models import cache_root
-from infokv_rag.scorers import method_names
+from infokv_rag.scorers import method, method_names
 
-SAMPLE = Path(__file__).resolve().parent / "sample"
-PDF = SAMPLE / "apache-license-2.0.pdf"
-QUESTIONS = SAMPLE / "QUESTIONS.md"
 WRONG_ANSWER_EXIT = 1
-
-
-def read_questions(path: Path) -> list[tuple[str, list[str]]]:
-    """(question, accepted answer substrings) from the markdown table in QUESTIONS.md."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0].isdigit():
-            rows.append((cells[1], re.findall(r"`([^`]+)`", cells[2])))
-    if not rows:
-        raise DocumentError(f"no questions found in {path}: restore it from the repository (git checkout {path})")
-    return rows
 
 
 def ask_timed(
@@ -104,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recall",
         type=ratio_or_count("--recall"),
-        default=0.1,
-        help="keep a cold tier and recall this much per question: ratio (0.1) or token count (64); 0: none",
+        default=None,
+        help="keep a cold tier and recall this much per question: ratio (0.1) or token count (64); 0: none "
+        "(default: 0.1, none for a method that keeps every token, such as full)",
     )
     parser.add_argument(
         "--stored-bits",
@@ -124,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     # Refused before the model loads, in one line as any error of infokv-rag's or of the system (`run`).
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.recall is None:  # a method that evicts nothing leaves nothing to recall: a cold tier would be refused
+        args.recall = 0.1 if method(args.method).compresses else 0
     config = CompressionConfig(method=args.method, keep=args.keep, recall=args.recall, stored_bits=args.stored_bits)
-    document = load_document(PDF)  # before the model loads: a document that cannot be read fails in seconds
-    questions = read_questions(QUESTIONS)
+    document = load_document(SAMPLE)  # before the model loads: a document that cannot be read fails in seconds
+    questions = read_questions()
     if args.threads:
         import torch
 
@@ -137,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     source = engine.model_dir.name if engine.model_dir is not None else "in memory"
     print(f"model: {args.model} ({source}), loaded in {time.perf_counter() - started:.1f} s")
 
-    print(f"document: {PDF.name}, {len(document.pages)} pages, {len(document.text):,} characters")
+    print(f"document: {SAMPLE.name}, {len(document.pages)} pages, {len(document.text):,} characters")
     store = CacheStore(args.store or cache_root() / "documents")
-    progress = ProgressBar(f"reading {PDF.name}", enabled=True)
+    progress = ProgressBar(f"reading {SAMPLE.name}", enabled=True)
     started = time.perf_counter()
     doc, reused = store.ingest(engine, document, config, progress=progress)
     took = time.perf_counter() - started
@@ -171,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     print()
-    correct = {"compressed": 0, "recalled": 0}
     ways = {"compressed": 0.0, "recalled": None} if doc.cold_tier is not None else {"compressed": None}
+    right = {way: [False] * len(questions) for way in ways}
     for number, (question, expected) in enumerate(questions, start=1):
         print(f"Q{number}: {question}")
         for way, recall in ways.items():
             answer, ok, ttft, total = ask_checked(doc, question, expected, args.max_new_tokens, recall)
-            correct[way] += ok
+            right[way][number - 1] = ok
             last = (way, ttft, total)
             label = f"A{number} ({way})" if len(ways) > 1 else f"A{number}"
             print(f"{label}: {answer}")
@@ -186,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"   (first token {ttft:.2f} s, answer {total:.1f} s)"
             )
     for way in ways:
-        print(f"\n{correct[way]}/{len(questions)} answers from {SOURCES[way]} contain the expected text", end="")
+        print(f"\n{sum(right[way])}/{len(questions)} answers from {SOURCES[way]} contain the expected text", end="")
     print()
-    final = correct["recalled" if len(ways) > 1 else "compressed"]
+    final = sum(right["recalled" if len(ways) > 1 else "compressed"])
 
     # Re-reading: what every question would cost without a stored cache, measured now.
     print("\nmeasuring a re-read of the document for comparison (uncompressed prefill) ...", flush=True)
@@ -209,18 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"the follow-up's first token comes {reread / ttft:.0f}x sooner than by re-reading")
 
-    # What compression cost: the same questions against the uncompressed cache just built.
-    print("\nthe same questions against the full (uncompressed) cache, for reference:")
-    full_correct = 0
+    # What compression cost: the same questions against the uncompressed cache just built, and against no document
+    # (the model's memory), which tells the answers that need the document from those the model knows anyway.
+    references = {"full cache": full, "no document": engine.ingest_document(BLANK_DOCUMENT, CompressionConfig("full"))}
+    print("\nthe same questions against the full (uncompressed) cache and against no document, for reference:")
+    right.update({name: [False] * len(questions) for name in references})
     for number, (question, expected) in enumerate(questions, start=1):
-        answer, ok, _, _ = ask_checked(full, question, expected, args.max_new_tokens)
-        full_correct += ok
-        print(f"A{number} (full cache): {answer}   [{'yes' if ok else 'NO'}]")
-    recalled = f", {correct['recalled']}/{len(questions)} with recall" if len(ways) > 1 else ""
+        for name, reference in references.items():
+            answer, ok, _, _ = ask_checked(reference, question, expected, args.max_new_tokens)
+            right[name][number - 1] = ok
+            print(f"A{number} ({name}): {answer}   [{'yes' if ok else 'NO'}]")
+    recalled = f", {sum(right['recalled'])}/{len(questions)} with recall" if len(ways) > 1 else ""
+    full_right, blank_right = right["full cache"], right["no document"]
+    dependent = [i for i in range(len(questions)) if full_right[i] and not blank_right[i]]
+    kept = sum(right["compressed"][i] for i in dependent)
     print(
-        f"\nsummary: {correct['compressed']}/{len(questions)} right from the compressed cache "
+        f"\nsummary: {sum(right['compressed'])}/{len(questions)} right from the compressed cache "
         f"({stats.compression_ratio:.0%} of the full cache's bytes){recalled}, "
-        f"{full_correct}/{len(questions)} from the full cache"
+        f"{sum(full_right)}/{len(questions)} from the full cache, {sum(blank_right)}/{len(questions)} with no document"
+    )
+    print(
+        f"of the {len(dependent)} answers that need the document (the full cache right, no document wrong), the "
+        f"compressed cache alone keeps {kept}"
     )
     return WRONG_ANSWER_EXIT if args.strict and final < len(questions) else 0
 

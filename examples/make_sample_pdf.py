@@ -1,8 +1,10 @@
-"""Typeset examples/sample/apache-license-2.0.txt as the bundled sample PDF.
+"""Typeset the bundled sample documents (examples/sample/NAME.txt) as their PDFs (NAME.pdf).
 
-Run from anywhere: `python examples/make_sample_pdf.py`. Needs reportlab (the `dev` extra).
-The text goes in unchanged, paragraph by paragraph, so every word of the license (and the
-section numbering) can be found in the PDF's extracted text; the output is byte-reproducible.
+Run from anywhere: `python examples/make_sample_pdf.py [NAME ...]` (default: every sample). Needs reportlab
+(the `dev` extra). The samples: the maintenance agreement the examples read (written for this project, so no
+model has read it) and the Apache License 2.0 (the planted-fact benchmark's document, `benchmarks/quality.py`).
+The text goes in unchanged, paragraph by paragraph, so every word (and the section numbering) can be found in
+the PDF's extracted text; the output is byte-reproducible.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from reportlab.lib.units import inch
 from reportlab.platypus import Flowable, Paragraph, Preformatted, SimpleDocTemplate, Spacer
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
-SOURCE = SAMPLE_DIR / "apache-license-2.0.txt"
-TARGET = SAMPLE_DIR / "apache-license-2.0.pdf"
+SAMPLES = {
+    "maintenance-agreement": ("Equipment Maintenance Services Agreement VDS-2026-0417", "infokv-rag"),
+    "apache-license-2.0": ("Apache License, Version 2.0", "The Apache Software Foundation"),
+}
+"""Each sample's name (its .txt and .pdf in SAMPLE_DIR) -> (PDF title, PDF author)."""
 
 _SECTION = re.compile(r"^(\d+\.\s[^.]+\.)(.*)$", re.DOTALL)
+_FIELD = re.compile(r"^([A-Z][^:]{0,60}):\s(.+)$")
 
 
 def _blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -35,8 +41,15 @@ def _blocks(text: str) -> list[tuple[int, list[str]]]:
     return blocks
 
 
+def _field_lines(lines: list[str]) -> list[re.Match[str]] | None:
+    """A block of "Label: value" lines (an order form's particulars), one match per line; None for any other."""
+    matches = [_FIELD.match(line.strip()) for line in lines]
+    fields = [match for match in matches if match is not None]
+    return fields if len(lines) > 1 and len(fields) == len(lines) else None
+
+
 def build_story(text: str) -> list[Flowable]:
-    """Turn the license text into reportlab flowables."""
+    """Turn a sample's text into reportlab flowables."""
     styles = getSampleStyleSheet()
     body = ParagraphStyle("body", parent=styles["BodyText"], fontName="Times-Roman", fontSize=11, leading=14)
     title = ParagraphStyle("title", parent=body, fontName="Times-Bold", fontSize=16, leading=20, alignment=TA_CENTER)
@@ -56,6 +69,10 @@ def build_story(text: str) -> list[Flowable]:
             story.append(Spacer(1, 12))
         elif joined.isupper() or joined.startswith("APPENDIX"):
             story.append(Paragraph(escape(joined), heading))
+        elif fields := _field_lines(lines):
+            # Particulars keep a line each, their labels bold, as an order form prints them.
+            story.extend(Paragraph(f"<b>{escape(f[1])}:</b> {escape(f[2])}", item) for f in fields)
+            story.append(Spacer(1, 6))
         elif in_appendix_notice or (indent <= 3 and joined.startswith("Copyright [")):
             # The boilerplate notice is meant to be pasted as is: keep its lines.
             in_appendix_notice = True
@@ -74,11 +91,10 @@ def build_story(text: str) -> list[Flowable]:
     return story
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", nargs="?", type=Path, default=TARGET, help=f"the PDF to write (default: {TARGET})")
-    target: Path = parser.parse_args(argv).target
-    text = SOURCE.read_text(encoding="utf-8")
+def write_sample(name: str, target: Path) -> None:
+    """Typeset sample `name` (a key of SAMPLES) into the PDF `target`."""
+    title, author = SAMPLES[name]
+    text = (SAMPLE_DIR / f"{name}.txt").read_text(encoding="utf-8")
     doc = SimpleDocTemplate(
         str(target),
         pagesize=LETTER,
@@ -86,13 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         rightMargin=1.1 * inch,
         topMargin=1 * inch,
         bottomMargin=1 * inch,
-        title="Apache License, Version 2.0",
-        author="The Apache Software Foundation",
+        title=title,
+        author=author,
         subject="Sample document for infokv-rag",
         invariant=1,  # no timestamps or random IDs: the same text gives the same bytes
     )
     doc.build(build_story(text))
-    print(f"wrote {target} ({target.stat().st_size} bytes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(SAMPLES)} (default: all)")
+    parser.add_argument("--out-dir", type=Path, default=SAMPLE_DIR, help=f"where the PDFs go (default: {SAMPLE_DIR})")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in SAMPLES]
+    if unknown:
+        parser.error(f"no sample named {', '.join(unknown)}; the samples: {', '.join(SAMPLES)}")
+    for name in args.names or SAMPLES:
+        target = args.out_dir / f"{name}.pdf"
+        write_sample(name, target)
+        print(f"wrote {target} ({target.stat().st_size} bytes)")
     return 0
 
 

@@ -35,6 +35,22 @@ def ratio_or_count(flag: str) -> Callable[[str], float | int]:
     return parse
 
 
+ALWAYS_KEPT = CompressionConfig.sink_tokens + CompressionConfig.window
+"""Tokens per layer and KV head that every compression keeps, whatever --keep says (the CLI's sinks and window)."""
+
+
+def _keep(value: str) -> float | int:
+    """--keep's value; `1` is refused: read as a ratio it would keep everything, but it is a count of one token,
+    which compresses harder than the default (a Python caller tells `1` from `1.0`, a command line hardly)."""
+    keep = ratio_or_count("--keep")(value)
+    if keep == 1 and isinstance(keep, int):
+        raise argparse.ArgumentTypeError(
+            f"1 is a count of one token per layer and KV head, not the whole document: pass 1.0 to keep every "
+            f"token, or a count above the {ALWAYS_KEPT} always kept (sinks and window)"
+        )
+    return keep
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -105,7 +121,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
-    parser.add_argument("--keep", type=ratio_or_count("--keep"), default=0.25, help="ratio (0.25) or token count (512)")
+    parser.add_argument(
+        "--keep",
+        type=_keep,
+        default=0.25,
+        help=f"ratio (0.25; 1.0: every token) or token count per layer and KV head (512; at least the {ALWAYS_KEPT} "
+        "sinks and window are always kept)",
+    )
     parser.add_argument(
         "--recall",
         type=ratio_or_count("--recall"),
@@ -391,10 +413,25 @@ def _run(args: argparse.Namespace) -> int:
 def _question_turns(questions: Sequence[str]) -> list[list[Turn]]:
     """Each `-q` as the conversation that asks it; every one is checked (text, not empty) before any is answered,
     so that an answer is never lost to a later question's refusal."""
+    count = len(questions)
+    return [_naming_question(index, count, _asked, question) for index, question in enumerate(questions)]
+
+
+def _asked(question: str) -> list[Turn]:
+    """The conversation that asks one -q (`question_turns`). A byte that the locale's encoding could not decode is
+    refused (`ConfigError`) as that byte: Python passes it on as a lone surrogate (U+DC80 to U+DCFF,
+    `surrogateescape`), which `question_turns` would name, a character the user never typed."""
     from .prompt import question_turns
 
-    count = len(questions)
-    return [_naming_question(index, count, question_turns, question) for index, question in enumerate(questions)]
+    if sys.getfilesystemencodeerrors() == "surrogateescape":  # else (Windows) argv holds no such bytes
+        for where, char in enumerate(question):
+            if "\udc80" <= char <= "\udcff":
+                raise ConfigError(
+                    f"the question holds the byte 0x{ord(char) - 0xDC00:02X} at character {where}, which the locale's "
+                    f"encoding ({sys.getfilesystemencoding()}) cannot decode: set a UTF-8 locale (e.g. LANG=C.UTF-8) "
+                    "or type the question again"
+                )
+    return question_turns(question)
 
 
 def _check_questions_fit(engine: Any, text: str, questions: Sequence[list[Turn]], max_new_tokens: int) -> None:

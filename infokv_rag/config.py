@@ -127,7 +127,8 @@ class MethodSettings:
 class CompressionConfig:
     """How a document's KV cache is compressed.
 
-    `keep` is a ratio in (0, 1] of the document's tokens or an int token count per (layer, KV head).
+    `keep` is a float ratio in (0, 1] of the document's tokens or an int token count per (layer, KV head): `1.0`
+    keeps every token, `1` one token (raised to the sinks and window that are always kept).
     `settings` are the method's own (`infokv_rag.scorers.<method>`): a mapping of the fields to change,
     e.g. `CompressionConfig(method="infokv", settings={"tau": 0.5})`; once constructed, always an
     instance of the method's settings class, defaults filled in.
@@ -182,8 +183,10 @@ class CompressionConfig:
             # Nothing is evicted, so no answer could ever recall anything: every ask would fail instead.
             raise ConfigError(f"recall needs a method that evicts tokens; {self.method} keeps every token")
         for name in ("cold_bits", "stored_bits"):
-            if getattr(self, name) is not None and getattr(self, name) not in COLD_BITS:
-                raise ConfigError(f"{name} must be one of {COLD_BITS}, got {getattr(self, name)!r}")
+            bits = getattr(self, name)
+            # Not a float, though 4.0 == 4: the width sizes the codes' tensors, so every answer would fail.
+            if bits is not None and not (matches(bits, int) and bits in COLD_BITS):
+                raise ConfigError(f"{name} must be one of {COLD_BITS}, got {bits!r}")
         if self.cold_bits is not None and not self.recall:
             # Without a cold tier the width would be dropped unseen: the caller asked for something not done.
             raise ConfigError("cold_bits sets the width of the cold tier's codes; it needs recall > 0")
@@ -191,6 +194,11 @@ class CompressionConfig:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at least the window ({self.window})")
         if not method.compresses:
             object.__setattr__(self, "summaries", 0)  # nothing is evicted, so nothing to stand in for
+        if not isinstance(self.settings, (MethodSettings, Mapping)):
+            raise ConfigError(
+                f"settings must be a mapping of the settings of method {self.method!r} to change (e.g. "
+                f"{{'tau': 0.5}} for infokv) or an instance of its settings class, not {self.settings!r}"
+            )
         object.__setattr__(self, "settings", method.settings_from(self.settings))
         method.build(self.settings, self.window)  # refuses settings its scorer never reads, and a missing window
         layer_budgets = getattr(self.settings, "layer_budgets", "uniform")

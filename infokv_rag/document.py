@@ -15,6 +15,7 @@ from .cache import ResidentCache
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
+from .errors import ConfigError
 from .generation import DEFAULT_MAX_NEW_TOKENS, Generation, GenerationOptions
 from .ingestion import DocumentStats
 from .prompt import Turn, check_conversation, question_turns
@@ -51,7 +52,14 @@ class CompressedDocument:
         """Answers a conversation ((role, content) turns after the document); see `ask` for options. A conversation
         whose last user turn is empty (whitespace or control characters only) is refused (`EmptyQuestionError`)."""
         check_conversation(turns)
-        return decoding.generate(self, turns, options or GenerationOptions())
+        if options is None:
+            options = GenerationOptions()
+        elif not isinstance(options, GenerationOptions):  # a dict would fail later, on an attribute
+            raise ConfigError(
+                "options must be GenerationOptions, e.g. GenerationOptions(max_new_tokens=64) (a dict: "
+                f"GenerationOptions(**it)), not {type(options).__name__}"
+            )
+        return decoding.generate(self, turns, options)
 
     def stream(
         self,

@@ -19,7 +19,7 @@ from .architectures import check_loaded_model, check_tokenizer, load_checked, lo
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document
-from .errors import ContextLengthError
+from .errors import ConfigError, ContextLengthError
 from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
@@ -256,7 +256,13 @@ class InfoKVEngine:
     def resolve_config(self, config: CompressionConfig | None = None) -> CompressionConfig:
         """`config` (default: `CompressionConfig()`) as ingestion applies it to this model: what was left to
         the model is set (the cold tier's width, from the cache's dtype)."""
-        config = config or CompressionConfig()
+        if config is None:
+            config = CompressionConfig()
+        elif not isinstance(config, CompressionConfig):  # a ratio or a dict would fail later, on an attribute
+            raise ConfigError(
+                "config must be a CompressionConfig, e.g. CompressionConfig(keep=0.5) (a dict: "
+                f"CompressionConfig(**it)), not {type(config).__name__}"
+            )
         if config.keeps_cold_tier and config.cold_bits is None:
             config = dataclasses.replace(config, cold_bits=config.cold_tier_bits(self.runner.dtype.itemsize))
         return config

@@ -1,4 +1,4 @@
-"""Planted-fact documents for measuring what compression loses.
+"""Measuring what compression loses: planted-fact documents, the closed-book control and the answer check.
 
 Facts with short, unambiguous answers (codes, amounts, dates, names) are inserted between sentences of
 real legal text at random depths. The filler comes from free-software licenses bundled in
@@ -13,6 +13,13 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+
+from .documents import Document, Page
+
+BLANK_DOCUMENT = Document(text="", pages=(Page(1, ""),), source="blank", sha256="")
+"""The closed-book control: a document with no text (the prompt's instruction and an empty body), so that a
+question asked against it is answered from the model's memory alone; an answer right there does not need the
+document. `load_document` and `document_from_text` refuse an empty document: pass this to `ingest_document`."""
 
 _FIRST_NAMES = ["Hilda", "Tomasz", "Ingrid", "Rafael", "Amara", "Kenji", "Oksana", "Dmitri", "Lucia", "Nadia"]
 _LAST_NAMES = ["Marchetti", "Okafor", "Lindqvist", "Tanaka", "Brennan", "Kowalski", "Haddad", "Ferreira"]
@@ -156,17 +163,60 @@ def normalize_answer(text: str, *, unicode: bool = False) -> str:
 
 
 _NUMBER_WORD = re.compile(r"(minus)?\d+(p\d+)*")
+_NAME = re.compile(r"[-_%/.~@]*[0-9A-Za-z]+(?:[-_./:@%=~]+[0-9A-Za-z]+)*")
+"""A run of letters and digits joined by punctuation, with a path's, a hidden file's or a format's leading mark."""
+_JOINED = re.compile(r"[A-Za-z][-_./:@%=]+[0-9A-Za-z]|%[A-Za-z]")
+_FORMAT = re.compile(r"%[A-Za-z]")
+_NUMBER_WORDS = re.compile(
+    r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|sixteen"
+    r"|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand)"
+    r"(?:-(?:one|two|three|four|five|six|seven|eight|nine))?",
+    re.IGNORECASE,
+)
+_ABBREVIATION = re.compile(r"[A-Za-z](?:\.[A-Za-z])+")
+
+
+def _identifiers(accepted: str) -> list[str]:
+    """The names in an accepted string whose punctuation is part of them ("home-lennart.mount", "IMAGE_VERSION",
+    "%Y%m%d"): punctuation between a letter and a letter or digit, or a format's "%" before a letter. A number
+    written in words ("thirty-six") and an abbreviation of single letters ("p.m.", "U.S.C.") are words."""
+    return [
+        name
+        for name in _NAME.findall(accepted)
+        if _JOINED.search(name) and not _NUMBER_WORDS.fullmatch(name) and not _ABBREVIATION.fullmatch(name)
+    ]
+
+
+def _names_whole(answer: str, accepted: str) -> bool:
+    """Whether every identifier of `accepted` occurs in `answer` as written (lower case, but a format's own case:
+    "%Y" is not "%y"), with its punctuation, as whole words: no letter or digit on either side, as the normalised
+    words' rule has it (a file name that joins a site's name to a path with "_" still names the site)."""
+    answer = unicodedata.normalize("NFKC", answer)
+    for name in _identifiers(accepted):
+        text = answer if _FORMAT.search(name) else answer.lower()
+        name = name if _FORMAT.search(name) else name.lower()
+        if not re.search(rf"(?<![^\W_]){re.escape(name)}(?![^\W_])", text):
+            return False
+    return True
 
 
 def answer_matches(answer: str, accepted: Sequence[str]) -> bool:
     """Whether `answer` contains any accepted string, compared as whole normalised words (`normalize_answer`:
     "basis" does not hold "as is", nor "148213" "48213", nor "Section 5.3" "53").
 
+    An accepted string that holds an identifier (`_identifiers`: "home-lennart.mount", "IMAGE_VERSION",
+    "_workstation._tcp", "Multi-Arch", "%Y%m%d") must also hold it whole in the answer with its punctuation as
+    written, and a format with its case: the normalised words cannot tell "/home/lennart.mount" from
+    "home-lennart.mount", "power switch" from "power-switch", or "%y%m%d" from "%Y%m%d", and for such a question
+    that difference is the answer. Numbers ("1,400", "97.5%", "07:00", "thirty-six") and plain words are
+    compared as normalised words only, as before.
+
     An answer that is nothing but several different figures ("100000, 600100000, 65536") lists candidates:
     it is right only as a whole accepted answer ("1024:524288", "15-20"), or when every figure it lists is one
     (both IDs a question asks for: "65535, 4294967295")."""
     normalised = normalize_answer(answer)
-    targets = [target for target in map(normalize_answer, accepted) if target]
+    targets = [normalize_answer(text) for text in accepted if _names_whole(answer, text)]
+    targets = [target for target in targets if target]
     words = normalised.split()
     if len(set(words)) > 1 and all(_NUMBER_WORD.fullmatch(word) for word in words):
         return normalised in targets or set(words) <= set(targets)

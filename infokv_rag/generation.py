@@ -60,7 +60,14 @@ class GenerationOptions:
 
     @classmethod
     def build(cls, stop: str | Sequence[str] | None = None, **options: Any) -> GenerationOptions:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        """The options of a call (`CompressedDocument.stream`): None leaves an option at its default; `stop` is one
+        string or a list or tuple of them."""
+        if isinstance(stop, str):
+            stops: tuple[str, ...] = (stop,)
+        elif stop is None or isinstance(stop, (list, tuple)):
+            stops = tuple(stop or ())
+        else:  # any other iterable would be taken apart: a dict into its keys, bytes into ints
+            raise ConfigError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
         return cls(stop=stops, **{k: v for k, v in options.items() if v is not None})
 
 

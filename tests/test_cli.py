@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from infokv_rag.cli import build_parser
 from infokv_rag.store import FORMAT_VERSION
 
 from . import pdf_factory as pdfs
@@ -155,6 +156,18 @@ def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
         "cannot resolve model",
         "default, tiny",
     )
+
+
+def test_keep_1_is_refused_as_the_count_of_one_token_it_would_be(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--keep 1` reads as "keep everything" but is a count of one token, which compresses harder than the default:
+    refused, pointing to 1.0. A ratio of 1.0 and other counts parse as before."""
+    parser = build_parser()
+    with pytest.raises(SystemExit) as refusal:
+        parser.parse_args(["ask", "doc.txt", "-q", "Q?", "--keep", "1"])
+    assert refusal.value.code == 2
+    assert "pass 1.0 to keep every token, or a count above the 36 always kept" in capsys.readouterr().err
+    for keep, parsed in (("1.0", 1.0), ("2", 2), ("512", 512), ("0.25", 0.25)):
+        assert repr(parser.parse_args(["ingest", "doc.txt", "--out", "out", "--keep", keep]).keep) == repr(parsed)
 
 
 def test_a_damaged_model_exits_2_and_fetch_verifies_what_it_prints(tmp_path: Path, random_model_dir: Path) -> None:
@@ -312,7 +325,8 @@ def test_bad_questions_exit_2_before_the_model_loads(tmp_path: Path) -> None:
     for questions, phrases in (
         (("",), ("the question is empty",)),
         (("What is the notice period?", " \t\n"), ("question 2 of 2", "empty")),
-        (("fee\udcff?",), ("lone surrogate",)),  # the byte 0xff, as a shell passes $'fee\xff?'
+        # The byte 0xff, as a shell passes $'fee\xff?': named as that byte, not as the lone surrogate Python made of it.
+        (("fee\udcff?",), ("the byte 0xFF at character 3", "cannot decode: set a UTF-8 locale")),
     ):
         args = [arg for question in questions for arg in ("-q", question)]
         assert_clean_failure(run_cli("ask", str(doc), *args, *nope, cache_dir=tmp_path), *phrases)

@@ -550,6 +550,40 @@ def test_config_validation() -> None:
             CompressionConfig(**bad)
 
 
+def test_code_widths_that_are_floats_are_refused_when_the_config_is_made() -> None:
+    """4.0 == 4, but a float width would be saved and keyed as given, then fail every answer (it sizes the codes'
+    tensors); a manifest that holds one is refused as it is read."""
+    cases: tuple[dict[str, Any], ...] = ({"stored_bits": 4.0}, {"recall": 0.1, "cold_bits": 8.0})
+    for bad in cases:
+        name = next(key for key in bad if key.endswith("_bits"))
+        refusal = rf"{name} must be one of \(4, 8\), got {bad[name]}"
+        with pytest.raises(ConfigError, match=refusal):
+            CompressionConfig(**bad)
+        with pytest.raises(ConfigError, match=refusal):
+            CompressionConfig.from_dict(bad)
+
+
+def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(random_engine: InfoKVEngine) -> None:
+    """A ratio or a dict where a CompressionConfig goes, a dict of options, settings that are no mapping, a stop that is
+    no string or list of them: each would fail later on an attribute, or be read as something else (an empty dict as
+    the defaults, a dict as its keys, bytes as ints)."""
+    for config in (0.5, {"keep": 0.5}, {}):
+        with pytest.raises(ConfigError, match=r"config must be a CompressionConfig, e\.g\. CompressionConfig\(keep="):
+            random_engine.ingest_text(TEXT, config)  # type: ignore[arg-type]
+    for settings in (None, [("tau", 0.5)]):
+        with pytest.raises(
+            ConfigError, match="settings must be a mapping of the settings of method 'infokv' to change"
+        ):
+            CompressionConfig(settings=settings)  # type: ignore[arg-type]
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    with pytest.raises(ConfigError, match=r"options must be GenerationOptions, e\.g\. GenerationOptions\("):
+        doc.generate(question_turns("What is the notice period?"), {"max_new_tokens": 2})  # type: ignore[arg-type]
+    for stop in (123, {"notice": 1}, b"x"):
+        with pytest.raises(ConfigError, match="stop must be a string or a list of strings"):
+            doc.ask("What is the notice period?", max_new_tokens=2, stop=stop)
+    assert [GenerationOptions.build(stop=stop).stop for stop in ("ab", ["ab"], ("ab",), None)] == [("ab",)] * 3 + [()]
+
+
 def _options(**kwargs: Any) -> GenerationOptions:
     from infokv_rag.generation import GenerationOptions
 

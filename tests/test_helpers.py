@@ -14,8 +14,9 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from infokv_rag.documents import PAGE_SEPARATOR, Document, Page
+from infokv_rag.documents import PAGE_SEPARATOR, Document, Page, load_document
 from infokv_rag.errors import InfoKVError
+from infokv_rag.evaluation import answer_matches
 from infokv_rag.loaded import LoadOnceCache
 
 from . import pdf_factory as pdfs
@@ -183,3 +184,23 @@ def test_the_demo_checks_its_options_first_and_answers_by_whole_words() -> None:
     assert not right("Ownership of 150% of the shares.", ["50%", "fifty percent"])
     assert not right("The Licensor has issued the Work under the License.", ["AS IS"])
     assert right("On an AS IS basis.", ["AS IS"]) and right("Fifty percent (50%).", ["50%"])
+
+
+def test_the_sample_agreement_reads_whole_and_holds_every_expected_answer() -> None:
+    common = _example("_common")
+    document = load_document(common.SAMPLE)
+    text = (common.SAMPLE.parent / "maintenance-agreement.txt").read_text(encoding="utf-8")
+    assert document.text.split() == text.split()  # the PDF path reads every word, in order
+    questions = common.read_questions()
+    assert len(questions) >= 5 and common.parse_args("example", []).questions == [q for q, _ in questions]
+    for question, expected in questions:
+        assert expected and answer_matches(document.text, expected), question
+
+
+def test_the_demo_takes_a_method_that_keeps_every_token() -> None:
+    """`--method full` leaves the demo's --recall at none (its 0.1 would ask a cold tier of a method that evicts
+    nothing): the run gets past its options to loading the model. A --recall given with it is still refused."""
+    demo = _example("demo")
+    assert "no-such-model" in _refused(demo.main, ["--model", "no-such-model", "--method", "full"])
+    refusal = _refused(demo.main, ["--model", "no-such-model", "--method", "full", "--recall", "0.1"])
+    assert "recall needs a method that evicts tokens" in refusal

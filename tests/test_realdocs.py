@@ -90,6 +90,54 @@ def test_the_checker_takes_a_number_whole(answer: str, accepted: str, right: boo
     assert answer_matches(answer, [accepted]) is right
 
 
+@pytest.mark.parametrize(
+    ("answer", "accepted", "right"),
+    [
+        # Cached answers the normalised words took for right (review of 2026-12-06): the unit name's escaping, and
+        # a description of the field instead of its name.
+        ("/home/lennart.mount", "home-lennart.mount", False),
+        ("It must be named home-lennart.mount.", "home-lennart.mount", True),
+        ("The %A specifier reads the operating system image version identifier.", "IMAGE_VERSION", False),
+        ("It reads IMAGE_VERSION= from /etc/os-release.", "IMAGE_VERSION=", True),
+        ("Devices with the power switch tag", "power-switch", False),
+        ("Devices tagged power-switch", "power-switch", True),
+        ("initrd fs target", "initrd-fs.target", False),
+        ("Before=initrd-fs.target", "initrd-fs.target", True),
+        ("workstation tcp", "_workstation._tcp", False),
+        ("The service type is `_workstation._tcp`.", "_workstation._tcp", True),
+        ("Multi Arch: allowed", "Multi-Arch: allowed", False),
+        ("multi-arch: allowed", "Multi-Arch: allowed", True),
+        # A format's case is its meaning: "%y" is a two-digit year.
+        ("%y%m%d", "%Y%m%d", False),
+        ("It is %Y%m%d.", "%Y%m%d", True),
+        # Whole words: another path that ends in it is not it; a name joined to it by punctuation holds it, as the
+        # normalised words do.
+        ("/var/run/food.pid", "/run/food.pid", False),
+        ("debian.lcs.mit.edu_debian_dists_unstable_Release", "debian.lcs.mit.edu", True),
+    ],
+)
+def test_an_identifier_is_right_only_with_its_punctuation(answer: str, accepted: str, right: bool) -> None:
+    assert answer_matches(answer, [accepted]) is right
+
+
+@pytest.mark.parametrize(
+    ("answer", "accepted"),
+    [
+        ("1400 cases", "1,400"),
+        ("97.5 percent", "97.5%"),
+        ("It opens at 07 00.", "07:00"),
+        ("USD 1400", "$1,400.00"),
+        ("at 5 p. m.", "5 p.m."),
+        ("17 U. S. C.", "17 U.S.C."),
+        ("thirty six hours", "thirty-six hours"),
+        ("Superior Wisconsin", "Superior, Wisconsin"),
+    ],
+)
+def test_numbers_and_words_keep_the_normalised_words(answer: str, accepted: str) -> None:
+    """A figure, a time, an abbreviation or a number in words is no identifier: punctuation still does not count."""
+    assert answer_matches(answer, [accepted])
+
+
 def test_a_list_of_figures_is_right_when_every_one_is_accepted() -> None:
     """Both IDs a question asks for are one answer; one candidate among figures that are not accepted is none."""
     accepted = ["65535", "4294967295"]

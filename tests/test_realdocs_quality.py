@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import realdocs_quality
 from benchmarks.realdocs_quality import (
@@ -28,8 +31,8 @@ from benchmarks.realdocs_quality import (
     run,
     table,
 )
-from infokv_rag import InfoKVEngine
-from infokv_rag.documents import PAGE_SEPARATOR, Document, load_document
+from infokv_rag import CompressionConfig, InfoKVEngine
+from infokv_rag.documents import PAGE_SEPARATOR, Document, document_from_text, load_document
 from infokv_rag.errors import ModelError
 from infokv_rag.models import resolve_model_dir
 from infokv_rag.scorers import method_names
@@ -301,3 +304,94 @@ def test_the_code_stamp_covers_the_benchmark_modules_that_measure(
     changed.write_bytes(Path(str(measured.__file__)).read_bytes() + b"\n# changed\n")
     monkeypatch.setattr(measured, "__file__", str(changed))
     assert realdocs_quality.code_digest() != before
+
+
+# --- stale records: another full answer, another peer ------------------------------------------------------
+
+QUESTION = "What is the fee?"
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeCompressed:
+    """What `Bench.run_document` reads of an ingested document."""
+
+    config: CompressionConfig
+    stats: SimpleNamespace = dataclasses.field(default_factory=lambda: SimpleNamespace(to_dict=lambda: {}))
+
+
+def fake_bench(cache_dir: Path, fresh: Sequence[str] = ()) -> realdocs_quality.Bench:
+    engine = SimpleNamespace(
+        fingerprint="model-x", runner=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    )
+    cache = realdocs_quality.ResultCache(cache_dir, lambda label: label in fresh)
+    return realdocs_quality.Bench(engine, cache, 24)  # type: ignore[arg-type]
+
+
+def fake_result() -> realdocs_quality.DocumentResult:
+    doc = SimpleNamespace(doc_id="d", kind="contract")
+    return realdocs_quality.DocumentResult(doc, document_from_text("The fee is 10 dollars."), ((QUESTION, ("10",)),))  # type: ignore[arg-type]
+
+
+def test_a_rows_kl_on_another_full_answer_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's KL is teacher-forced on the full row's answer: after `--fresh full` answers otherwise, the row's
+    cached KL is on the old answer, and the row is reported, not silently reused (review of 2026-12-06)."""
+    full_ids = [1, 2, 3]
+
+    def ingest(self: object, document: Document, config: CompressionConfig) -> tuple[FakeCompressed, float]:
+        return FakeCompressed(config), 0.0
+
+    def answer(document: FakeCompressed, question: str, max_new_tokens: int) -> SimpleNamespace:
+        ids = full_ids if document.config.method == FULL else [9]
+        return SimpleNamespace(text=lambda: " ".join(map(str, ids)), token_ids=ids)
+
+    monkeypatch.setattr(realdocs_quality.Bench, "ingest", ingest)
+    monkeypatch.setattr(realdocs_quality, "answer", answer)
+    monkeypatch.setattr(realdocs_quality, "teacher_forced_logits", lambda document, turns, ids: torch.zeros(1))
+    monkeypatch.setattr(realdocs_quality, "mean_kl", lambda reference, logits: 0.5)
+    rows = [parse_row("infokv@0.25")]
+    first = fake_bench(tmp_path)
+    first.run_document(fake_result(), rows)
+    again = fake_bench(tmp_path)
+    again.run_document(fake_result(), rows)
+    assert first.other_code == again.other_code == set()
+    full_ids = [4, 5]
+    recomputed = fake_bench(tmp_path, fresh=[FULL])
+    recomputed.run_document(fake_result(), rows)
+    assert recomputed.other_code == {NO_DOCUMENT, "infokv@0.25"}
+
+
+def test_kvpress_rows_by_another_peer_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kvpress rows are stamped with the peer's code and versions (`peer_digest`); rows cached by another
+    benchmarks/kvpress_peer.py, another kvpress or on another full answer are reported (review of 2026-12-06)."""
+
+    def peer_python(kvpress: str) -> Path:
+        python = tmp_path / f"python-{kvpress}"
+        python.write_text(f'#!/bin/sh\necho \'{{"kvpress": "{kvpress}"}}\'\n')
+        python.chmod(0o755)
+        return python
+
+    rows = peer_rows(["kvzip"], [parse_row("infokv@0.25")])
+
+    def flagged(python: Path, code: str, full_ids: Sequence[int] = (1,)) -> set[str]:
+        bench = fake_bench(tmp_path)
+        result = fake_result()
+        result.records[FULL] = {"questions": {QUESTION: {"answer": "10", "ids": [1]}}}
+        for row in rows:
+            entry = {"answer": "10", "ids": [1], "kl": 0.0, "reference": realdocs_quality.reference_digest(full_ids)}
+            record = {"key": bench.key(result.document, row.identity()), "code": code, "questions": {QUESTION: entry}}
+            bench.cache.save(record)
+        realdocs_quality.run_peer(bench, [result], rows, python, tmp_path / "stem")
+        return bench.other_code
+
+    current = realdocs_quality.peer_digest(peer_python("0.5.5"))
+    labels = {row.label for row in rows}
+    assert flagged(peer_python("0.5.5"), current) == set()
+    assert flagged(peer_python("0.5.5"), "older code") == labels
+    assert flagged(peer_python("0.5.5"), current, full_ids=[2]) == labels
+    assert flagged(peer_python("0.6.0"), current) == labels
+    changed = tmp_path / "root"
+    (changed / "benchmarks").mkdir(parents=True)
+    peer = realdocs_quality.ROOT / "benchmarks/kvpress_peer.py"
+    (changed / "benchmarks/kvpress_peer.py").write_bytes(peer.read_bytes() + b"\n# changed\n")
+    monkeypatch.setattr(realdocs_quality, "ROOT", changed)
+    assert realdocs_quality.peer_digest(peer_python("0.5.5")) != current
