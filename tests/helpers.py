@@ -115,6 +115,25 @@ def record_engine_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return asked
 
 
+def record_texts_read_with_one_shared_document(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The texts the engine reads from now on (`InfoKVEngine.ingest_text`), while the adapters' shared cache holds
+    one document: what an adapter reads again once other adapters' documents evicted its own."""
+    from infokv_rag import InfoKVEngine
+    from infokv_rag.integrations import _common
+    from infokv_rag.loaded import LoadOnceCache
+
+    read: list[str] = []
+    ingest_text = InfoKVEngine.ingest_text
+
+    def recorded(self: InfoKVEngine, text: str, *args: Any, **kwargs: Any) -> CompressedDocument:
+        read.append(text)
+        return ingest_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(InfoKVEngine, "ingest_text", recorded)
+    monkeypatch.setattr(_common, "_DOCUMENTS", LoadOnceCache(capacity=1))
+    return read
+
+
 # A Hugging Face hub cache, laid out as huggingface_hub lays it out -----------------------------------
 
 

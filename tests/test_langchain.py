@@ -38,18 +38,26 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import ValidationError
 
-from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
 from infokv_rag.errors import CacheStoreError, ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
 from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
-from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.store import save_document
 
 from .conftest import CORPUS
-from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, record_engine_loads, rename_saved_model, run_example
+from .helpers import (
+    COMPRESSED,
+    COMPRESSION,
+    FACT_PAGES,
+    QUESTION,
+    record_engine_loads,
+    record_texts_read_with_one_shared_document,
+    rename_saved_model,
+    run_example,
+)
 from .pdf_factory import encrypted_pdf
 
 SUITE_TEXT = (
@@ -584,15 +592,7 @@ def test_an_adapter_keeps_its_document_when_the_shared_cache_evicts_it(
     """The process's shared cache evicts documents other adapters opened since: an adapter that held none of its own
     read (prefilled and compressed) its document again on every call. A call's own options (for `InfoKVLLM` the
     fields of a copy) answer from the document held, and a call's own document leaves it held."""
-    ingested: list[str] = []
-    ingest_text = InfoKVEngine.ingest_text
-
-    def count(self: InfoKVEngine, text: str, *args: Any, **kwargs: Any) -> CompressedDocument:
-        ingested.append(text)
-        return ingest_text(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(InfoKVEngine, "ingest_text", count)
-    monkeypatch.setattr(_common, "_DOCUMENTS", LoadOnceCache(capacity=1))
+    ingested = record_texts_read_with_one_shared_document(monkeypatch)
     first, second = (
         adapter(model=str(random_model_dir), document_text=f"Contract {number}: the notice period is {number} days.")
         for number in (1, 2)
@@ -785,8 +785,6 @@ def test_a_bound_document_of_a_model_in_memory_is_fingerprinted_before_any_async
     every weight (InfoKV reads it at ingestion for its surrogate; other methods do not): it is computed when the
     document is bound, so no call blocks the loop on it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from infokv_rag import InfoKVEngine
 
     model = AutoModelForCausalLM.from_pretrained(random_model_dir)
     engine = InfoKVEngine.from_model(model, AutoTokenizer.from_pretrained(random_model_dir))

@@ -25,20 +25,27 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document as LlamaDocument
 from pydantic import SecretStr
 
-from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
 from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
-from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
-from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.prompt import question_turns
 from infokv_rag.store import save_document
 
 from .conftest import CORPUS
-from .helpers import COMPRESSED, COMPRESSION, FACT_PAGES, QUESTION, record_engine_loads, rename_saved_model, run_example
+from .helpers import (
+    COMPRESSED,
+    COMPRESSION,
+    FACT_PAGES,
+    QUESTION,
+    record_engine_loads,
+    record_texts_read_with_one_shared_document,
+    rename_saved_model,
+    run_example,
+)
 from .pdf_factory import encrypted_pdf, text_pdf
 
 # Without weights -----------------------------------------------------------------------------------
@@ -341,15 +348,7 @@ def test_every_path_sends_the_system_prompt_once(random_model_dir: Path, monkeyp
 def test_an_llm_keeps_its_document_when_the_shared_cache_evicts_it(
     random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ingested: list[str] = []
-    ingest_text = InfoKVEngine.ingest_text
-
-    def count(self: InfoKVEngine, text: str, *args: Any, **kwargs: Any) -> CompressedDocument:
-        ingested.append(text)
-        return ingest_text(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(InfoKVEngine, "ingest_text", count)
-    monkeypatch.setattr(_common, "_DOCUMENTS", LoadOnceCache(capacity=1))
+    ingested = record_texts_read_with_one_shared_document(monkeypatch)
     first, second = (
         InfoKV(model=str(random_model_dir), document_text=f"Contract {number}: the notice period is {number} days.")
         for number in (1, 2)
