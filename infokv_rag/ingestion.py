@@ -338,7 +338,7 @@ class Ingestion:
     def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
         evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
         mean_evolution = evolution.mean(dim=0) if evolution is not None else None
-        scores, comparable = [], []
+        scores, comparable, units = [], [], []
         for index, layer in enumerate(cache.layers):
             signals = LayerSignals(
                 layer=index,
@@ -362,6 +362,7 @@ class Ingestion:
                 seed=self.config.seed,
             )
             scores.append(self.scorer.score(signals))
+            units.append(self.scorer.whole_units(signals))
             if self.global_budgets:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
@@ -395,20 +396,20 @@ class Ingestion:
             budgets = adaptive_budgets(normalized, self.budget * len(scores), minimum)
         else:
             budgets = [self.budget] * len(scores)
-        layers = zip(cache.layers, scores, budgets, protected, strict=True)
-        for index, (layer, layer_scores, budget, layer_protected) in enumerate(layers):
+        layers = zip(cache.layers, scores, budgets, protected, units, strict=True)
+        for index, (layer, layer_scores, budget, layer_protected, layer_units) in enumerate(layers):
             if final:
                 layer.live("scores").copy_(normalize(layer_scores, "rank"))
             held_extra: Tensor | None = None
             if head_budgets is not None:
-                keep, extra = select_per_head(layer_scores, layer_protected, head_budgets[index])
+                keep, extra = select_per_head(layer_scores, layer_protected, head_budgets[index], layer_units)
                 held_extra = self._hold_extras(layer, keep, extra)
                 if keep.shape[1] == layer.length:  # every head keeps every token
                     continue
             elif layer.length <= budget:
                 continue
             else:
-                keep = select_tokens(layer_scores, layer_protected, budget)
+                keep = select_tokens(layer_scores, layer_protected, budget, layer_units)
             if self.evicted is None and self.summaries is None:
                 layer.retain(keep)
             else:

@@ -14,26 +14,96 @@ def protected_mask(positions: Tensor, tokens_read: int, sink_tokens: int, window
     return (positions < sink_tokens) | (positions >= tokens_read - window)
 
 
-def select_tokens(scores: Tensor, protected: Tensor, budget: int) -> Tensor:
+def select_tokens(scores: Tensor, protected: Tensor, budget: int, units: Tensor | None = None) -> Tensor:
     """Indices (kv_heads, budget), ascending per head: every protected token, then the best scores.
 
     scores, protected: (kv_heads, length). A budget below the protected count keeps the protected
-    tokens with the highest positions (the most recent window) first.
+    tokens with the highest positions (the most recent window) first. units: None, or (kv_heads, length) the
+    unit (word) of each token where the scores rank units whole: see `_best`.
     """
     length = scores.shape[1]
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(scores.shape[0], -1)
-    return _ranked(scores, protected).topk(budget, dim=1).indices.sort(dim=1).values
+    best = _best(scores, protected, [budget] * scores.shape[0], units)
+    return torch.stack(best).sort(dim=1).values
 
 
-def select_per_head(scores: Tensor, protected: Tensor, budgets: list[int]) -> tuple[Tensor, list[Tensor]]:
-    """Each KV head's best `budgets[h]` tokens, ranked as `select_tokens` ranks them, split in two: the indices
+def select_per_head(
+    scores: Tensor, protected: Tensor, budgets: list[int], units: Tensor | None = None
+) -> tuple[Tensor, list[Tensor]]:
+    """Each KV head's best `budgets[h]` tokens, chosen as `select_tokens` chooses them, split in two: the indices
     (kv_heads, min(budgets)) every head keeps as many of (its best, ascending), and per head (budgets[h] -
-    min(budgets),) the indices of the rest it keeps (ascending). scores, protected: (kv_heads, length)."""
-    common, most = min(budgets), max(budgets)
-    order = _ranked(scores, protected).topk(most, dim=1).indices
-    rest = [order[head, common:budget].sort().values for head, budget in enumerate(budgets)]
-    return order[:, :common].sort(dim=1).values, rest
+    min(budgets),) the indices of the rest it keeps (ascending). scores, protected, units: (kv_heads, length)."""
+    common = min(budgets)
+    best = _best(scores, protected, budgets, units)
+    rest = [head[common:].sort().values for head in best]
+    return torch.stack([head[:common] for head in best]).sort(dim=1).values, rest
+
+
+def _best(scores: Tensor, protected: Tensor, budgets: list[int], units: Tensor | None) -> list[Tensor]:
+    """Per KV head h, the indices (budgets[h],) of the tokens it keeps, best first (as `_ranked` ranks them).
+
+    With `units` (a word per token, the scores tied within each word), a word is kept whole or not at all: a
+    budget that would end inside a scored word leaves that word out and takes in its place the best later words
+    that fill its places exactly (`_cut_between_units`). The protected tokens are kept whatever the units: a word
+    that the window's edge (or the sinks') runs through keeps its protected part, and its rest ranks by its score
+    as a unit of its own.
+    """
+    ranked = _ranked(scores, protected)
+    order = ranked.argsort(dim=1, descending=True)
+    if units is None:
+        return [order[head, :budget] for head, budget in enumerate(budgets)]
+    ranked_units = units.gather(1, order)
+    scored = ranked.gather(1, order) < 1.0
+    return [
+        _cut_between_units(order[head], ranked_units[head], scored[head], budget) for head, budget in enumerate(budgets)
+    ]
+
+
+def _cut_between_units(order: Tensor, units: Tensor, scored: Tensor, budget: int) -> Tensor:
+    """The first `budget` of `order` (length,) (token indices, best first), unless the cut falls inside a scored
+    unit: then that unit's entries before the cut give way to the best later units that fill their places exactly.
+    Where no later units do (a budget near the whole length), the cut stays inside the unit: completing it instead
+    would give way the units ranked before it, which may rank first for a reason the scores alone do not tell (the
+    numbers a method counts first in every head). `units`, `scored`: (length,) each entry's unit and whether it
+    ranks by score (not protected)."""
+    if budget == 0 or budget >= len(order) or not bool(scored[budget - 1]):
+        return order[:budget]
+    if int(units[budget]) != int(units[budget - 1]):
+        return order[:budget]
+    # Runs of one unit and tier in rank order: a unit's scored entries are adjacent, their scores tied and their
+    # ranks broken by position (its protected entries, if any, rank apart, above every score).
+    changes = (units[1:] != units[:-1]) | (scored[1:] != scored[:-1])
+    bounds = [0, *(changes.nonzero().flatten() + 1).tolist(), len(order)]
+    runs = list(zip(bounds[:-1], bounds[1:], strict=True))
+    cut = next(index for index, (begin, end) in enumerate(runs) if begin < budget < end)
+    start = runs[cut][0]
+    later = runs[cut + 1 :]
+    fill = _exact_pick([end - begin for begin, end in later], budget - start)
+    if fill is None:
+        return order[:budget]
+    return torch.cat([order[:start], *(order[later[index][0] : later[index][1]] for index in fill)])
+
+
+def _exact_pick(sizes: list[int], target: int) -> list[int] | None:
+    """Indices of `sizes` whose sum is exactly `target`, the earliest entries preferred (each taken when the rest
+    can still be made up from the entries after it); None where no choice sums to `target`."""
+    # reachable[i]: a bit set of the sums (up to target) that entries i.. can make.
+    limit = (1 << (target + 1)) - 1
+    reachable = [1] * (len(sizes) + 1)
+    for index in range(len(sizes) - 1, -1, -1):
+        after = reachable[index + 1]
+        reachable[index] = (after | (after << sizes[index])) & limit
+    if not reachable[0] >> target & 1:
+        return None
+    picked, left = [], target
+    for index, size in enumerate(sizes):
+        if left == 0:
+            break
+        if size <= left and reachable[index + 1] >> (left - size) & 1:
+            picked.append(index)
+            left -= size
+    return picked
 
 
 def _ranked(scores: Tensor, protected: Tensor) -> Tensor:

@@ -16,12 +16,12 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from infokv_rag import CompressionConfig, ConfigError
+from infokv_rag import CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.config import SETTINGS_ADDED, described, matches
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer, average_ranks, normalize
 from infokv_rag.scorers.infokv import InfoKVScorer, InfoKVSettings
-from infokv_rag.selection import protected_mask, select_tokens
+from infokv_rag.selection import protected_mask, select_per_head, select_tokens
 from infokv_rag.signals import (
     ACCUMULATED_ATTENTION,
     EVOLUTION,
@@ -300,6 +300,72 @@ def test_word_units_keep_a_word_whole() -> None:
             members = words[head] == word
             assert bool((by_word[head, members] == by_token[head, members].max()).all())
     assert not torch.equal(by_word, by_token)
+
+
+def test_a_budget_that_ends_inside_a_word_keeps_whole_words_instead() -> None:
+    """Word scores tie, so a budget can end inside a word ("259,091" kept as "091"): the word goes whole and the
+    best later words that fit whole take its places; the count stays the budget."""
+    # Positions 0-9: sink 0, window 9; words: 0 | 1 | 2 2 2 | 3 | 4 4 | 5 | 6 | 7 | 8 (position 9 is word 8).
+    units = torch.tensor([[0, 1, 2, 2, 2, 3, 4, 4, 5, 8]])
+    scores = torch.tensor([[0.0, 9.0, 8.0, 8.0, 8.0, 1.0, 5.0, 5.0, 4.0, 0.0]])
+    protected = torch.tensor([[True, False, False, False, False, False, False, False, False, True]])
+    # Budget 4: sink, window, word 1, then one place: word 2 (three tokens) does not fit, word 4 (two) neither,
+    # word 5 (one token) does.
+    assert select_tokens(scores, protected, 4, units)[0].tolist() == [0, 1, 8, 9]
+    assert select_tokens(scores, protected, 4)[0].tolist() == [0, 1, 4, 9]  # by token: a piece of word 2
+    # Budget 6: word 2 fits whole; the cut then falls between words and nothing changes.
+    assert select_tokens(scores, protected, 6, units)[0].tolist() == [0, 1, 2, 3, 4, 9]
+    # Per head budgets choose the same way.
+    common, rest = select_per_head(scores.expand(2, -1), protected.expand(2, -1), [4, 6], units.expand(2, -1))
+    assert sorted([*common[0].tolist(), *rest[0].tolist()]) == [0, 1, 8, 9]
+    assert sorted([*common[1].tolist(), *rest[1].tolist()]) == [0, 1, 2, 3, 4, 9]
+    # A word the window's edge runs through keeps its protected part; its rest ranks by its score (word 8: 0.0).
+    units_at_window = torch.tensor([[0, 1, 2, 2, 2, 3, 4, 4, 8, 8]])
+    assert select_tokens(scores, protected, 3, units_at_window)[0].tolist() == [0, 1, 9]
+
+
+def test_a_cut_word_gives_way_to_later_words_that_fill_its_places_exactly() -> None:
+    """The first later word that fits is not always part of a whole fill: the places go to the best later words
+    that fill them exactly; only where none do does the cut stay inside the word, and then the words ranked
+    before it stay too (a number counted first in every head never gives way to a plain word)."""
+    # Sink 0; words ranked 1 (2 tokens), 2 (5), 3 (3), 4 (2), 5 (2).
+    units = torch.tensor([[0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 5, 5]])
+    scores = torch.tensor([0.0, 9, 8, 5, 4, 3])[units]
+    protected = torch.zeros_like(units, dtype=torch.bool)
+    protected[0, 0] = True
+    # Budget 7 ends 4 tokens into word 2: word 3 fits first but leaves a place no word fills; words 4 and 5 fill 4.
+    assert select_tokens(scores, protected, 7, units)[0].tolist() == [0, 1, 2, 11, 12, 13, 14]
+    # Budget 14 ends one token into word 5, the last: nothing later fills its place, so the cut stays (the word's
+    # later token kept), and word 1 of two tokens ranked before it is not given up to complete it.
+    assert select_tokens(scores, protected, 14, units)[0].tolist() == [*range(13), 14]
+    # A number ranked first (word 1 of one token here, as InfoKV's numbers "everywhere" lift it) stays the same way.
+    number_first = torch.tensor([[0, 1, 2, 2, 3, 3, 4, 4, 5]])
+    lifted = torch.tensor([0.0, 9, 0.9, 0.5, 0.4, 0.0])[number_first]
+    protected_ends = torch.tensor([[True, False, False, False, False, False, False, False, True]])
+    assert select_tokens(lifted, protected_ends, 4, number_first)[0].tolist() == [0, 1, 3, 8]
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.5])
+def test_ingestion_keeps_every_number_whole_or_not_at_all(random_engine: InfoKVEngine, keep: float) -> None:
+    """Every word outside the sinks and the window, in every (layer, KV head) (a layer at its smallest budget holds
+    no more than those, so a word across their edge may keep only its protected part there)."""
+    text = " ".join(
+        f"Item {i} costs {i * 37 % 1000},{i * 13 % 1000:03d} EUR on 2024-0{i % 9 + 1}-1{i % 10}." for i in range(30)
+    )
+    ids = torch.tensor(random_engine.prompt.document_ids(text))
+    words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
+    sizes = torch.bincount(words)
+    for numbers in ("scored", "everywhere"):
+        config = CompressionConfig(method="infokv", keep=keep, settings={"numbers": numbers})
+        cache = random_engine.ingest_text(text, config).cache
+        edge = words[[cache.sink_tokens - 1, len(ids) - config.window]]
+        for layer in range(len(cache.lengths)):
+            for positions in cache.kept_positions(layer):
+                held = torch.zeros(len(sizes), dtype=torch.long).index_add_(
+                    0, words[positions], torch.ones_like(positions)
+                )
+                split = ((held > 0) & (held < sizes)).nonzero().flatten()
+                assert set(split.tolist()) <= set(edge.tolist()), (numbers, layer, split)
 
 
 @pytest.mark.parametrize("units", ["clause", "sentence"])

@@ -39,6 +39,11 @@ class Scorer(Generic[S]):
         """Returns (kv_heads, length) scores for the resident tokens of one layer."""
         raise NotImplementedError
 
+    def whole_units(self, signals: LayerSignals) -> Tensor | None:
+        """(kv_heads, length) the unit of each resident token where this method keeps a unit whole or not at all
+        (its scores tie within the unit, and the budget must not cut one); None: every token stands alone."""
+        return None
+
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
         """(kv_heads, length) scores on one scale for every layer, for `layer_budgets="global"`.
 

@@ -240,6 +240,9 @@ class InfoKVScorer(Scorer[InfoKVSettings]):
             scores = scores + signals.number_words * (scores.amax() - scores.amin() + 1)
         return scores
 
+    def whole_units(self, signals: LayerSignals) -> Tensor | None:
+        return signals.words[signals.positions] if self.settings.units == "word" else None
+
     def numbers(self, signals: LayerSignals) -> Numbers:
         """The `numbers` setting, with "auto" resolved for this cache's keep ratio."""
         if self.settings.numbers != "auto":
