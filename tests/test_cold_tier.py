@@ -192,7 +192,10 @@ def test_recalling_everything_restores_the_full_cache(
     assert doc.cache.document_tokens > 2 * chunk_size or chunk_size > doc.cache.document_tokens
     reference_question, reference_answer = log_probs(full, 0)
     question, answer = {}, {}
-    for name, recall in (("without", 0), ("some", 64), ("everything", doc.cache.document_tokens)):
+    # A quarter of the document: a few dozen entries of a random model's cache move its answer by less than which
+    # ones they are (64 helped by 2% before whole words were kept, and hurt by 2% after).
+    some = doc.cache.document_tokens // 4
+    for name, recall in (("without", 0), ("some", some), ("everything", doc.cache.document_tokens)):
         asked, answered = log_probs(doc, recall)
         question[name], answer[name] = kl(reference_question, asked), kl(reference_answer, answered)
     # The question reads every entry whatever the budget; the answer reads the hot and the recalled ones.
