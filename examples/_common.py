@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting
-from infokv_rag.config import DEFAULT_METHOD, CompressionConfig
+from infokv_rag.config import DEFAULT_METHOD, CompressionConfig, parse_keep
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError, DocumentError
 from infokv_rag.scorers import method_names
@@ -47,9 +47,9 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names(), help="compression method")
     parser.add_argument(
         "--keep",
-        type=ratio_or_count("--keep"),
+        type=ratio_or_count("--keep", parse_keep),
         default=0.25,
-        help="kept in the cache: ratio (0.25) or token count (512)",
+        help="kept in the cache: ratio (0.25; 1.0: every token) or token count (512)",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
     parser.add_argument("--password", default=None, help="opens an encrypted PDF")

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from _common import SAMPLE, exit_codes, read_questions, run
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.cli import ProgressBar, ratio_or_count
+from infokv_rag.config import parse_keep
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError
 from infokv_rag.evaluation import BLANK_DOCUMENT, answer_matches
@@ -83,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--keep",
-        type=ratio_or_count("--keep"),
+        type=ratio_or_count("--keep", parse_keep),
         default=0.25,
-        help="kept in the cache: ratio (0.25) or token count (512)",
+        help="kept in the cache: ratio (0.25; 1.0: every token) or token count (512)",
     )
     parser.add_argument(
         "--recall",

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_ratio_or_count
+from .config import ALWAYS_KEPT, COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_keep, parse_ratio_or_count
 from .errors import ConfigError, InfoKVError
 from .placement import dtype_name
 from .scorers import method_names
@@ -23,32 +23,19 @@ if TYPE_CHECKING:
     from .prompt import Turn
 
 
-def ratio_or_count(flag: str) -> Callable[[str], float | int]:
-    """A parser of `flag`'s value: `0.25` is a ratio, `512` a token count (the config checks the range)."""
+def ratio_or_count(
+    flag: str, parse: Callable[[str, str], float | int] = parse_ratio_or_count
+) -> Callable[[str], float | int]:
+    """A parser of `flag`'s value: `0.25` is a ratio, `512` a token count (the config checks the range); `parse`:
+    `parse_keep` for a keep budget, which refuses `1`."""
 
-    def parse(value: str) -> float | int:
+    def parse_value(value: str) -> float | int:
         try:
-            return parse_ratio_or_count(value, flag)
+            return parse(value, flag)
         except ConfigError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
-    return parse
-
-
-ALWAYS_KEPT = CompressionConfig.sink_tokens + CompressionConfig.window
-"""Tokens per layer and KV head that every compression keeps, whatever --keep says (the CLI's sinks and window)."""
-
-
-def _keep(value: str) -> float | int:
-    """--keep's value; `1` is refused: read as a ratio it would keep everything, but it is a count of one token,
-    which compresses harder than the default (a Python caller tells `1` from `1.0`, a command line hardly)."""
-    keep = ratio_or_count("--keep")(value)
-    if keep == 1 and isinstance(keep, int):
-        raise argparse.ArgumentTypeError(
-            f"1 is a count of one token per layer and KV head, not the whole document: pass 1.0 to keep every "
-            f"token, or a count above the {ALWAYS_KEPT} always kept (sinks and window)"
-        )
-    return keep
+    return parse_value
 
 
 def _port(value: str) -> int:
@@ -123,7 +110,7 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
     parser.add_argument(
         "--keep",
-        type=_keep,
+        type=ratio_or_count("--keep", parse_keep),
         default=0.25,
         help=f"ratio (0.25; 1.0: every token) or token count per layer and KV head (512; at least the {ALWAYS_KEPT} "
         "sinks and window are always kept)",

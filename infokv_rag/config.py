@@ -56,6 +56,19 @@ def parse_ratio_or_count(raw: str | float | int, name: str) -> float | int:
         raise ConfigError(f"{name} must be a ratio like 0.25 or a token count like 512, not {text!r}") from None
 
 
+def parse_keep(raw: str, name: str) -> float | int:
+    """A keep budget written as text (`parse_ratio_or_count`), refusing `1`: read as a ratio it would keep every
+    token, but it is a count of one token, which compresses harder than any ratio (a Python caller tells `1` from
+    `1.0`; a command line, a form field or an environment variable, and a JavaScript client writing 1.0, hardly)."""
+    keep = parse_ratio_or_count(raw, name)
+    if keep == 1 and isinstance(keep, int):
+        raise ConfigError(
+            f"{name} 1 is a count of one token per layer and KV head, not the whole document: write 1.0 to keep "
+            f"every token, or a count above the {ALWAYS_KEPT} always kept (sinks and window)"
+        )
+    return keep
+
+
 def check_count(name: str, value: object, smallest: int | None) -> None:
     """Refuses (`ConfigError`) a `value` that is not a whole number (a bool or a float is not), or is below
     `smallest` (None: any)."""
@@ -289,3 +302,7 @@ class CompressionConfig:
         own = scorers.method(data.get("method", DEFAULT_METHOD)).setting_names
         added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
         return cls(**{"summaries": 0, **data, "settings": {**added, **data.get("settings", {})}})
+
+
+ALWAYS_KEPT = CompressionConfig.sink_tokens + CompressionConfig.window
+"""Tokens per layer and KV head that every compression keeps by default, whatever `keep` says (sinks and window)."""

@@ -165,7 +165,7 @@ def test_keep_1_is_refused_as_the_count_of_one_token_it_would_be(capsys: pytest.
     with pytest.raises(SystemExit) as refusal:
         parser.parse_args(["ask", "doc.txt", "-q", "Q?", "--keep", "1"])
     assert refusal.value.code == 2
-    assert "pass 1.0 to keep every token, or a count above the 36 always kept" in capsys.readouterr().err
+    assert "write 1.0 to keep every token, or a count above the 36 always kept" in capsys.readouterr().err
     for keep, parsed in (("1.0", 1.0), ("2", 2), ("512", 512), ("0.25", 0.25)):
         assert repr(parser.parse_args(["ingest", "doc.txt", "--out", "out", "--keep", keep]).keep) == repr(parsed)
 
@@ -570,7 +570,11 @@ def run_example_script(script: str, *args: str, cache_dir: Path) -> subprocess.C
 
 @pytest.mark.parametrize("script", ["demo.py", "langchain_chain.py", "llamaindex_query_engine.py"])
 def test_examples_refuse_bad_options_before_the_model_loads(script: str, tmp_path: Path) -> None:
-    for keep, message in (("0", "keep token count must be positive"), ("2.5", "keep ratio must be in (0, 1]")):
+    for keep, message in (
+        ("0", "keep token count must be positive"),
+        ("2.5", "keep ratio must be in (0, 1]"),
+        ("1", "write 1.0 to keep every token"),
+    ):
         # --model nope would fail on loading: the option error must come first.
         result = run_example_script(script, "--keep", keep, "--model", "nope", cache_dir=tmp_path)
         assert result.returncode == 2 and message in result.stderr, result.stderr[-800:]

@@ -53,6 +53,9 @@ def test_settings_from_env_and_refusal_without_keys(tmp_path: Path) -> None:
         Settings(api_keys=("short",))
     with pytest.raises(ConfigError, match="INFOKV_MAX_PAGES must be an integer"):
         Settings.from_env({"INFOKV_MAX_PAGES": "many"})
+    with pytest.raises(ConfigError, match="INFOKV_DEFAULT_KEEP 1 is a count of one token.*write 1.0"):
+        Settings.from_env({"INFOKV_DEFAULT_KEEP": "1"})
+    assert Settings.from_env({"INFOKV_DEFAULT_KEEP": "1.0"}).default_keep == 1.0
 
 
 def test_tenant_shares_default_to_half_of_each_queue_and_never_exceed_it() -> None:

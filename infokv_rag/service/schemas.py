@@ -186,8 +186,10 @@ class UploadOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: MethodName | None = Field(None, description="Compression method. Default: the server's.")
-    keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] | None = Field(
-        None, description="Keep ratio in (0, 1] like 0.25, or a token count like 512 (an integer is a count)."
+    keep: Annotated[float, Field(gt=0.0, le=1.0)] | Annotated[int, Field(ge=2, le=MAX_TOKENS_CAP)] | None = Field(
+        None,
+        description="Keep ratio in (0, 1] like 0.25 (1.0: every token), or a token count like 512 (an integer is a "
+        "count; 1 is refused, as the whole document is written 1.0).",
     )
     recall: Recall | None = Field(
         None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_METHOD, parse_ratio_or_count
+from ..config import DEFAULT_METHOD, parse_keep
 from ..errors import ConfigError
 from ..generation import DEFAULT_MAX_NEW_TOKENS
 from ..placement import dtype_name
@@ -223,5 +223,5 @@ def _parse(name: str, raw: str) -> Any:
         except ValueError:
             raise ConfigError(f"{variable} must be an integer, got {raw!r}") from None
     if name == "default_keep":
-        return parse_ratio_or_count(raw, "keep")
+        return parse_keep(raw, variable)
     return raw or None if name in ("device", "dtype", "store") else raw

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from ..config import CompressionConfig, parse_ratio_or_count
+from ..config import CompressionConfig, parse_keep, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
 from .errors import ServiceError, StorageError, from_core
 from .schemas import FORM_FIELD_BYTES, UploadOptions
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
 _FIELDS = tuple(UploadOptions.model_fields)
-_RATIO_OR_COUNT_FIELDS = ("keep", "recall")
 _BITS_FIELDS = ("cold_bits", "stored_bits")
 
 
@@ -193,7 +192,9 @@ def upload_options(fields: dict[str, str | None]) -> UploadOptions:
         if not text:
             continue
         try:
-            if name in _RATIO_OR_COUNT_FIELDS:
+            if name == "keep":
+                values[name] = parse_keep(text, name)
+            elif name == "recall":
                 values[name] = parse_ratio_or_count(text, name)
             elif name in _BITS_FIELDS:
                 values[name] = _bits(name, text)
