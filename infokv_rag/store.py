@@ -906,7 +906,7 @@ def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
 
 
 class CacheStore:
-    """Saved caches keyed by (document sha256, model fingerprint, compression config).
+    """Saved caches keyed by (document sha256, model fingerprint, compression config, the method's revision).
 
     Ingesting the same file again with the same model and config loads the stored cache instead of
     prefilling; a stored entry that fails verification (or its load in any other way), or that holds other text
@@ -919,8 +919,11 @@ class CacheStore:
     def key(self, document_sha256: str, fingerprint: str, config: CompressionConfig) -> str:
         # Caches that differ only in their recall budget hold the same bytes: asking with another budget
         # reuses the stored cache instead of reading the document again.
-        material = json.dumps([document_sha256, fingerprint, config.cache_identity()], sort_keys=True)
-        return _sha256(material.encode())[:32]
+        material: list[Any] = [document_sha256, fingerprint, config.cache_identity()]
+        revision = scorers.method(config.method).revision
+        if revision > 1:  # revision 1 keeps the keys of the caches stored before revisions existed
+            material.append({"method_revision": revision})
+        return _sha256(json.dumps(material, sort_keys=True).encode())[:32]
 
     def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig | None = None) -> Path:
         """Where `ingest` stores (or finds) `document`'s cache made by `engine` with `config`, resolved as ingestion

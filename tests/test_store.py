@@ -6,6 +6,7 @@ Unit tests use the random 3-layer model from conftest; one integration test per 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,8 +26,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine, scorers
 from infokv_rag.documents import Page, document_from_text, load_document
+from infokv_rag.scorers.base import Method
+from infokv_rag.scorers.infokv import WHOLE_WORDS_REVISION
 from infokv_rag.signals import LayerBudgetSettings
 from infokv_rag.store import (
     FORMAT_VERSION,
@@ -897,6 +900,35 @@ def test_store_reuses_the_cache_of_the_same_file(
         with pytest.raises(AssertionError, match="prefilled again"):
             store.ingest(random_engine, document, other)
     assert len(list(store.root.iterdir())) == 1
+
+
+def test_store_reads_a_document_again_once_its_method_keeps_other_tokens(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache stored before a change of what its method keeps (an earlier `Method.revision`: here, before budgets
+    kept words whole) is not served after it: the store reads the document again, once. At revision 1 the key is
+    the one every cache stored before revisions existed has."""
+    document = document_from_text(TEXT_A)
+    config = CompressionConfig(keep=0.25)
+    store = CacheStore(tmp_path / "store")
+    real = scorers.method
+    assert real("infokv").revision == WHOLE_WORDS_REVISION > 1
+
+    def before_the_change(name: str) -> Method[Any]:
+        return replace(real(name), revision=1) if name == "infokv" else real(name)
+
+    monkeypatch.setattr(scorers, "method", before_the_change)
+    _, reused = store.ingest(random_engine, document, config)
+    assert reused is False
+    identity = random_engine.resolve_config(config).cache_identity()
+    material = json.dumps([document.sha256, random_engine.fingerprint, identity], sort_keys=True)
+    assert store.path_for(random_engine, document, config).name == hashlib.sha256(material.encode()).hexdigest()[:32]
+    monkeypatch.undo()
+    _, reused = store.ingest(random_engine, document, config)
+    assert reused is False
+    _, reused = store.ingest(random_engine, document, config)
+    assert reused is True
+    assert len(list(store.root.iterdir())) == 2
 
 
 def test_store_rebuilds_a_damaged_or_foreign_entry(

@@ -67,6 +67,10 @@ class Method(Generic[S]):
     """How it scores a token, in one line (the README's table of methods repeats it)."""
     compresses: bool = True
     """False for the uncompressed baseline: its budget is the whole document."""
+    revision: int = 1
+    """Raised when what the method keeps for the same settings changes (a fix of its selection): a cache store
+    (`infokv_rag.store.CacheStore`) keys its entries by it, so that it reads a document again rather than serve a
+    cache made before the change. Revision 1 adds nothing to the key (caches stored before revisions existed)."""
 
     @property
     def setting_names(self) -> tuple[str, ...]:

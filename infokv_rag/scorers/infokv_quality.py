@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..signals import LayerBudgets
 from .base import Method
-from .infokv import Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization, Units
+from .infokv import WHOLE_WORDS_REVISION, Aggregation, Attention, InfoKVScorer, InfoKVSettings, Normalization, Units
 
 
 @dataclass(frozen=True)
@@ -28,4 +28,5 @@ METHOD = Method(
     InfoKVScorer,
     'InfoKV with `attention="reconstruction"`, `lam=0.7`, rank-normalised per token, per-head budgets, '
     "every number in every head from keep 0.5",
+    revision=WHOLE_WORDS_REVISION,
 )
