@@ -21,6 +21,7 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from infokv_rag import scorers  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service import uploads  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
@@ -236,6 +237,33 @@ def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(
         assert (counters["prefills"], counters["cache_shares"]) == (1, 0)
         assert not os.path.samefile(_tensors(data, doc_a), _tensors(data, doc_b))
         assert ask(client, B, doc_b).status_code == 200
+
+
+@pytest.mark.parametrize("made_by", ["an older revision", "a release that kept no revision"])
+def test_a_cache_made_before_its_method_changed_is_shared_with_no_new_upload(
+    random_engine: Any, tmp_path: Path, made_by: str
+) -> None:
+    """A's cache was made before a release changed what the method keeps (`Method.revision`): B's upload of the
+    same file is read again, not handed the old selection; a cache made by this release is then shared."""
+    data = tmp_path / "data"
+    with running(random_engine, data, share_caches=True) as client:
+        doc_a = upload_ready(client, A1, "same.txt", SECRET)
+    meta = data / "documents" / doc_a / "meta.json"
+    record = json.loads(meta.read_text())
+    assert record["method_revision"] == scorers.method(record["method"]).revision
+    if made_by == "an older revision":
+        record["method_revision"] -= 1
+    else:
+        del record["method_revision"]
+    meta.write_text(json.dumps(record))
+    with running(random_engine, data, share_caches=True) as client:
+        doc_b = upload_ready(client, B, "same.txt", SECRET)
+        doc_c = upload_ready(client, A1, "same.txt", SECRET)
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (1, 1)
+        assert not os.path.samefile(_tensors(data, doc_a), _tensors(data, doc_b))
+        assert os.path.samefile(_tensors(data, doc_b), _tensors(data, doc_c))
+        assert ask(client, A1, doc_a).status_code == 200  # A keeps the cache it was read into
 
 
 def test_a_shared_cache_read_again_replaces_the_lost_one(random_engine: Any, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .. import scorers
 from ..config import check_recall
 from ..documents import Document, Page
 from ..errors import CacheStoreError, ConfigError, DocumentError
@@ -94,6 +95,10 @@ class DocumentRecord:
     """Width of the cold tier's codes; None without a cold tier."""
     stored_bits: int | None = None
     """Width of the codes the kept entries are held in; None: at the model's dtype."""
+    method_revision: int | None = None
+    """The revision of `method` (`Method.revision`) its cache was made by; None until a cache is made, and in
+    records saved before it was kept. With `share_caches` only a cache of the current revision is shared: a
+    release that changes what a method keeps must not hand a new upload a cache made before the change."""
     size_bytes: int = 0
     pages: int = 0
     skipped_pages: list[int] = field(default_factory=list)
@@ -135,6 +140,7 @@ class DocumentRecord:
         "recall",
         "cold_bits",
         "stored_bits",
+        "method_revision",
         "created_at",
         "updated_at",
         "size_bytes",
@@ -515,6 +521,7 @@ class Registry:
             # Where its cache came from, with the status that shows it: a poll must not read ready and no origin.
             record.cache_origin = "prefill"
             record.status = "ready"
+            record.method_revision = scorers.method(record.method).revision
             record.reason = record.reason_code = None
             record.tokens = stats.document_tokens
             record.kept_tokens = stats.kept_tokens
@@ -559,6 +566,7 @@ class Registry:
             and _budget(other.recall) == _budget(record.recall)
             and other.cold_bits == record.cold_bits
             and other.stored_bits == record.stored_bits
+            and other.method_revision == scorers.method(record.method).revision
         ]
         # The same file read into other text (by an older release) is not an identical document.
         pages = self._saved_pages(record) if candidates else None
@@ -586,7 +594,15 @@ class Registry:
                     raise StorageError("copy a shared cache", exc) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-            for name in ("tokens", "kept_tokens", "cache_bytes", "cold_bytes", "full_cache_bytes", "compression_ratio"):
+            for name in (
+                "tokens",
+                "kept_tokens",
+                "cache_bytes",
+                "cold_bytes",
+                "full_cache_bytes",
+                "compression_ratio",
+                "method_revision",
+            ):
                 setattr(record, name, getattr(donor, name))
             # Counted before the record reads ready, so that whoever sees it ready sees the count too.
             with self._lock:
