@@ -76,6 +76,18 @@ def valid_document_id(value: str) -> bool:
     return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
 
 
+CACHE_FACTS = (
+    "tokens",
+    "kept_tokens",
+    "cache_bytes",
+    "cold_bytes",
+    "full_cache_bytes",
+    "compression_ratio",
+    "method_revision",
+)
+"""The persisted fields of a `DocumentRecord` that describe its cache: a shared cache brings its donor's."""
+
+
 @dataclass
 class DocumentRecord:
     """What the service knows about one document; `meta.json` holds the persistent fields."""
@@ -140,19 +152,13 @@ class DocumentRecord:
         "recall",
         "cold_bits",
         "stored_bits",
-        "method_revision",
         "created_at",
         "updated_at",
         "size_bytes",
         "pages",
         "skipped_pages",
         "warnings",
-        "tokens",
-        "kept_tokens",
-        "cache_bytes",
-        "cold_bytes",
-        "full_cache_bytes",
-        "compression_ratio",
+        *CACHE_FACTS,
         "prefill_seconds",
         "reason",
         "reason_code",
@@ -594,15 +600,7 @@ class Registry:
                     raise StorageError("copy a shared cache", exc) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-            for name in (
-                "tokens",
-                "kept_tokens",
-                "cache_bytes",
-                "cold_bytes",
-                "full_cache_bytes",
-                "compression_ratio",
-                "method_revision",
-            ):
+            for name in CACHE_FACTS:
                 setattr(record, name, getattr(donor, name))
             # Counted before the record reads ready, so that whoever sees it ready sees the count too.
             with self._lock:
