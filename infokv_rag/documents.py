@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import stat
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -32,12 +33,12 @@ from .errors import (
 from .files import open_regular
 from .pdf_damage import (
     damage_error,
-    missing_font,
     missing_pages,
     page_list,
     page_problem,
     pypdf_detail,
     pypdf_reports,
+    unreadable_text,
 )
 from .pdf_forms import draws_images, page_text
 
@@ -67,6 +68,7 @@ _EOF_WINDOW = 1024
 # The last 1024 bytes are counted before padding: NULs and whitespace that a transfer or a disk image left after the
 # file (a file cut short ends in its content, not in padding). The same padding before a PDF's header is tolerated.
 _PADDING = b"\x00\t\n\x0c\r "
+_REPLACEMENT = "\ufffd"  # what pypdf reads a glyph as when it cannot map it to a character
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
@@ -214,6 +216,12 @@ def _page_layout(page: Page) -> dict[str, Any]:
     return layout
 
 
+def is_blank(text: str) -> bool:
+    """Whether `text` holds nothing to read: only whitespace and control or format characters (NUL, a tab, a
+    zero-width space, a byte-order mark), or nothing at all."""
+    return all(char.isspace() or unicodedata.category(char) in ("Cc", "Cf") for char in text)
+
+
 def unpaired_surrogate(text: str) -> int | None:
     """Where `text` holds a lone UTF-16 surrogate (no character of Unicode text, and no tokenizer takes it),
     or None."""
@@ -242,10 +250,11 @@ def document_from_text(text: str, source: str | None = None) -> Document:
     _check_text(text, source or "The text")
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     body = _normalize_newlines(text.removeprefix("\ufeff"))
-    if not body.strip():
+    if is_blank(body):
         where = source or "The text"
         raise EmptyDocumentError(
-            f"{where} is empty or only whitespace: there is nothing to answer questions from. Pass the document's text."
+            f"{where} is empty or only whitespace and invisible characters (zero-width spaces, byte-order marks): "
+            "there is nothing to answer questions from. Pass the document's text."
         )
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
 
@@ -262,7 +271,7 @@ def document_from_pages(
     kept = []
     for (number, text), label in zip(pages, labels or [None] * len(pages), strict=True):
         body = repair_extracted_text(_check_text(text, f"page {number} of {source or 'the documents'}")).strip()
-        if body:
+        if not is_blank(body):
             kept.append(Page(number, body, label))
     if not kept:
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
@@ -323,9 +332,10 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
             "export the document to PDF or plain text first."
         )
     body = _normalize_newlines(text)
-    if not body.strip():
+    if is_blank(body):
         raise EmptyDocumentError(
-            f"{name} contains only whitespace: there is no text to answer questions from. "
+            f"{name} contains only whitespace and invisible characters (zero-width spaces, byte-order marks): there "
+            "is no text to answer questions from. "
             "Check that you picked the right file."
         )
     told = _warn([_stray_bytes_warning(name, data, strays)] if strays else [], stacklevel=3)
@@ -868,15 +878,16 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 continue
             assert page is not None
             text = _clean_page_text(raw or "")
-            if text:
-                pages.append(Page(index + 1, text, labels[index]))
-                continue
-            font = missing_font(page)
-            if font is not None:
-                # Text drawn in a font the page does not hold (a page dictionary that lost its /Resources) reads
-                # as nothing: the page is not blank, its text failed to extract.
+            blank = is_blank(text)
+            # A page read as nothing, or with U+FFFD, may have failed to extract without a word from pypdf (content
+            # cut short, a font its resources lost): such a page is skipped and named, never loaded as blank or
+            # as replacement characters.
+            unreadable = unreadable_text(page) if blank or _REPLACEMENT in text else None
+            if unreadable is not None:
                 failed.append(index + 1)
-                first_error = first_error or PdfReadError(f"its text is drawn in font {font}, which it does not hold")
+                first_error = first_error or PdfReadError(unreadable)
+            elif not blank:
+                pages.append(Page(index + 1, text, labels[index]))
             elif draws_images(page):
                 scanned.append(index + 1)
 

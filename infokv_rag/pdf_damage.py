@@ -369,25 +369,34 @@ def page_list(numbers: Sequence[int]) -> str:
     return _pages(_runs(numbers))
 
 
-def missing_font(page: PageObject) -> str | None:
-    """The name of a font that the page's content shows text in but its resources do not hold, or None."""
+def unreadable_text(page: PageObject) -> str | None:
+    """Why the text of `page`, read as nothing or as U+FFFD, is not what the page shows, or None where nothing is
+    known to be wrong (a blank page, a scan): its content cannot be parsed (pypdf then extracts nothing, without a
+    word), or it shows text in a font its resources do not hold (read as nothing, or as U+FFFD). Phrased to follow
+    "text extraction failed"."""
     try:
         contents = page.get_contents()
         if contents is None:
             return None
+        operations = contents.operations
+    except MemoryError:
+        raise
+    except Exception as exc:
+        return f"its content cannot be parsed: {pypdf_detail(exc)}"
+    try:
         resources = resolved(page.get("/Resources"))
         fonts = resolved(resources.get("/Font")) if isinstance(resources, DictionaryObject) else None
         held = set(fonts) if isinstance(fonts, DictionaryObject) else set()
-        font = None
-        for operands, operator in contents.operations:
-            if operator == b"Tf" and operands:
-                font = operands[0]
-            elif operator in _SHOW_TEXT and font is not None and font not in held:
-                return str(font)
     except MemoryError:
         raise
-    except Exception:  # content pypdf cannot parse: extraction has been tried and is judged on its own
-        return None
+    except Exception as exc:
+        return f"its fonts cannot be read: {pypdf_detail(exc)}"
+    font = None
+    for operands, operator in operations:
+        if operator == b"Tf" and operands:
+            font = operands[0]
+        elif operator in _SHOW_TEXT and font is not None and font not in held:
+            return f"its text is drawn in font {font}, which it does not hold"
     return None
 
 

@@ -7,11 +7,10 @@ is found by rendering the model's own chat template around sentinels, as kvpress
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-from .documents import unpaired_surrogate
+from .documents import is_blank, unpaired_surrogate
 from .errors import ConfigError, EmptyQuestionError
 
 _SENTINEL = "\u2063INFOKV-SPLIT\u2063"
@@ -30,12 +29,6 @@ def question_turns(question: str) -> list[Turn]:
     if is_blank(question):
         raise _empty("the question")
     return [("user", f"Question: {question}\n{ANSWER_INSTRUCTION}")]
-
-
-def is_blank(text: str) -> bool:
-    """Whether `text` holds nothing to read: only whitespace and control or format characters (NUL, a tab, a
-    zero-width space, a byte-order mark), or nothing at all."""
-    return all(char.isspace() or unicodedata.category(char) in ("Cc", "Cf") for char in text)
 
 
 def _empty(what: str) -> EmptyQuestionError:

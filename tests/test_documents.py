@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -456,20 +457,52 @@ def test_a_rebuilt_cross_reference_table_alone_is_no_damage(tmp_path: Path, capl
     assert "its page tree lists 5 pages but page 4 cannot be found" in _refusal(CorruptPDFError, lost)
 
 
-def test_text_in_a_font_the_page_does_not_hold_is_reported_not_read_as_blank(tmp_path: Path) -> None:
-    # A page dictionary that lost its /Resources: its text is drawn in font /F1, which it no longer names, and
-    # pypdf extracts nothing from it. The page is skipped and reported, not taken for a blank page.
-    from pypdf.generic import NameObject
-
+def _with_page_two(path: Path, change: Callable[[pypdf.PageObject], None]) -> Path:
+    """`path`: a three-page PDF of `PAGES` whose second page `change` altered."""
     writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(PAGES))))
-    del writer.pages[1][NameObject("/Resources")]
-    path = tmp_path / "fonts.pdf"
+    change(writer.pages[1])
     with path.open("wb") as fh:
         writer.write(fh)
+    return path
+
+
+def _lose_resources(page: pypdf.PageObject) -> None:
+    del page[NameObject("/Resources")]
+
+
+def _lose_fonts(page: pypdf.PageObject) -> None:
+    resources = page["/Resources"].get_object()
+    assert isinstance(resources, DictionaryObject)
+    del resources[NameObject("/Font")]
+
+
+def _cut_content(page: pypdf.PageObject) -> None:
+    content = page.get_contents()
+    assert content is not None
+    data = content.get_data()
+    content.set_data(data[: data.index(PAGES[1].split()[1].encode())])  # ends inside the string it shows
+    page.replace_contents(content)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (_lose_resources, "drawn in font /F1, which it does not hold"),  # pypdf reads it as nothing
+        (_lose_fonts, "drawn in font /F1, which it does not hold"),  # pypdf reads it as U+FFFD
+        (_cut_content, "its content cannot be parsed"),  # pypdf reads it as nothing, without a word
+    ],
+    ids=["resources lost", "fonts lost", "content cut short"],
+)
+def test_a_page_whose_text_fails_to_extract_quietly_is_reported_not_read(
+    tmp_path: Path, change: Callable[[pypdf.PageObject], None], why: str
+) -> None:
+    """pypdf reads such a page as blank or as replacement characters and says nothing: the page is skipped and
+    named, never taken for a blank page or loaded as U+FFFD."""
+    path = _with_page_two(tmp_path / "page2.pdf", change)
     with pytest.warns(PageExtractionWarning) as record:
         doc = load_document(path)
-    assert [p.number for p in doc.pages] == [1, 3] and doc.skipped_pages == (2,)
-    assert "skipped page 2 of 3" in str(record.list[0].message) and "/F1" in str(record.list[0].message)
+    assert [p.number for p in doc.pages] == [1, 3] and doc.skipped_pages == (2,) and "\ufffd" not in doc.text
+    assert "skipped page 2 of 3" in str(record.list[0].message) and why in str(record.list[0].message)
 
 
 # --- text files --------------------------------------------------------------------------------
@@ -512,8 +545,9 @@ def test_document_from_text() -> None:
     assert doc.text == "a\nb" and doc.pages == (Page(1, "a\nb"),) and doc.source == "memo"
     assert doc.sha256 == hashlib.sha256("\ufeffa\r\nb".encode()).hexdigest()
     assert doc.page_of(1) == 1 and doc.page_spans == ((0, 3),)
-    with pytest.raises(EmptyDocumentError, match="memo is empty"):
-        document_from_text(" \n\t", source="memo")
+    for blank in (" \n\t", "\u200b\u200b", "\ufeff\u2060\n"):
+        with pytest.raises(EmptyDocumentError, match="memo is empty"):
+            document_from_text(blank, source="memo")
 
 
 def test_document_from_pages_checks_each_page_as_text() -> None:
@@ -525,7 +559,7 @@ def test_document_from_pages_checks_each_page_as_text() -> None:
     with pytest.raises(TypeError, match="page 1 of the documents must be str"):
         document_from_pages([(1, b"bytes")])  # type: ignore[list-item]
     with pytest.raises(EmptyDocumentError, match="scan hold no text"):
-        document_from_pages([(1, " "), (2, "")], source="scan")
+        document_from_pages([(1, " "), (2, ""), (3, "\u200b\u200c")], source="scan")
 
 
 def test_document_from_pages_repairs_what_pdf_readers_leave() -> None:
@@ -628,9 +662,13 @@ def test_empty_file(tmp_path: Path) -> None:
         assert name in message and "0 bytes" in message
 
 
-def test_whitespace_only_text(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "blank", [" \n\r\n\t  \n", "\u200b\u200b\u200b\n", "\ufeff\ufeff\n"], ids=["whitespace", "zero-width", "two BOMs"]
+)
+def test_whitespace_only_text(tmp_path: Path, blank: str) -> None:
+    """Invisible characters are no text to answer from, as they are no question (`prompt.question_turns`)."""
     path = tmp_path / "blank.md"
-    path.write_text(" \n\r\n\t  \n", encoding="utf-8")
+    path.write_text(blank, encoding="utf-8")
     message = _refusal(EmptyDocumentError, path)
     assert "blank.md" in message and "whitespace" in message
 

@@ -13,11 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import chat_template_utils
 
 from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoKVEngine, decoding
+from infokv_rag.documents import is_blank
 from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
 from infokv_rag.generation import GenerationOptions, TextAssembler
 from infokv_rag.ingestion import chunk_bounds
-from infokv_rag.prompt import check_conversation, is_blank, question_turns
+from infokv_rag.prompt import check_conversation, question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir, build_tokenizer
