@@ -33,6 +33,7 @@ from .errors import (
 from .files import open_regular
 from .pdf_damage import (
     damage_error,
+    fails_checksum,
     missing_pages,
     page_list,
     page_problem,
@@ -44,6 +45,7 @@ from .pdf_forms import draws_images, page_text
 
 __all__ = [
     "Document",
+    "GarbledTextWarning",
     "Page",
     "PageExtractionWarning",
     "PAGE_SEPARATOR",
@@ -94,6 +96,15 @@ logging.getLogger("pypdf").addHandler(logging.NullHandler())
 class PageExtractionWarning(UserWarning):
     """Some PDF pages were skipped, their text failing to extract or the page holding only images (a scan with
     no text layer); the rest of the document was loaded. `pages` are their numbers."""
+
+    def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.pages = pages
+
+
+class GarbledTextWarning(UserWarning):
+    """Some PDF pages were loaded from compressed content that fails its checksum: their text may not be what the
+    file was written with. `pages` are their numbers."""
 
     def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -851,6 +862,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         pages: list[Page] = []
         failed: list[int] = []
         scanned: list[int] = []
+        garbled: list[int] = []
         damaged: dict[int, str] = {}
         first_error: BaseException | None = None
         checked: dict[tuple[int, int], tuple[bool, str] | None] = {}
@@ -888,6 +900,8 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 first_error = first_error or PdfReadError(unreadable)
             elif not blank:
                 pages.append(Page(index + 1, text, labels[index]))
+                if fails_checksum(page):
+                    garbled.append(index + 1)
             elif draws_images(page):
                 scanned.append(index + 1)
 
@@ -922,6 +936,15 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 "(scanned). The other pages were loaded; to answer questions about the skipped ones too, OCR the "
                 f"file first, e.g. `{_ocr_command(name, '--skip-text')}`, and load the OCR'd file.",
                 tuple(scanned),
+            )
+        )
+    if garbled:
+        issued.append(
+            GarbledTextWarning(
+                f"{name}: the compressed content of {page_list(garbled)} fails its checksum, so its text may have "
+                "been changed by damage to the file (or its producer wrote a wrong checksum); it was loaded. Compare "
+                f"{'it' if len(garbled) == 1 else 'them'} with the PDF in a viewer, or get an undamaged copy.",
+                tuple(garbled),
             )
         )
     pages = _with_words_joined(pages)

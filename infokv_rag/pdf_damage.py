@@ -168,6 +168,36 @@ def _flate_failure(stream: StreamObject) -> str | None:
     """zlib's complaint about the Flate data of `stream` when it is damaged, or None: also when the stream is
     not Flate-compressed, or only after a filter not checked here, or the filters before fail (pypdf reports
     those itself)."""
+    data = _flate_data(stream)
+    if data is None:
+        return None
+    try:
+        _inflate(data)
+    except zlib.error as exc:
+        return str(exc)
+    return None
+
+
+def fails_checksum(page: PageObject) -> bool:
+    """Whether a compressed content stream of `page` inflates whole but fails the checksum stored after it: one
+    changed bit of compressed data can still inflate, to other text. Only a complete checksum counts (Acrobat
+    drops a checksum's zero last byte); a producer that wrote wrong checksums (jsPDF 1.x) is told apart by no
+    check here, so a failure is a warning, never a refusal."""
+    try:
+        streams = _contents(page.raw_get("/Contents")) if "/Contents" in page else []
+        return any(
+            isinstance(stream, StreamObject) and (data := _flate_data(stream)) is not None and not _inflate(data)
+            for stream in streams
+        )
+    except MemoryError:
+        raise
+    except Exception:  # damage that `page_problem` judges
+        return False
+
+
+def _flate_data(stream: StreamObject) -> bytes | None:
+    """The Flate-compressed bytes of `stream` (after the text filters before /FlateDecode), or None: not
+    Flate-compressed, compressed after a filter not checked here, or its filters before fail."""
     filters = stream.get("/Filter")
     names = list(filters) if isinstance(filters, ArrayObject) else [filters]
     data: Any = stream._data  # the encoded bytes as read from the file (decrypted)
@@ -185,33 +215,32 @@ def _flate_failure(stream: StreamObject) -> str | None:
             return None
     else:
         return None
-    if not isinstance(data, bytes):
-        return None
-    try:
-        _inflate(data)
-    except zlib.error as exc:
-        return str(exc)
-    return None
+    return data if isinstance(data, bytes) else None
 
 
-def _inflate(data: bytes) -> None:
-    """Inflate zlib data up to `_INFLATE_LIMIT` bytes of output, keeping none; zlib.error where it is damaged.
+def _inflate(data: bytes) -> bool:
+    """Inflate zlib data up to `_INFLATE_LIMIT` bytes of output, keeping none; zlib.error where it is damaged, else
+    whether its checksum holds (True also where none can be checked).
 
-    Only the zlib header and the compressed blocks are judged, as viewers and pypdf judge them: data that stops
-    before its final block or checksum, a wrong checksum, or bytes after the end are no damage here, because
+    Only the zlib header and the compressed blocks are judged damage, as viewers and pypdf judge them: data that
+    stops before its final block or checksum, a wrong checksum, or bytes after the end are no damage here, because
     real producers write them so (jsPDF 1.x wrote wrong checksums, Acrobat drops a checksum's zero last byte,
     early Distiller counted line ends into the stream). A corrupted block is damage: it leaves the text from
     there on unreadable, pypdf keeping only what came before."""
     if data.startswith(b"\x1f\x8b"):
-        return  # gzip, not zlib: against the PDF standard, and left to pypdf
+        return True  # gzip, not zlib: against the PDF standard, and left to pypdf
     zlib.decompressobj().decompress(data[:2])  # the header: "incorrect header check" when it is none
     if len(data) < 2 or data[1] & 0x20:
-        return  # a preset dictionary, which PDF never uses: left to pypdf
+        return True  # a preset dictionary, which PDF never uses: left to pypdf
     inflater = zlib.decompressobj(-zlib.MAX_WBITS)  # the blocks alone, without the checksum
-    rest, produced = data[2:], 0
+    rest, produced, adler = data[2:], 0, zlib.adler32(b"")
     while rest and produced < _INFLATE_LIMIT and not inflater.eof:
-        produced += len(inflater.decompress(rest, 1 << 20))
+        output = inflater.decompress(rest, 1 << 20)
+        produced += len(output)
+        adler = zlib.adler32(output, adler)
         rest = inflater.unconsumed_tail
+    stored = inflater.unused_data[:4]
+    return not inflater.eof or len(stored) < 4 or int.from_bytes(stored, "big") == adler
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import (
     PAGE_SEPARATOR,
     Document,
+    GarbledTextWarning,
     Page,
     PageExtractionWarning,
     StrayBytesWarning,
@@ -503,6 +505,52 @@ def test_a_page_whose_text_fails_to_extract_quietly_is_reported_not_read(
         doc = load_document(path)
     assert [p.number for p in doc.pages] == [1, 3] and doc.skipped_pages == (2,) and "\ufffd" not in doc.text
     assert "skipped page 2 of 3" in str(record.list[0].message) and why in str(record.list[0].message)
+
+
+def _deflated(content: bytes, damage: str) -> bytes:
+    """`content` as zlib data in stored blocks (its bytes readable inside), changed as `damage` says."""
+    data = zlib.compress(content, level=0)
+    if damage == "a changed letter":
+        at = data.index(b"Beta")
+        return data[:at] + b"Bfta" + data[at + 4 :]  # inflates whole, to other text: only the checksum tells
+    if damage == "checksum cut short":
+        return data[:-1]  # as Acrobat writes a checksum whose last byte is zero
+    if damage == "no checksum":
+        return data[:-4]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("damage", "told"),
+    [("a changed letter", True), ("checksum cut short", False), ("no checksum", False), ("none", False)],
+)
+def test_compressed_content_that_fails_its_checksum_is_loaded_with_a_warning(
+    tmp_path: Path, damage: str, told: bool
+) -> None:
+    """One changed byte of compressed content can still inflate, to other text: a complete checksum that fails is
+    told (the page is loaded: producers have written wrong checksums); a checksum cut short or left out is not."""
+    from pypdf.generic import DecodedStreamObject
+
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(PAGES))))
+    content = writer.pages[1].get_contents()
+    assert content is not None
+    stream = DecodedStreamObject()
+    stream.set_data(_deflated(content.get_data(), damage))
+    stream[NameObject("/Filter")] = NameObject("/FlateDecode")
+    writer.pages[1][NameObject("/Contents")] = writer._add_object(stream)
+    path = tmp_path / "checksum.pdf"
+    with path.open("wb") as fh:
+        writer.write(fh)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        doc = load_document(path)
+    assert [p.number for p in doc.pages] == [1, 2, 3] and doc.skipped_pages == ()
+    assert doc.pages[1].text == ("Bfta page two." if damage == "a changed letter" else PAGES[1])
+    garbled = [w.message for w in record if isinstance(w.message, GarbledTextWarning)]
+    assert [w.pages for w in garbled] == ([(2,)] if told else [])
+    assert len(record) == len(garbled) and doc.load_warnings == tuple(str(w) for w in garbled)
+    if told:
+        assert "checksum.pdf: the compressed content of page 2 fails its checksum" in str(garbled[0])
 
 
 # --- text files --------------------------------------------------------------------------------
