@@ -402,7 +402,7 @@ def _read_text(data: bytes) -> tuple[str | None, tuple[int, ...]]:
         return _text_or_none(data, "utf-16"), ()
     text = _text_or_none(data, "utf-8")
     if text is not None:
-        return text, ()
+        return _iso_2022(data) if "\x1b$" in text else text, ()
     if b"\x00" in data:
         return None, ()
     stray = _utf8_with_stray_bytes(data)
@@ -490,12 +490,13 @@ def _decode_legacy(data: bytes) -> str | None:
     # Not UTF-8. A legacy Western file is the common case: cp1252 turns 0x80-0x9f into the quotes and
     # dashes such files mean; the five bytes it leaves undefined fall back to plain Latin-1. But any byte
     # string decodes as cp1252, so it is taken only when the result reads like Western text, and holds none
-    # of the letters where Turkish cp1254 differs; otherwise (GB18030, Shift-JIS, cp1251, cp1254, ...) the
-    # encoding is detected, or the file refused: never garbled.
+    # of the letters where Turkish cp1254 differs nor a character inside a word that no Western spelling puts
+    # there; otherwise (GB18030, Shift-JIS, cp1251, cp1254, cp1250, ...) the encoding is detected, or the file
+    # refused: never garbled.
     for encoding in ("cp1252", "latin-1"):
         text = _text_or_none(data, encoding)
         if text is not None:
-            if not _CP1254_IN_CP1252.isdisjoint(text):
+            if not _CP1254_IN_CP1252.isdisjoint(text) or _symbol_inside_a_word(text):
                 return _detect_legacy_encoding(data)
             return text if _reads_as_western(text) else _detect_legacy_encoding(data, western=text)
     return _detect_legacy_encoding(data)
@@ -519,6 +520,25 @@ def _reads_as_western(text: str) -> bool:
     return adjacent <= 0.3 * non_ascii
 
 
+def _symbol_inside_a_word(text: str) -> bool:
+    """Whether a character beyond ASCII stands inside a word as no Western spelling has it: a symbol, a superscript,
+    an inverted or opening mark between two letters (Polish or Czech letters in cp1252: "P³atnoœæ" for
+    "Płatność", "u¿ytkowego" for "użytkowego"), or a capital between two small letters (a DOS or Mac text in
+    cp1252: "KŸndigung" for "Kündigung", "d‚lai" for "délai")."""
+    for index in range(1, len(text) - 1):
+        before, char, after = text[index - 1], text[index], text[index + 1]
+        if ord(char) <= 0x7F or not (before.isalpha() and after.isalpha()):
+            continue
+        if unicodedata.category(char) in _NOT_INSIDE_A_WORD or char in "\u00a1\u00bf":
+            return True
+        if char.isupper() and before.islower() and after.islower():
+            return True
+    return False
+
+
+_NOT_INSIDE_A_WORD = frozenset({"Sc", "Sk", "Sm", "So", "No", "Ps"})
+
+
 # How much mojibake (charset-normalizer's chaos, 0-1) a reading may hold, and how much more coherent (its
 # letters' fit to a language, 0-1; 0 where too few letters to tell) the best reading must be than any other
 # that reads the bytes as different text.
@@ -538,8 +558,9 @@ def _detect_legacy_encoding(data: bytes, western: str | None = None) -> str | No
         from charset_normalizer import from_bytes
     except ImportError:  # pragma: no cover - a dependency; without it such files are refused, not guessed
         return None
-    readings = from_bytes(data)
-    best = readings.best()
+    # Best first; a reading mostly in half-width katakana is single-byte text (KOI8-R, cp1251) read as Shift-JIS.
+    readings = [reading for reading in from_bytes(data) if not _halfwidth_kana(str(reading))]
+    best = readings[0] if readings else None
     if best is None or best.chaos > _MAX_CHAOS:
         return None
     contenders = {
@@ -550,6 +571,20 @@ def _detect_legacy_encoding(data: bytes, western: str | None = None) -> str | No
     if len(contenders) > 1:
         return western if western in contenders else None
     return _text_or_none(data, best.encoding)
+
+
+def _iso_2022(data: bytes) -> str | None:
+    """The text of 7-bit bytes that switch to a CJK character set with escape sequences (ESC $ ...; e-mail's
+    ISO-2022-JP, ISO-2022-KR), which read as ASCII with the escapes left in; None where they do not decode so."""
+    encoding = "iso2022_kr" if b"\x1b$)C" in data else "iso2022_jp_2"
+    return _text_or_none(data, encoding)
+
+
+def _halfwidth_kana(text: str) -> bool:
+    """Whether half-width katakana (U+FF61-U+FF9F, which Japanese text written since the 1990s hardly uses) are most
+    of the characters beyond ASCII."""
+    beyond_ascii = [char for char in text if ord(char) > 0x7F]
+    return 2 * sum("\uff61" <= char <= "\uff9f" for char in beyond_ascii) > len(beyond_ascii)
 
 
 def _text_or_none(data: bytes, encoding: str) -> str | None:
@@ -611,7 +646,8 @@ def _describe(data: bytes) -> str:
             f"read as a few stray Windows-1252 characters (at most {_MAX_STRAY_BYTES}, each standing alone, each a "
             "Windows-1252 character): save it as UTF-8, converting those bytes from the encoding they came in"
         )
-    if _text_or_none(data, "latin-1") is not None:
+    # Read as text in some single-byte encoding: cp1252 makes characters of the bytes where Latin-1 has controls.
+    if any(_text_or_none(data, encoding) is not None for encoding in ("cp1252", "latin-1")):
         return "looks like text in an encoding that could not be determined (not UTF-8); save it as UTF-8"
     return "looks like binary data of an unknown format"
 

@@ -820,6 +820,17 @@ _LEGACY_TEXTS = {
 }
 
 
+@pytest.mark.parametrize(
+    ("encoding", "text"), [("iso2022_jp", "通知期間は45日です。"), ("iso2022_kr", "통지 기간은 45일입니다.")]
+)
+def test_iso_2022_text_is_read_in_its_character_set(tmp_path: Path, encoding: str, text: str) -> None:
+    """7-bit bytes that switch character sets with escapes (e-mail's Japanese and Korean) are valid ASCII: read
+    as such they would keep the escapes and lose every character."""
+    path = tmp_path / "notice.txt"
+    path.write_bytes(f"Notice: {text}\n".encode(encoding))
+    assert _load_quietly(path).text == f"Notice: {text}\n"
+
+
 @pytest.mark.parametrize("encoding", sorted(_LEGACY_TEXTS))
 def test_legacy_encodings_are_detected_not_garbled(tmp_path: Path, encoding: str) -> None:
     """Any byte string decodes as cp1252; a CJK or Cyrillic file must not be stored as its mojibake."""
@@ -835,6 +846,8 @@ def test_legacy_encodings_are_detected_not_garbled(tmp_path: Path, encoding: str
         "Le délai de préavis est de quatre-vingt-dix jours; as condições não são negociáveis. Größe: 5 €.",
         "Größe: 5 m",  # short, and two accented letters in a row: still Western
         "Kündigungsfrist: drei Monate. Größe: 500 m.",
+        # Characters beyond ASCII inside Western words: an apostrophe, a middle dot, marks, a figure's symbols.
+        "The Supplier\u2019s col\u00b7legi fee: \u00bfQu\u00e9? 5 m\u00b2, \u00a3400, E=mc\u00b2, \u00bd hour.",
     ],
 )
 def test_western_legacy_text_stays_cp1252(tmp_path: Path, text: str) -> None:
@@ -857,6 +870,14 @@ def test_text_of_an_undeterminable_encoding_is_refused(tmp_path: Path) -> None:
         ("cp1251", "Срок: 30 дней.\n"),
         ("cp1251", "Привет\n"),
         ("cp1254", "Şirket çalışanları bildirim süresi otuz gündür.\n"),
+        # Central European letters read as cp1252 stand alone, as Western ones do, but some as symbols inside words
+        # ("P³atnoœæ"); DOS and Mac Western text reads as capitals inside words ("KŸndigung", "d‚lai").
+        ("cp1250", "Okres wypowiedzenia wynosi 45 dni. Płatność następuje w ciągu 30 dni.\n"),
+        ("iso-8859-2", "Okres wypowiedzenia wynosi 45 dni. Płatność następuje w ciągu 30 dni.\n"),
+        ("mac-roman", "Die Kündigungsfrist beträgt 45 Tage.\n"),
+        ("cp850", "Le délai de préavis est de 45 jours.\n"),
+        # Single bytes that read as half-width katakana in Shift-JIS, and as nothing else charset-normalizer finds.
+        ("koi8-r", "Срок уведомления составляет 45 дней. Оплата в течение 30 дней.\n"),
     ],
 )
 def test_short_legacy_text_is_refused_not_garbled(tmp_path: Path, encoding: str, text: str) -> None:
