@@ -439,6 +439,13 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         {"top_p": 1.5},
         {"stop": ["a"] * 5},
         {"stop": "x" * 65},
+        # No number in JSON: true read as 1 would cut the answer to one token, or recall the whole cold tier.
+        {"max_tokens": True},
+        {"seed": True},
+        {"temperature": True},
+        {"recall": True},
+        {"max_tokens": "3"},
+        {"recall": "0.5"},
     ):
         assert_error(ask(client, A1, doc, **bad), 422, "invalid_request")
     too_many = assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's limit
@@ -453,7 +460,17 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
     assert ask(client, A1, doc, seed=-(2**63), temperature=0.5).status_code == 200
     chat = {"model": "random", "messages": [{"role": "user", "content": "q"}], "document_id": doc}
     # OpenAI's route answers 400 (its clients raise BadRequestError for that status), naming the field.
-    for bad in ({"seed": 2**64}, {"max_tokens": 2**40}, {"max_completion_tokens": -1}, {"temperature": -0.1}, {"n": 2}):
+    for bad in (
+        {"seed": 2**64},
+        {"max_tokens": 2**40},
+        {"max_completion_tokens": -1},
+        {"temperature": -0.1},
+        {"n": 2},
+        {"max_tokens": True},
+        {"top_p": True},
+        {"recall": True},
+        {"n": True},
+    ):
         response = client.post("/v1/chat/completions", json={**chat, **bad}, headers=A1)
         error = assert_error(response, 400, "invalid_request")
         assert error["param"] == next(iter(bad)), error

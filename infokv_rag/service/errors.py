@@ -7,6 +7,7 @@ Every error body is OpenAI-shaped, so OpenAI clients show the message:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -111,7 +112,7 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
             # FastAPI reads a body as JSON only when its content-type says so; otherwise no field can be found.
             shown = f"content-type {content_type!r}" if content_type else "no content-type"
             return f"the request body was not read as JSON ({shown}): send it with content-type application/json"
-        location = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path"))
+        location = _field_of(error)
         parts.append(f"{location}: {error.get('msg', 'invalid')}" if location else str(error.get("msg", "invalid")))
     return "invalid request: " + "; ".join(parts) if parts else "invalid request"
 
@@ -119,9 +120,26 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
 def _validation_param(exc: RequestValidationError) -> str | None:
     """The field of the first validation error, dotted (`messages.0.role`); None for the body as a whole."""
     for error in exc.errors():
-        location = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")]
-        return ".".join(location) or None
+        return _field_of(error) or None
     return None
+
+
+def _field_of(error: dict[str, Any]) -> str:
+    """The request field a validation error is about, dotted (`messages.0.role`); "" for the body as a whole. The
+    members of a union that pydantic names in the location (`recall.constrained-float`, `stop.list[str]`,
+    `content.str`) are left out: the client's field is the union's."""
+    location: list[str] = []
+    for part in error.get("loc", ()):
+        if part in ("body", "query", "path") and not location:
+            continue
+        if location and isinstance(part, str) and (part in _UNION_MEMBERS or _UNION_MEMBER.search(part)):
+            break  # the first part is the client's own key, whatever it looks like (an unknown one is refused)
+        location.append(str(part))
+    return ".".join(location)
+
+
+_UNION_MEMBER = re.compile(r"[-\[\]]")  # constrained-float, list[constrained-str]
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "bytes"})
 
 
 FASTAPI_BODY_ERROR = "There was an error parsing the body"

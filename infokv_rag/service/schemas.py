@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints
 
 from ..config import COLD_BITS
 from ..scorers import method_names
@@ -27,14 +27,20 @@ FORM_FIELD_BYTES = 4096
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)]
-Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-Recall = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP)]
+# Strict: JSON's true is no number (lax validation reads it as 1, or as the whole cold tier), nor is "3".
+Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
+MaxTokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_CAP)]
+Temperature = Annotated[float, Strict(), Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Recall = (
+    Annotated[float, Strict(), Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    | Annotated[int, Strict(), Field(ge=0, le=MAX_TOKENS_CAP)]
+)
 """A recall budget: a ratio in [0, 1] of the document's tokens like 0.1, or a token count like 64 (an integer
 is a count), per layer and KV head; 0: none."""
-ColdBits = Annotated[int, Field(ge=min(COLD_BITS), le=max(COLD_BITS), json_schema_extra={"enum": list(COLD_BITS)})]
+ColdBits = Annotated[
+    int, Strict(), Field(ge=min(COLD_BITS), le=max(COLD_BITS), json_schema_extra={"enum": list(COLD_BITS)})
+]
 MethodName = Annotated[str, Field(json_schema_extra={"enum": list(method_names())})]
 """A method of the registry (`infokv_rag.scorers.method_names`); an unknown one is refused with its choices."""
 
@@ -318,7 +324,7 @@ class ChatCompletionRequest(BaseModel):
     recall: Recall | None = Field(
         None, description="Cold-tier recall of this answer, as in /ask (extension field; send it with `extra_body`)."
     )
-    n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    n: Annotated[int, Strict()] | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Not supported, and refused when asked for (400 `unsupported_parameter`): ignored, each would answer
@@ -327,7 +333,9 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Any = Field(None, description="Not supported: refused unless absent, 'none' or 'auto'.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
     logprobs: bool | None = Field(None, description="Not supported: refused when true.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: refused unless 0.")
+    top_logprobs: Annotated[int, Strict()] | None = Field(
+        None, ge=0, le=20, description="Not supported: refused unless 0."
+    )
 
 
 class ChatCompletionMessage(BaseModel):
