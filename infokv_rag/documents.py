@@ -54,6 +54,7 @@ __all__ = [
     "document_from_text",
     "join_broken_words",
     "load_document",
+    "page_has_text",
     "repair_extracted_text",
 ]
 
@@ -270,6 +271,11 @@ def document_from_text(text: str, source: str | None = None) -> Document:
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
 
 
+def page_has_text(text: str) -> bool:
+    """Whether `document_from_pages` keeps a page of this text: something to read once repaired (not `is_blank`)."""
+    return not is_blank(repair_extracted_text(text))
+
+
 def document_from_pages(
     pages: Sequence[tuple[int, str]], source: str | None = None, labels: Sequence[str | None] | None = None
 ) -> Document:
@@ -281,9 +287,8 @@ def document_from_pages(
         raise ValueError(f"{len(labels)} labels for {len(pages)} pages")
     kept = []
     for (number, text), label in zip(pages, labels or [None] * len(pages), strict=True):
-        body = repair_extracted_text(_check_text(text, f"page {number} of {source or 'the documents'}")).strip()
-        if not is_blank(body):
-            kept.append(Page(number, body, label))
+        if page_has_text(_check_text(text, f"page {number} of {source or 'the documents'}")):
+            kept.append(Page(number, repair_extracted_text(text).strip(), label))
     if not kept:
         raise EmptyDocumentError(f"{source or 'the documents'} hold no text to answer questions from")
     kept = _with_words_joined(kept)

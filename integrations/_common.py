@@ -476,6 +476,12 @@ def _call_source(adapter: AdapterFields, kwargs: dict[str, Any]) -> tuple[Any, s
     """(document, text) of one call: the call's over the adapter's, a per-call `document` replacing the adapter's
     `document_text`; a document no adapter takes is refused (`check_document`), a call's as the field's."""
     text = kwargs.get("document_text", adapter.document_text if "document" not in kwargs else None)
+    if text is not None and not isinstance(text, str):  # the field's is checked by its type; a call's is not
+        pages = ": join the pages' texts, or pass infokv_rag.documents.document_from_pages(...) as document="
+        raise TypeError(
+            f"{type(adapter).__name__}'s document_text is the document's text, a str; got {type(text).__name__}"
+            + (pages if isinstance(text, (list, tuple)) else "")
+        )
     source = kwargs.get("document", adapter.document)
     return check_document(source, type(adapter).__name__, adapter.FRAMEWORK_DOCUMENTS), text
 

@@ -53,7 +53,7 @@ from llama_index.core.types import TokenAsyncGen
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
-from infokv_rag.documents import Document, document_from_pages, repair_extracted_text
+from infokv_rag.documents import Document, document_from_pages, page_has_text
 from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
@@ -235,8 +235,9 @@ class InfoKV(CustomLLM):
 
     def _metadata(self, engine: InfoKVEngine, document_tokens: int) -> LLMMetadata:
         # The context left for a prompt: the model's, less the document and the chat template's own tokens
-        # around every question (a prompt packed to the window would overflow by those).
-        template = len(engine.prompt.conversation_ids([("user", "")]))
+        # around every question (a prompt packed to the window would overflow by those). LlamaIndex counts a
+        # system prompt's own tokens itself; the line break that joins it to the question is the template's.
+        template = len(engine.prompt.conversation_ids([("user", "")])) + (1 if self.system_prompt else 0)
         return LLMMetadata(
             context_window=engine.context_window - document_tokens - template,
             num_output=self.max_tokens,
@@ -489,7 +490,7 @@ class DocumentQueryEngine(CustomQueryEngine):
         for doc, file in zip(documents, files, strict=True):
             positions[file] = positions.get(file, 0) + 1  # blank pages count: they are pages of the file
             text = doc.get_content()
-            if repair_extracted_text(text).strip():  # the pages document_from_pages keeps
+            if page_has_text(text):  # the pages document_from_pages keeps
                 number, label = _page_number(doc.metadata, positions[file])
                 pages.append((number, text))
                 labels.append(label)

@@ -213,6 +213,9 @@ def test_a_document_of_another_type_is_refused_where_it_is_given(no_document_rea
                 adapter(model="tiny", document=other)
         with pytest.raises(TypeError, match=route):
             adapter(model="tiny", document_text=SUITE_TEXT).invoke("Q?", document=pages[0])
+        for other, named in ((3, "int"), (b"contract", "bytes"), ([SUITE_TEXT], "list: join the pages' texts")):
+            with pytest.raises(TypeError, match=rf"{adapter.__name__}'s document_text is .* a str; got {named}"):
+                adapter(model="tiny", document_text=SUITE_TEXT).invoke("Q?", document_text=other)
         assert adapter(model="tiny", document=Path("contract.txt")).document == Path("contract.txt")  # os.PathLike
         assert adapter(model="tiny", document=document_from_text(SUITE_TEXT)).document is not None
 

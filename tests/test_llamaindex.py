@@ -139,6 +139,8 @@ def test_from_documents_cites_each_files_own_page_labels() -> None:
     documents = [
         LlamaDocument(text="Preface. This manual covers pump P-301.", metadata={"page_label": "i", **manual}),
         LlamaDocument(text="Contents. Valves, filters.", metadata={"page_label": "ii", **manual}),
+        # A page of invisible characters only (a zero-width space): left out of the document, and of whose it is.
+        LlamaDocument(text="\u200b\n", metadata={"page_label": "iii", **manual}),
         LlamaDocument(text="Chapter 1. Valve V-2 relieves pressure.", metadata={"page_label": "1", **manual}),
         LlamaDocument(text="Annex. Torques.", metadata={"page_label": "A-1", "page": 9, **manual}),
         # Text files as SimpleDirectoryReader reads them: no page metadata, one page each.
@@ -184,17 +186,23 @@ def test_llm_loads_nothing_until_used() -> None:
     assert payload["model_name"] == "no-such-model"
 
 
-def test_a_prompt_as_long_as_the_metadata_allows_fits(random_model_dir: Path) -> None:
-    """LlamaIndex packs a prompt up to `context_window - num_output` tokens: that must fit beside the document."""
-    llm = InfoKV(model=str(random_model_dir), document_text=" ".join(CORPUS), max_tokens=2)
+@pytest.mark.parametrize("system_prompt", [None, "You are a careful assistant."])
+def test_a_prompt_as_long_as_the_metadata_allows_fits(random_model_dir: Path, system_prompt: str | None) -> None:
+    """LlamaIndex packs a prompt up to `context_window - num_output` tokens, less its system prompt's own tokens
+    (PromptHelper): that must fit beside the document."""
+    llm = InfoKV(model=str(random_model_dir), document_text=" ".join(CORPUS), max_tokens=2, system_prompt=system_prompt)
     metadata = llm.metadata
     tokenizer = llm.compressed_document().engine.tokenizer
-    budget = metadata.context_window - metadata.num_output
+
+    def tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    budget = metadata.context_window - metadata.num_output - (tokens(system_prompt) if system_prompt else 0)
     prompt = " ".join(["notice"] * budget)
-    while len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > budget:
+    while tokens(prompt) > budget:
         prompt = prompt.rsplit(" ", 1)[0]
-    assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) == budget
-    assert llm.complete(prompt, formatted=True).additional_kwargs["completion_tokens"] == 2
+    assert tokens(prompt) == budget
+    assert llm.complete(prompt).additional_kwargs["completion_tokens"] == 2
 
 
 def test_fields_changed_after_use_choose_the_document_again(random_model_dir: Path) -> None:
@@ -608,6 +616,9 @@ def test_document_errors_say_what_an_infokv_takes(no_document_read: None) -> Non
             InfoKV(model="tiny", document=other)
         with pytest.raises(TypeError, match=rf"; got {named}$"):
             InfoKV(model="tiny", document_text="The notice period is ninety days.").complete("Q?", document=other)
+        # A call's text of another type is refused as the field's is (pydantic), not by an AttributeError later.
+        with pytest.raises(TypeError, match=rf"InfoKV's document_text is the document's text, a str; got {named}"):
+            InfoKV(model="tiny", document_text="The notice period is ninety days.").complete("Q?", document_text=other)
 
 
 def test_an_option_given_as_none_keeps_the_llms_own(random_model_dir: Path) -> None:
