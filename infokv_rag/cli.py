@@ -49,7 +49,7 @@ def _port(value: str) -> int:
 
 
 class ProgressBar:
-    """A prefill progress bar on stderr with tokens/s and ETA (called after each prefill chunk).
+    """A prefill progress bar on stderr with tokens/s and ETA (called before the first prefill chunk and after each).
 
     On a terminal it redraws one line; otherwise (e.g. `--verbose` into a log) it prints one line per update.
     """
@@ -69,10 +69,8 @@ class ProgressBar:
         rate = done / elapsed
         eta = (total - done) / rate if rate else 0.0
         filled = int(30 * done / max(total, 1))
-        line = (
-            f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens "
-            f"{rate:,.0f} tok/s ETA {eta:,.0f}s"
-        )
+        speed = f"{rate:,.0f} tok/s ETA {eta:,.0f}s" if done else "starting"  # no rate before a chunk is in
+        line = f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens {speed}"
         if not stream.isatty():
             stream.write(f"{line}\n")
         else:

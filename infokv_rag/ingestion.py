@@ -191,6 +191,8 @@ class Ingestion:
     @torch.inference_mode()
     def run(self, progress: ProgressCallback | None) -> IngestionResult:
         cache = self.runner.new_cache()
+        if progress is not None:  # before the first chunk, which may take minutes on a CPU
+            progress(0, self.n)
         for start, end in chunk_bounds(self.n, self.config.chunk_size, self.config.window):
             with self.engine.lock:  # answers about other documents may run between chunks
                 capture = signal_capture(self.engine, self.config.window, self.scorer.signals)

@@ -78,8 +78,10 @@ REGISTRY: dict[str, PackagedModel] = {
 
 
 def cache_root() -> Path:
-    """Where converted models live: `$INFOKV_CACHE_DIR` or `~/.cache/infokv-rag`."""
-    return Path(os.environ.get("INFOKV_CACHE_DIR", Path.home() / ".cache" / "infokv-rag"))
+    """Where converted models live: `$INFOKV_CACHE_DIR` or, where it is unset or empty, `~/.cache/infokv-rag` (an
+    empty value must not put gigabytes of converted weights in whatever directory a command runs in)."""
+    configured = os.environ.get("INFOKV_CACHE_DIR", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "infokv-rag"
 
 
 def _sha256_file(path: Path, digest: hashlib._Hash | None = None) -> hashlib._Hash:

@@ -479,10 +479,12 @@ def test_progress_bar_formats(tmp_path: Path) -> None:
 
     stream = io.StringIO()
     bar = ProgressBar("reading doc.pdf", enabled=True, stream=stream)
+    bar(0, 4096)
     bar(2048, 4096)
     bar(4096, 4096)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2 and "2048/4096 tokens" in lines[0] and "ETA" in lines[0] and "tok/s" in lines[1]
+    assert len(lines) == 3 and lines[0].endswith("0/4096 tokens starting")  # shown before the first chunk's minutes
+    assert "2048/4096 tokens" in lines[1] and "ETA" in lines[1] and "tok/s" in lines[2]
     silent = io.StringIO()
     ProgressBar("x", enabled=False, stream=silent)(1, 2)
     assert silent.getvalue() == ""

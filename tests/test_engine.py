@@ -53,6 +53,15 @@ def test_every_method_compresses_to_its_budget(random_engine: InfoKVEngine) -> N
             assert bool((positions[:, -32:] == torch.arange(n - 32, n)).all()), "the observation window is kept"
 
 
+def test_progress_is_told_before_the_first_chunk_and_after_each(random_engine: InfoKVEngine) -> None:
+    calls: list[tuple[int, int]] = []
+    config = CompressionConfig(chunk_size=64)
+    doc = random_engine.ingest_text(TEXT, config, progress=lambda done, total: calls.append((done, total)))
+    tokens = doc.stats.document_tokens
+    assert calls[0] == (0, tokens) and calls[-1] == (tokens, tokens) and len(calls) > 2
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+
+
 def test_cache_bytes_follow_keep_ratio(random_engine: InfoKVEngine) -> None:
     full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     assert full.stats.cache_bytes == full.stats.full_cache_bytes

@@ -28,6 +28,7 @@ from infokv_rag.models import (
     FINGERPRINT_FILE,
     _config_fingerprint,
     _write_fingerprint,
+    cache_root,
     model_fingerprint,
     resolve_model,
 )
@@ -724,3 +725,14 @@ def test_readme_lists_the_supported_architectures() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     section = readme.split("**Architectures.**")[1].split("\n## ")[0]
     assert re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE) == list(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_cache_dir_set_to_nothing_is_the_default_not_the_working_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("INFOKV_CACHE_DIR", value)
+    assert cache_root() == tmp_path / ".cache" / "infokv-rag"
+    monkeypatch.setenv("INFOKV_CACHE_DIR", "~/elsewhere")
+    assert cache_root() == tmp_path / "elsewhere"

@@ -56,6 +56,9 @@ def test_settings_from_env_and_refusal_without_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="INFOKV_DEFAULT_KEEP 1 is a count of one token.*write 1.0"):
         Settings.from_env({"INFOKV_DEFAULT_KEEP": "1"})
     assert Settings.from_env({"INFOKV_DEFAULT_KEEP": "1.0"}).default_keep == 1.0
+    # Set to nothing (a compose file's `INFOKV_DATA_DIR=`) is unset: not the directory the server starts in.
+    blank = Settings.from_env({"INFOKV_DATA_DIR": "", "INFOKV_DEFAULT_KEEP": " "})
+    assert blank.data_dir == Settings().data_dir != Path(".") and blank.default_keep == Settings().default_keep
 
 
 def test_tenant_shares_default_to_half_of_each_queue_and_never_exceed_it() -> None:

@@ -160,14 +160,16 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then `INFOKV_*` environment variables, then `overrides` that are not None."""
+        """Defaults, then `INFOKV_*` environment variables, then `overrides` that are not None. A variable set to
+        nothing (`INFOKV_DATA_DIR=`, as a compose file leaves one) is unset: an empty path would be the directory the
+        server happens to start in."""
         environ = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         for f in fields(cls):
             if not f.init:
                 continue
             raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
+            if raw is None or not raw.strip():
                 continue
             values[f.name] = _parse(f.name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
