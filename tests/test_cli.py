@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from infokv_rag.cli import build_parser
+from infokv_rag.config import CompressionConfig
+from infokv_rag.errors import ConfigError
 from infokv_rag.store import FORMAT_VERSION
 
 from . import pdf_factory as pdfs
@@ -168,6 +170,30 @@ def test_keep_1_is_refused_as_the_count_of_one_token_it_would_be(capsys: pytest.
     assert "write 1.0 to keep every token, or a count above the 36 always kept" in capsys.readouterr().err
     for keep, parsed in (("1.0", 1.0), ("2", 2), ("512", 512), ("0.25", 0.25)):
         assert repr(parser.parse_args(["ingest", "doc.txt", "--out", "out", "--keep", keep]).keep) == repr(parsed)
+
+
+def test_usage_errors_come_as_json_too_when_json_is_asked_for(tmp_path: Path) -> None:
+    doc = _write(tmp_path / "doc.txt", TEXT.encode())
+    result = run_cli("ask", str(doc), "-q", "Q?", "--json", "--keep", "1", cache_dir=tmp_path)
+    assert result.returncode == 2 and "usage:" in result.stderr and "write 1.0" in result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error["type"] == "UsageError" and "write 1.0 to keep every token" in error["message"]
+    plain = run_cli("ask", str(doc), "-q", "Q?", "--keep", "1", cache_dir=tmp_path)
+    assert plain.returncode == 2 and plain.stdout == ""
+
+
+def test_keep_and_summaries_are_refused_for_a_method_that_keeps_every_token() -> None:
+    """Taken and dropped, they would show in the cache's config (`info`) as what was done, and give the same full
+    cache another store key per value."""
+    from infokv_rag.cli import _config
+
+    parser = build_parser()
+    for given, named in ((["--keep", "0.1"], "--keep"), (["--summaries", "64"], "--summaries")):
+        with pytest.raises(ConfigError, match=f"{named} set what compression keeps; method full keeps every token"):
+            _config(parser.parse_args(["ingest", "doc.txt", "--out", "out", "--method", "full", *given]))
+    assert _config(parser.parse_args(["ingest", "doc.txt", "--out", "out", "--method", "full"])).keep == 0.25
+    defaults = _config(parser.parse_args(["ingest", "doc.txt", "--out", "out"]))
+    assert (defaults.keep, defaults.summaries) == (CompressionConfig.keep, CompressionConfig.summaries)
 
 
 def test_a_damaged_model_exits_2_and_fetch_verifies_what_it_prints(tmp_path: Path, random_model_dir: Path) -> None:
@@ -352,11 +378,16 @@ def test_questions_that_cannot_fit_are_refused_before_the_prefill(tmp_path: Path
         assert not list(store.iterdir()), "nothing is prefilled or stored"
 
 
+@pytest.mark.parametrize("failure", ["an error", "Ctrl-C"])
 def test_json_keeps_the_answers_before_a_failing_question(
-    tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    random_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: str,
 ) -> None:
-    """A question that fails while answering (after every check passed) loses none of the answers before it: --json
-    prints them with the error, and the exit code is 2."""
+    """A question that fails while answering (after every check passed), or is interrupted, loses none of the answers
+    before it: --json prints them with the error, and the exit code is 2 (130 for Ctrl-C)."""
     from infokv_rag import cli
     from infokv_rag.document import CompressedDocument
     from infokv_rag.errors import ContextLengthError
@@ -367,7 +398,7 @@ def test_json_keeps_the_answers_before_a_failing_question(
     def second_fails(self: CompressedDocument, turns: Any, options: Any = None) -> Any:
         asked.append(turns)
         if len(asked) == 2:
-            raise ContextLengthError("the second answer failed")
+            raise ContextLengthError("the second answer failed") if failure == "an error" else KeyboardInterrupt
         return generate(self, turns, options)
 
     monkeypatch.setattr(CompressedDocument, "generate", second_fails)
@@ -375,13 +406,17 @@ def test_json_keeps_the_answers_before_a_failing_question(
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
     questions = ("-q", "What is the notice period?", "-q", "Who delivers?", "-q", "Third?")
     args = ("--model", str(random_model_dir), "--store", str(tmp_path / "store"), "--max-new-tokens", "2", "--json")
-    assert cli.main(["ask", str(doc), *questions, *args]) == 2
+    assert cli.main(["ask", str(doc), *questions, *args]) == (2 if failure == "an error" else 130)
     out = capsys.readouterr()
     payload = json.loads(out.out)
     assert [answer["question"] for answer in payload["answers"]] == ["What is the notice period?"]
     assert payload["answers"][0]["completion_tokens"] == 2 and payload["answers"][0]["answer"]
-    assert payload["error"] == {"type": "ContextLengthError", "message": "the second answer failed"}
-    assert "infokv-rag: error: the second answer failed" in out.err and len(asked) == 2
+    if failure == "an error":
+        assert payload["error"] == {"type": "ContextLengthError", "message": "the second answer failed"}
+        assert "infokv-rag: error: the second answer failed" in out.err and len(asked) == 2
+    else:
+        assert payload["error"] == {"type": "KeyboardInterrupt", "message": "interrupted"}
+        assert "infokv-rag: interrupted" in out.err and len(asked) == 2
 
 
 def test_ingest_and_ask_with_a_cold_tier(tmp_path: Path, random_model_dir: Path) -> None:
