@@ -134,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     doc, reused = store.ingest(engine, document, config, progress=progress)
     took = time.perf_counter() - started
     stats = doc.stats
+    stored = store.holds(engine, document, config)
     if reused:
         print(f"reused the stored compressed cache in {took:.2f} s (loaded and verified, no prefill)")
     else:
         print(
             f"read and compressed in {took:.1f} s (prefill {stats.prefill_seconds:.1f} s, "
-            f"scoring {stats.scoring_seconds:.1f} s, compression {stats.compression_seconds:.2f} s); stored"
+            f"scoring {stats.scoring_seconds:.1f} s, compression {stats.compression_seconds:.2f} s)"
+            + ("; stored" if stored else "; not stored (the warning above says why)")
         )
-    print(f"cache: {store.path_for(engine, document, config)}")
+    print(f"cache: {store.path_for(engine, document, config) if stored else 'none stored'}")
     print(
         f"cache size: {megabytes(stats.cache_bytes)} compressed vs {megabytes(stats.full_cache_bytes)} full "
         f"({stats.cache_bytes:,} vs {stats.full_cache_bytes:,} bytes, ratio {stats.compression_ratio:.3f}); "

@@ -365,8 +365,9 @@ def _run(args: argparse.Namespace) -> int:
     store = CacheStore(store_root)
     with fit_progress(_calibration_bar(shown)):
         doc, reused = store.ingest(engine, document, config, progress=progress)
-    cache_path = store.path_for(engine, document, config)
-    _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
+    cache_path = store.path_for(engine, document, config) if store.holds(engine, document, config) else None
+    if cache_path is not None:
+        _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
     options = _options(args)
     results: list[dict[str, Any]] = []
     failure: InfoKVError | OSError | KeyboardInterrupt | None = None
@@ -407,7 +408,7 @@ def _run(args: argparse.Namespace) -> int:
         payload = {
             "answers": results,
             "reused_cache": reused,
-            "cache": str(cache_path),
+            "cache": None if cache_path is None else str(cache_path),  # None: not stored (a warning said why)
             "model": {"name": engine.name, "fingerprint": engine.fingerprint},
             "stats": doc.stats.to_dict(),
         }

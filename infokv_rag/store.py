@@ -43,6 +43,7 @@ import shutil
 import stat
 import struct
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -905,6 +906,10 @@ def _config(data: dict[str, Any], format_version: int) -> CompressionConfig:
     return CompressionConfig.from_dict(data)
 
 
+class StoreWriteWarning(UserWarning):
+    """A `CacheStore` could not save a document it read (a full disk, a directory made read-only meanwhile)."""
+
+
 class CacheStore:
     """Saved caches keyed by (document sha256, model fingerprint, compression config, the method's revision).
 
@@ -930,6 +935,10 @@ class CacheStore:
         resolves it (`InfoKVEngine.resolve_config`: what is left to the model is part of the key)."""
         return self.root / self.key(document.sha256, engine.fingerprint, engine.resolve_config(config))
 
+    def holds(self, engine: InfoKVEngine, document: Document, config: CompressionConfig | None = None) -> bool:
+        """Whether a cache is stored at `path_for` (a whole save's manifest is there; `ingest` verifies it on use)."""
+        return (self.path_for(engine, document, config) / MANIFEST).is_file()
+
     def ingest(
         self,
         engine: InfoKVEngine,
@@ -937,7 +946,9 @@ class CacheStore:
         config: CompressionConfig | None = None,
         progress: ProgressCallback | None = None,
     ) -> tuple[CompressedDocument, bool]:
-        """Returns (document, reused): the stored cache when valid, else a new ingestion saved here."""
+        """Returns (document, reused): the stored cache when valid, else a new ingestion saved here. A store that
+        cannot take it (a full disk) costs the next run a prefill, not this one its answers: the document read is
+        returned, with a `StoreWriteWarning`."""
         config = engine.resolve_config(config)
         path = self.path_for(engine, document, config)
         if (path / MANIFEST).is_file():
@@ -958,7 +969,15 @@ class CacheStore:
                     stored.config = config  # the stored cache answers with this config's recall by default
                     return stored, True
         compressed = engine.ingest_document(document, config, progress=progress)
-        save_document(compressed, path, owned=True)
+        try:
+            save_document(compressed, path, owned=True)
+        except (CacheStoreError, OSError) as error:
+            warnings.warn(
+                f"the cache was not stored ({error}); this run answers from the document it read, and the next one "
+                "reads it again",
+                StoreWriteWarning,
+                stacklevel=2,
+            )
         return compressed, False
 
 

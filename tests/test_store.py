@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine, scorers
+from infokv_rag import store as store_module
 from infokv_rag.documents import Page, document_from_text, load_document
 from infokv_rag.scorers.base import Method
 from infokv_rag.scorers.infokv import WHOLE_WORDS_REVISION
@@ -38,6 +39,7 @@ from infokv_rag.store import (
     STALE_SECONDS,
     TENSORS,
     TEXT,
+    StoreWriteWarning,
     _manifest_checksum,
     _sha256,
     describe,
@@ -900,6 +902,26 @@ def test_store_reuses_the_cache_of_the_same_file(
         with pytest.raises(AssertionError, match="prefilled again"):
             store.ingest(random_engine, document, other)
     assert len(list(store.root.iterdir())) == 1
+
+
+def test_a_store_that_cannot_take_a_cache_costs_the_next_run_a_prefill_not_this_one_its_answers(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    document = document_from_text(TEXT_A)
+    store = CacheStore(tmp_path / "store")
+
+    def disk_full(*_: Any, **__: Any) -> NoReturn:
+        raise CacheStoreError("cannot write the cache to the store: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(store_module, "save_document", disk_full)
+    with pytest.warns(StoreWriteWarning, match=r"not stored \(cannot write .*No space left.*reads it again"):
+        compressed, reused = store.ingest(random_engine, document)
+    assert reused is False and compressed.ask("What is this?", max_new_tokens=2)
+    assert not store.holds(random_engine, document)
+    monkeypatch.undo()
+    assert store.ingest(random_engine, document)[1] is False  # read again, and stored this time
+    assert store.holds(random_engine, document)
+    assert store.ingest(random_engine, document)[1] is True
 
 
 def test_store_reads_a_document_again_once_its_method_keeps_other_tokens(
