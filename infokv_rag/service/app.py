@@ -268,9 +268,8 @@ def serve(
     settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
     app = create_app(settings)
     if not settings.auth_required:
-        log.warning(
-            "anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s:%s can use it", host, port
-        )
+        where = f"{host}:{port}" if port else f"{host} on the port the system picks"  # port 0: any free one
+        log.warning("anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s can use it", where)
     config = uvicorn.Config(
         app,
         host=host,
