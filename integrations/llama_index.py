@@ -236,8 +236,9 @@ class InfoKV(CustomLLM):
     def _metadata(self, engine: InfoKVEngine, document_tokens: int) -> LLMMetadata:
         # The context left for a prompt: the model's, less the document and the chat template's own tokens
         # around every question (a prompt packed to the window would overflow by those). LlamaIndex counts a
-        # system prompt's own tokens itself; the line break that joins it to the question is the template's.
-        template = len(engine.prompt.conversation_ids([("user", "")])) + (1 if self.system_prompt else 0)
+        # system prompt's own tokens itself; what joins it to the question (an empty one's turn) is the template's.
+        turns: list[Turn] = [("system", ""), ("user", "")] if self.system_prompt else [("user", "")]
+        template = len(engine.prompt.conversation_ids(turns))
         return LLMMetadata(
             context_window=engine.context_window - document_tokens - template,
             num_output=self.max_tokens,

@@ -561,6 +561,7 @@ class Registry:
         """
         if record.sha256 is None:
             return False
+        revision = scorers.method(record.method).revision
         candidates = [
             other
             for other in self.list()
@@ -572,7 +573,7 @@ class Registry:
             and _budget(other.recall) == _budget(record.recall)
             and other.cold_bits == record.cold_bits
             and other.stored_bits == record.stored_bits
-            and other.method_revision == scorers.method(record.method).revision
+            and other.method_revision == revision
         ]
         # The same file read into other text (by an older release) is not an identical document.
         pages = self._saved_pages(record) if candidates else None
