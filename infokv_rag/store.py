@@ -175,44 +175,83 @@ CACHE_FILES = frozenset((MANIFEST, TENSORS, TEXT, COLD))
 def check_save_target(directory: str | os.PathLike[str], *, owned: bool = False) -> Path:
     """The resolved path a cache may be saved to: one that does not exist and can be made, an empty directory, or
     an earlier cache (`is_saved_cache`), which a save replaces. Anything else (a file, a directory holding other
-    files or files that only share a cache's names, a path under a file) is refused with `CacheStoreError`: a save
-    must never delete what is not a cache. An `owned` directory (named by a store for its own caches: a
-    `CacheStore` entry, the service's, never a path a user gave) may also be what is left of a damaged cache: a
-    cache's file names only, its manifest unreadable."""
+    files or files that only share a cache's names, a path under a file, the working directory) is refused with
+    `CacheStoreError`: a save must never delete what is not a cache. An `owned` directory (named by a store for its
+    own caches: a `CacheStore` entry, the service's, never a path a user gave) may also be what is left of a
+    damaged cache: a cache's file names only, its manifest unreadable."""
     try:
-        target = Path(directory).expanduser().resolve()
-        present = target.exists() or target.is_symlink()
+        target = local_path(directory).resolve()
+        present = _identity(target)
     except (OSError, RuntimeError) as exc:  # a name too long; a symlink loop (RuntimeError before Python 3.13)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise CacheStoreError(f"cannot save a cache to {directory} ({reason}): save the cache to another path") from exc
-    if present:
-        if not target.is_dir() or target.is_symlink():
-            raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
+    # Another save to the same path replaces the directory while it is checked (`replace_directory`): what went or
+    # came meanwhile is that save's whole cache, checked again, never a reason to refuse.
+    for attempt in range(REREAD_ATTEMPTS):
+        if present is None:
+            break
         try:
-            names = {entry.name for entry in target.iterdir()}
-        except OSError as exc:
-            raise CacheStoreError(f"cannot read {target} ({exc}): save the cache to another path") from exc
-        others = sorted(names - CACHE_FILES)
-        if others:
-            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise CacheStoreError(
-                f"{target} holds other files than a saved cache ({shown}): a save replaces the whole directory, so "
-                "save the cache to a new or empty directory"
-            )
-        if names and not owned and not is_saved_cache(target):
-            raise CacheStoreError(
-                f"{target} is not a cache that infokv-rag saved (no readable {MANIFEST} of ours), so a save will not "
-                "replace it: save the cache to a new or empty directory"
-            )
-        # The save removes the cache it replaces, which takes a directory it may write: else it would fail at the
-        # end, leaving the old cache and the new one's copy beside it.
-        if not os.access(target, os.W_OK | os.X_OK):
-            raise CacheStoreError(
-                f"{target} is read-only (mode {stat.S_IMODE(target.stat().st_mode):o}), and a save replaces the "
-                "directory: make it writable (chmod u+w) or save the cache to another path"
-            )
+            _check_replaceable(target, owned)
+            break
+        except (CacheStoreError, OSError) as exc:
+            now = _identity(target)
+            if now == present or attempt == REREAD_ATTEMPTS - 1:
+                if isinstance(exc, CacheStoreError):
+                    raise
+                raise CacheStoreError(f"cannot read {target} ({exc}): save the cache to another path") from exc
+            present = now
     _check_can_make(target)
     return target
+
+
+def local_path(directory: str | os.PathLike[str]) -> Path:
+    """`directory` as a local path (`~` expanded); `CacheStoreError` for a name no file system takes (a NUL)."""
+    path = Path(directory).expanduser()
+    if "\0" in str(path):
+        raise CacheStoreError(f"{str(path)!r} holds a NUL character, which no path can: check the path")
+    return path
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what `path` names itself (a symlink, not what it points at); None when nothing is there."""
+    try:
+        status = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):  # the second: a path under a file (`_check_can_make` says so)
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _check_replaceable(target: Path, owned: bool) -> None:
+    """Refuses (`CacheStoreError`) an existing `target` that a save must not replace (`check_save_target`)."""
+    if not target.is_dir() or target.is_symlink():
+        raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
+    if Path.cwd() == target:
+        # The save renames the directory aside and removes it: the process would stand in a deleted directory,
+        # where `.` names nothing, and the cache it saved lies at the absolute path only.
+        raise CacheStoreError(
+            f"{target} is the working directory, which a save replaces: save the cache to a path outside it "
+            "(e.g. ./cache)"
+        )
+    names = {entry.name for entry in target.iterdir()}
+    others = sorted(names - CACHE_FILES)
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise CacheStoreError(
+            f"{target} holds other files than a saved cache ({shown}): a save replaces the whole directory, so "
+            "save the cache to a new or empty directory"
+        )
+    if names and not owned and not is_saved_cache(target):
+        raise CacheStoreError(
+            f"{target} is not a cache that infokv-rag saved (no readable {MANIFEST} of ours), so a save will not "
+            "replace it: save the cache to a new or empty directory"
+        )
+    # The save removes the cache it replaces, which takes a directory it may write: else it would fail at the
+    # end, leaving the old cache and the new one's copy beside it.
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise CacheStoreError(
+            f"{target} is read-only (mode {stat.S_IMODE(target.stat().st_mode):o}), and a save replaces the "
+            "directory: make it writable (chmod u+w) or save the cache to another path"
+        )
 
 
 def is_saved_cache(directory: Path) -> bool:
@@ -406,7 +445,7 @@ def read_whole(directory: str | os.PathLike[str], read: Callable[[DirectoryFiles
     which a read that opened it just before its files finds emptied: a read refused (`CacheStoreError`) while the
     cache was replaced starts again on the new one, so that it sees the previous cache or the new one, whole.
     """
-    path = Path(directory).expanduser()
+    path = local_path(directory)
     attempt = 1
     while True:
         with DirectoryFiles(path) as files:
@@ -623,8 +662,10 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     _check_document_end(cache, config, path)
     # Checked once the checks above found nothing wrong in the tensors (they say what is): it tells the whole file
     # of another cache, or a manifest edited to read it otherwise. Hot tensors saved before it are read unbound.
-    if (hot_bound_to is not None or manifest["format_version"] >= BOUND_FROM) and hot_bound_to != hot_binding(
-        text_bytes, engine.fingerprint, manifest
+    # A format older than the binding is read otherwise (format 2's config), so tensors that carry one with a
+    # manifest that says an older format are refused too: the format is not one of the bound records.
+    if (hot_bound_to is not None or manifest["format_version"] >= BOUND_FROM) and (
+        manifest["format_version"] < BOUND_FROM or hot_bound_to != hot_binding(text_bytes, engine.fingerprint, manifest)
     ):
         raise CacheStoreError(
             f"{path}/{TENSORS} is not bound to this cache's text, model, config and token counts (another cache's "

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -431,6 +432,21 @@ def test_another_caches_text_or_tensors_behind_a_re_signed_manifest_are_refused(
         random_engine.load(path)
 
 
+def test_a_bound_cache_whose_manifest_says_an_older_format_is_refused(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """The format is not a bound record, yet format 2's config is read otherwise (its settings flat: these would
+    read back as the defaults, surprisal and top-20 entropy): tensors that carry a binding behind a manifest
+    re-signed as an older format are refused, whichever."""
+    settings = {"layer_budgets": "uniform", "information": "entropy", "entropy_top_k": 3}
+    saved = random_engine.ingest_text(TEXT_A, CompressionConfig(keep=0.5, settings=settings)).save(tmp_path / "cache")
+    for version in (2, 9):
+        copy = Path(shutil.copytree(saved, tmp_path / f"as-{version}"))
+        _edit_manifest(copy, partial(dict.update, format_version=version), True)
+        with pytest.raises(CacheStoreError, match=r"tensors\.safetensors is not bound to this cache"):
+            random_engine.load(copy)
+
+
 def test_tensors_the_config_does_not_read_are_refused_in_every_format(
     random_engine: InfoKVEngine, doc_a: CompressedDocument, saved_a: Path, tmp_path: Path
 ) -> None:
@@ -780,6 +796,66 @@ def test_a_path_that_cannot_be_resolved_or_named_is_refused_clearly(doc_a: Compr
     with pytest.raises(CacheStoreError, match="cannot save a cache to .*File name too long.*another path"):
         doc_a.save(tmp_path / ("x" * 300))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+
+
+def test_a_path_no_file_system_takes_is_refused_clearly(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path
+) -> None:
+    for act in (doc_a.save, random_engine.load, describe):
+        with pytest.raises(CacheStoreError, match="holds a NUL character"):
+            act(tmp_path / "a\0b")
+
+
+def test_a_save_to_the_working_directory_is_refused(
+    doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save would rename the directory the process stands in aside and remove it: `.` would name nothing."""
+    for kind in ("empty", "cache"):
+        where = tmp_path / kind
+        where.mkdir()
+        if kind == "cache":
+            doc_a.save(where)
+        before = sorted(path.name for path in where.iterdir())
+        monkeypatch.chdir(where)
+        with pytest.raises(CacheStoreError, match="is the working directory"):
+            doc_a.save(".")
+        assert Path.cwd() == where and sorted(path.name for path in where.iterdir()) == before
+    doc_a.save("cache")  # below it: a directory of its own
+    assert store_module.is_saved_cache(tmp_path / "cache" / "cache")
+
+
+def test_a_cache_another_save_replaces_while_it_is_checked_is_saved_over(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two saves to one path: the other retires the cache there while this one checks it (gone, then its own
+    installed), which is no reason to refuse; the last save wins, whole."""
+    target = doc_a.save(tmp_path / "cache")
+    other = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    checks = 0
+    really_is_saved_cache = store_module.is_saved_cache
+
+    def replaced_meanwhile(directory: Path) -> bool:
+        nonlocal checks
+        checks += 1
+        if checks == 1:  # the other save retires the cache, installs its own, then removes the one it retired
+            other.save(tmp_path / "staged")
+            directory.rename(tmp_path / "retired")
+            (tmp_path / "staged").rename(directory)
+            shutil.rmtree(tmp_path / "retired")
+            return False
+        return really_is_saved_cache(directory)
+
+    monkeypatch.setattr(store_module, "is_saved_cache", replaced_meanwhile)
+    assert doc_a.save(target) == target and checks == 2
+    assert_same_document(random_engine.load(target), doc_a)
+
+    def retired_meanwhile(directory: Path) -> bool:
+        shutil.rmtree(directory)
+        return False
+
+    monkeypatch.setattr(store_module, "is_saved_cache", retired_meanwhile)
+    doc_a.save(target)  # retired and not yet installed again: nothing there to refuse
+    assert_same_document(random_engine.load(target), doc_a)
 
 
 # --- saves beside loads ---------------------------------------------------------------------------
