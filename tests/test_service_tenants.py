@@ -877,6 +877,24 @@ def test_delete_answers_success_only_when_the_files_are_gone(random_engine: Any,
     assert list(documents.iterdir()) == []
 
 
+def test_a_refused_delete_leaves_a_document_being_read_to_be_read(random_engine: Any, tmp_path: Path) -> None:
+    """A DELETE answered 507 "the document is unchanged" while the document is read, or queued to be, stops
+    nothing: both are read to ready, never left listed as being read with no one reading them."""
+    data = tmp_path / "data"
+    documents = data / "documents"
+    with running(random_engine, data) as client:
+        with random_engine.lock:  # the worker waits at the first document's first chunk
+            reading = upload(client, A1, "memo.txt", SECRET).json()["id"]
+            queued = upload(client, A1, "other.txt", OTHER).json()["id"]
+            with read_only(documents):
+                for doc in (reading, queued):
+                    error = assert_error(client.delete(f"/v1/documents/{doc}", headers=A1), 507, "storage_error")
+                    assert "unchanged" in error["message"]
+        for doc in (reading, queued):
+            assert wait_settled(client, doc, A1, timeout=30)["status"] == "ready"
+            assert ask(client, A1, doc).status_code == 200
+
+
 def test_text_encodings_are_stored_as_written(client: TestClient, tmp_path: Path) -> None:
     text = "合同：通知期限为九十天。如果供应商延迟交货，每天罚款五百欧元。"
     doc = upload_ready(client, A1, "gb.txt", text.encode("gb18030"))

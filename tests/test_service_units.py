@@ -393,3 +393,45 @@ def test_an_empty_question_is_refused_alike_on_both_routes(random_engine, tmp_pa
         assert chat("  ", "Yes.", "When?").status_code == 200
         answered = client.post(f"/v1/documents/{doc_id}/ask", json={"question": "When?", "max_tokens": 2})
         assert answered.status_code == 200, answered.text
+
+
+def test_the_chat_stream_carries_usage_as_openais_does(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With `stream_options.include_usage` every chunk but the last has `"usage": null` and the last (no choices)
+    the counts; without it no chunk has the field; `stream_options` without a stream is a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from infokv_rag.service.app import create_app
+
+    settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", warmup=False)
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
+        doc_id = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}).json()["id"]
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/documents/{doc_id}").json()["status"] != "ready":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        chat = {
+            "model": "random",
+            "document_id": doc_id,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "When?"}],
+        }
+
+        def chunks(**options: Any) -> list[dict[str, Any]]:
+            with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True, **options}) as response:
+                assert response.status_code == 200
+                data = [payload for _, payload in read_sse(response.iter_lines())]
+            assert data[-1] == "[DONE]"
+            return [json.loads(payload) for payload in data[:-1]]
+
+        *answer, last = chunks(stream_options={"include_usage": True})
+        assert answer and all(chunk["usage"] is None and chunk["choices"] for chunk in answer)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+        assert all("usage" not in chunk for chunk in chunks())
+        refused = client.post("/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == (
+            "invalid_request",
+            "stream_options",
+        )
+        assert client.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200

@@ -177,8 +177,13 @@ async def delete_document(document_id: str, service: ServiceDep, caller: CallerD
     """Answers only once the files are gone; otherwise 507, and the document stays listed (see reason_code)."""
     record = await find_document(service, caller, document_id)
     assert service.worker is not None
-    service.worker.cancel_ingestion(record.id)
-    await run_in_threadpool(service.registry.delete, record)
+    try:
+        await run_in_threadpool(service.registry.delete, record)
+    finally:
+        # Only a delete that took effect stops the reading: one refused before it (507, "the document is
+        # unchanged") leaves the document to be read as it was, never stuck as being read with no one reading it.
+        if record.deleted:
+            service.worker.cancel_ingestion(record.id)
     return DocumentDeleted(id=record.id)
 
 

@@ -167,6 +167,11 @@ async def chat_completions(
 ) -> ChatCompletion | StreamingResponse:  # the response_model documents the JSON answer
     _check_model(service, body.model)
     _refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        # As OpenAI's: without a stream there is no usage chunk to ask for, so the option would be dropped unseen.
+        raise ServiceError(
+            422, "invalid_request", "stream_options is only allowed when stream is true", param="stream_options"
+        )
     record = await find_document(service, caller, body.document_id)
     turns = _turns(body)
     # A 413 or 422 from these shared checks answers 400 here, as OpenAI's does (`errors.status_on`).
@@ -217,6 +222,8 @@ async def chat_completions(
             "created": created,
             "model": service.model_id,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+            # OpenAI's: with the usage chunk asked for, every other chunk carries a null usage.
+            **({"usage": None} if include_usage else {}),
         }
 
     async def events() -> AsyncIterator[str]:
