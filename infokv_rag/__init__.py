@@ -23,6 +23,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
+    from .generation import GenerationOptions
     from .ingestion import DocumentStats
     from .store import CacheStore
 
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "CompressedDocument": "document",
     "DocumentStats": "ingestion",
+    "GenerationOptions": "generation",
     "InfoKVEngine": "engine",
     "CacheStore": "store",
 }
@@ -66,6 +68,7 @@ __all__ = [
     "EmptyDocumentError",
     "EmptyQuestionError",
     "EncryptedPDFError",
+    "GenerationOptions",
     "InfoKVEngine",
     "InfoKVError",
     "ModelError",

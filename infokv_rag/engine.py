@@ -186,6 +186,21 @@ class InfoKVEngine:
         defaults."""
         return self.context_window - QUESTION_RESERVE - DEFAULT_MAX_NEW_TOKENS
 
+    def too_long(self, what: str) -> str:
+        """Why `what` (the document, a file's name) is refused as longer than `max_document_tokens`, and what to do:
+        a model whose window holds no more than a question and its answer reads no document at all."""
+        reserve = self.context_window - self.max_document_tokens
+        if self.max_document_tokens < 1:
+            return (
+                f"this model reads no document: its context window of {self.context_window} tokens holds no more than "
+                f"the {reserve} kept for a question and its answer; use a model with a longer context"
+            )
+        return (
+            f"{what} is more than {self.max_document_tokens} tokens, the most this model reads: its context window of "
+            f"{self.context_window} less {reserve} for a question and its answer; split the document or use a model "
+            "with a longer context"
+        )
+
     def count_document_tokens(self, text: str, limit: int | None = None) -> int:
         """The exact token count of `text` as a document prefix when it is at most `limit` (default
         `max_document_tokens`); otherwise a count above `limit`, found after tokenizing about `limit` tokens of the
@@ -275,11 +290,7 @@ class InfoKVEngine:
         fits = self._count_past(document.text, self.max_document_tokens) is None
         ids = self.prompt.document_ids(document.text) if fits else []
         if not fits or len(ids) > self.max_document_tokens:
-            raise ContextLengthError(
-                f"the document is more than {self.max_document_tokens} tokens, the most this model reads: its context "
-                f"window of {self.context_window} less {self.context_window - self.max_document_tokens} for a "
-                "question and its answer; split the document or use a model with a longer context"
-            )
+            raise ContextLengthError(self.too_long("the document"))
         result = Ingestion(self, config, torch.tensor(ids, device=self.runner.device)).run(progress)
         result.stats.pages = len(document.pages)
         return CompressedDocument(

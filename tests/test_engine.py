@@ -214,11 +214,19 @@ def test_chunked_full_cache_matches_one_shot(random_engine: InfoKVEngine) -> Non
 
 
 def test_document_longer_than_context_names_both_lengths(tmp_path: Path) -> None:
-    engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=256)), device="cpu")
-    with pytest.raises(ContextLengthError) as error:
+    engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=512)), device="cpu")
+    with pytest.raises(ContextLengthError, match=r"more than 192 tokens.*context window of 512 less 320"):
         engine.ingest_text(TEXT)
-    message = str(error.value)
-    assert "256" in message and "tokens" in message
+
+
+def test_a_window_too_small_for_any_document_says_so(tmp_path: Path) -> None:
+    """A window that holds no more than a question and its answer reads no document, however short: said so, not
+    "more than -64 tokens" and "split the document"."""
+    engine = InfoKVEngine.from_pretrained(str(build_random_model_dir(tmp_path, max_positions=256)), device="cpu")
+    for text in (TEXT, "a"):
+        with pytest.raises(ContextLengthError, match=r"reads no document: its context window of 256 tokens") as error:
+            engine.ingest_text(text)
+        assert "-64" not in str(error.value) and "split" not in str(error.value)
 
 
 def test_the_longest_document_read_can_still_be_asked_about_with_the_defaults(tmp_path: Path) -> None:
@@ -588,6 +596,10 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(random_engi
     doc = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
     with pytest.raises(ConfigError, match=r"options must be GenerationOptions, e\.g\. GenerationOptions\("):
         doc.generate(question_turns("What is the notice period?"), {"max_new_tokens": 2})  # type: ignore[arg-type]
+    import infokv_rag  # the class the message names comes from the package, as everything public does
+
+    generation = doc.generate(question_turns("When?"), infokv_rag.GenerationOptions(max_new_tokens=2, stop=("\n",)))
+    assert "\n" not in generation.text() and 0 < generation.usage.completion_tokens <= 2
     for stop in (123, {"notice": 1}, b"x"):
         with pytest.raises(ConfigError, match="stop must be a string or a list of strings"):
             doc.ask("What is the notice period?", max_new_tokens=2, stop=stop)

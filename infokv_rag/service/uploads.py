@@ -332,16 +332,9 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
             f"{staged.name} holds {len(document.text)} characters of text; this server "
             f"reads at most {settings.max_document_chars}; split the document",
         )
-    limit = engine.max_document_tokens
     tokens = engine.count_document_tokens(document.text)
-    if tokens > limit:
-        raise ServiceError(
-            413,
-            "document_too_long",
-            f"{staged.name} is more than {limit} tokens, the most this model reads (its context window of "
-            f"{engine.context_window} less {engine.context_window - limit} for a question and its answer); "
-            f"split the document",
-        )
+    if tokens > engine.max_document_tokens:
+        raise ServiceError(413, "document_too_long", engine.too_long(staged.name))
     return ParsedUpload(document, tokens, load_warnings)
 
 
