@@ -21,6 +21,7 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE = SAMPLE_DIR / "maintenance-agreement.pdf"
 """The examples' document: an agreement written for this project, so no model answers it from memory."""
 SAMPLE_QUESTIONS = SAMPLE_DIR / "maintenance-agreement-questions.md"
+DEFAULT_KEEP = 0.25
 
 
 def read_questions(path: Path = SAMPLE_QUESTIONS) -> list[tuple[str, list[str]]]:
@@ -44,12 +45,16 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
     parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
     parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
-    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names(), help="compression method")
+    parser.add_argument(
+        "--method",
+        choices=method_names(),
+        help=f"compression method (default {DEFAULT_METHOD}; a saved cache: the one it was made with)",
+    )
     parser.add_argument(
         "--keep",
         type=ratio_or_count("--keep", parse_keep),
-        default=0.25,
-        help="kept in the cache: ratio (0.25; 1.0: every token) or token count (512)",
+        help=f"kept in the cache: ratio (default {DEFAULT_KEEP}; 1.0: every token) or token count (512); a saved "
+        "cache: its own",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
     parser.add_argument("--password", default=None, help="opens an encrypted PDF")
@@ -58,10 +63,16 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     # Refusals below are errors of infokv-rag's or of the system: `run` reports them in one line, as the CLI does.
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    args.compression = CompressionConfig(method=args.method, keep=args.keep)
     args.source = None  # a saved cache directory is verified when it loads
-    if not (Path(args.document) / MANIFEST).is_file():
+    saved_cache = (Path(args.document) / MANIFEST).is_file()
+    if not saved_cache:
         args.source = load_document(args.document, password=args.password)
+    # A saved cache is answered with the compression it was made with (recall, codes, settings no flag here sets);
+    # a --method or --keep given for it is checked against that.
+    args.compression = None
+    if not saved_cache or args.method is not None or args.keep is not None:
+        method = args.method or DEFAULT_METHOD
+        args.compression = CompressionConfig(method=method, keep=DEFAULT_KEEP if args.keep is None else args.keep)
     return args
 
 

@@ -1,6 +1,6 @@
 """A LangChain LCEL chain over one compressed document: read once, then asked question after question.
 
-    python examples/langchain_chain.py                       # the sample license PDF, default model
+    python examples/langchain_chain.py                       # the sample maintenance agreement PDF, default model
     python examples/langchain_chain.py --model tiny --document contract.pdf -q "What is the notice period?"
 
 Needs the `langchain` extra: pip install -e '.[langchain]'.

@@ -1,6 +1,6 @@
 """A LlamaIndex query engine over one compressed document, answering with the pages it draws on.
 
-    python examples/llamaindex_query_engine.py                     # the sample license PDF, default model
+    python examples/llamaindex_query_engine.py                     # the sample maintenance agreement PDF, default model
     python examples/llamaindex_query_engine.py --model tiny --document manual.pdf -q "What does valve V-2 do?"
 
 Needs the `llamaindex` extra: pip install -e '.[llamaindex]'.

@@ -14,6 +14,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from infokv_rag.config import CompressionConfig
 from infokv_rag.documents import PAGE_SEPARATOR, Document, Page, load_document
 from infokv_rag.errors import InfoKVError
 from infokv_rag.evaluation import answer_matches
@@ -162,6 +163,20 @@ def test_the_examples_check_the_document_and_options_first(tmp_path: Path) -> No
     assert "--max-tokens must be at least 1" in _refused(main, ["--max-tokens", "0"])
     args = main(["--document", str(locked), "--password", "pw"])
     assert isinstance(args, argparse.Namespace) and "40 EUR" in args.source.text
+    assert (args.compression.method, args.compression.keep) == ("infokv", 0.25)
+    # A saved cache is answered as it was made (with recall, codes or settings no flag here sets), unless a
+    # --method or --keep is given, which the adapters then check against it.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{}")
+
+    def compression(*argv: str) -> CompressionConfig | None:
+        config: CompressionConfig | None = parse_args("example", ["--document", str(cache), *argv]).compression
+        return config
+
+    assert compression() is None
+    assert compression("--keep", "0.5") == CompressionConfig(keep=0.5)
+    assert compression("--method", "full") == CompressionConfig(method="full")
 
 
 def test_the_demo_checks_its_options_first_and_answers_by_whole_words() -> None:

@@ -51,8 +51,9 @@ UPLOAD_OVERHEAD = 64 * 1024
 
 
 def route_path(scope: Scope) -> str:
-    """The path that the routes match. Behind a proxy that serves the API under a prefix (`--root-path`), the server
-    puts the prefix in front of `path`, and the routing strips it again (as Starlette's does, whole segments only)."""
+    """The path that the routes match. Run under an ASGI `root_path` (a prefix, as uvicorn's `--root-path` sets),
+    the server puts the prefix in front of `path`, and the routing strips it again (as Starlette's does, whole
+    segments only)."""
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
     if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
