@@ -356,6 +356,17 @@ def test_a_body_over_the_limit_is_400_on_openais_route_and_413_elsewhere(random_
                 assert response.json()["error"]["code"] == "request_too_large"
 
 
+def _ready_terms(client: Any) -> str:
+    """The id of a short terms document uploaded through `client` (an open service), once it is ready."""
+    text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
+    doc_id: str = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}).json()["id"]
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/documents/{doc_id}").json()["status"] != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return doc_id
+
+
 def test_an_empty_question_is_refused_alike_on_both_routes(random_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Whitespace or control characters only is as empty as "": /ask answers 422 `empty_message` to both, the chat 400
     `empty_message` (its last user message is the question), before the document is read."""
@@ -365,12 +376,7 @@ def test_an_empty_question_is_refused_alike_on_both_routes(random_engine, tmp_pa
 
     settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", warmup=False)
     with TestClient(create_app(settings, engine=random_engine)) as client:
-        text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
-        doc_id = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}).json()["id"]
-        deadline = time.monotonic() + 60
-        while client.get(f"/v1/documents/{doc_id}").json()["status"] != "ready":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        doc_id = _ready_terms(client)
 
         def chat(*contents: str) -> Any:
             roles = ("user", "assistant")
@@ -404,12 +410,7 @@ def test_the_chat_stream_carries_usage_as_openais_does(random_engine, tmp_path: 
 
     settings = Settings(allow_anonymous=True, data_dir=tmp_path, model="random", warmup=False)
     with TestClient(create_app(settings, engine=random_engine)) as client:
-        text = "The supplier shall deliver the goods within thirty days of the order date. " * 3
-        doc_id = client.post("/v1/documents", files={"file": ("terms.txt", text.encode())}).json()["id"]
-        deadline = time.monotonic() + 60
-        while client.get(f"/v1/documents/{doc_id}").json()["status"] != "ready":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        doc_id = _ready_terms(client)
         chat = {
             "model": "random",
             "document_id": doc_id,
