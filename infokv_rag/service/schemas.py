@@ -258,7 +258,9 @@ class AskUsage(BaseModel):
     completion_tokens: int
     total_tokens: int
     recalled_tokens: int = Field(
-        description="Cold-tier entries the question recalled, per KV head, summed over layers (0 without recall)."
+        description="Entries the question recalled into the layers, per KV head, summed over layers (0 without "
+        "recall): cold-tier entries and, once a head's cold entries are all in, the entries its layer kept beside it "
+        "(per-head budgets), which the recall budget counts too."
     )
 
 
@@ -359,7 +361,7 @@ class ChatUsage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    recalled_tokens: int = Field(description="Cold-tier entries recalled, as in /ask (extension field).")
+    recalled_tokens: int = Field(description="Entries recalled into the layers, as in /ask (extension field).")
 
 
 class ChatCompletion(BaseModel):
