@@ -101,6 +101,7 @@ class OracleScorer(Scorer[Any]):
     def __init__(self, inner: Scorer[Any], attention: dict[int, Tensor]) -> None:
         super().__init__(inner.settings)
         self.signals = inner.signals
+        self.inner = inner
         self.attention = attention
 
     def comparable_scores(self, signals: LayerSignals) -> Tensor:
@@ -108,6 +109,9 @@ class OracleScorer(Scorer[Any]):
 
     def score(self, signals: LayerSignals) -> Tensor:
         return signals.word_max(self.comparable_scores(signals))
+
+    def whole_units(self, signals: LayerSignals) -> Tensor | None:
+        return self.inner.whole_units(signals)  # its budget cuts between words as the default's does
 
 
 class MixedScorer(Scorer[Any]):
@@ -124,6 +128,9 @@ class MixedScorer(Scorer[Any]):
 
     def score(self, signals: LayerSignals) -> Tensor:
         return self.ranking.score(signals)
+
+    def whole_units(self, signals: LayerSignals) -> Tensor | None:
+        return self.ranking.whole_units(signals)
 
 
 def question_attention(

@@ -7,7 +7,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.selection_oracle import ORACLES, MixedScorer, QuestionAttention, parse_args, question_attention
+from benchmarks.selection_oracle import (
+    ORACLES,
+    MixedScorer,
+    OracleScorer,
+    QuestionAttention,
+    parse_args,
+    question_attention,
+)
 from benchmarks.variants import compress_variants
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
@@ -15,6 +22,7 @@ from infokv_rag.scorers.base import NoSettings, Scorer
 from infokv_rag.signals import LayerSignals
 
 from .helpers import document_cache
+from .test_scorers import TOKENS_READ, synthetic_signals
 
 
 def test_the_capture_keeps_the_most_attention_any_query_pays_each_document_token() -> None:
@@ -94,3 +102,18 @@ def test_a_mixed_scorer_takes_budgets_from_one_scorer_and_the_choice_in_each_lay
 def test_oracles_with_no_name_screen_the_rows_alone() -> None:
     assert parse_args(["--oracles", "--rows", "infokv@0.25", "infokv@0.25[units=clause]"]).oracles == []
     assert parse_args([]).oracles == list(ORACLES)
+
+
+def test_the_oracles_keep_words_whole_as_the_default_does() -> None:
+    """The oracles compare with the default in the same machinery: a budget that ends inside a word keeps the word
+    whole there too (the default's units), and a ranking by position keeps every token alone, as its own does."""
+    default = CompressionConfig().method_spec.build(CompressionConfig().settings)
+    signals = synthetic_signals(default.signals)
+    attention = {signals.layer: torch.rand(2, TOKENS_READ, generator=torch.Generator().manual_seed(0))}
+    words = default.whole_units(signals)
+    assert words is not None
+    oracle = OracleScorer(default, attention)
+    for scorer in (oracle, MixedScorer(budgets=ByPosition(1.0), ranking=oracle), MixedScorer(oracle, default)):
+        units = scorer.whole_units(signals)
+        assert units is not None and torch.equal(units, words)
+    assert MixedScorer(budgets=oracle, ranking=ByPosition(1.0)).whole_units(signals) is None
