@@ -221,11 +221,19 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
+def _working_directory() -> Path | None:
+    """The process's working directory; None when it was removed (no save target is then the same)."""
+    try:
+        return Path.cwd()
+    except FileNotFoundError:
+        return None
+
+
 def _check_replaceable(target: Path, owned: bool) -> None:
     """Refuses (`CacheStoreError`) an existing `target` that a save must not replace (`check_save_target`)."""
     if not target.is_dir() or target.is_symlink():
         raise CacheStoreError(f"{target} exists and is not a cache directory: save the cache to another path")
-    if Path.cwd() == target:
+    if _working_directory() == target:
         # The save renames the directory aside and removes it: the process would stand in a deleted directory,
         # where `.` names nothing, and the cache it saved lies at the absolute path only.
         raise CacheStoreError(
