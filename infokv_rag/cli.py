@@ -49,6 +49,13 @@ def _port(value: str) -> int:
     return port
 
 
+def _root_path(value: str) -> str:
+    if value and (not value.startswith("/") or value.endswith("/") or "//" in value):
+        message = f"a path prefix starts with / and does not end with one, like /kb; not {value!r}"
+        raise argparse.ArgumentTypeError(message)
+    return value
+
+
 class ProgressBar:
     """A prefill progress bar on stderr with tokens/s and ETA (called before the first prefill chunk and after each).
 
@@ -210,6 +217,12 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0: any free port")
+    serve.add_argument(
+        "--root-path",
+        type=_root_path,
+        default="",
+        help="the path prefix the service is reached under behind a proxy, like /kb (as uvicorn's --root-path)",
+    )
     _add_model_options(serve)
     serve.set_defaults(model=None)  # unset: INFOKV_MODEL, else the default (the settings decide, as for device)
     serve.add_argument(
@@ -231,6 +244,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
 
 
 def _serve_ray(args: argparse.Namespace) -> int:
+    if args.root_path:
+        raise ConfigError("--root-path is not taken with --ray: Ray Serve's proxy serves the routes at /")
     try:
         from .service.ray_app import serve_ray
     except ImportError as exc:
@@ -312,7 +327,16 @@ def _run(args: argparse.Namespace) -> int:
             return _serve_ray(args)
         from .service.app import serve
 
-        serve(args.host, args.port, args.model, args.data_dir, device=args.device, dtype=args.dtype, store=args.store)
+        serve(
+            args.host,
+            args.port,
+            args.model,
+            args.data_dir,
+            root_path=args.root_path,
+            device=args.device,
+            dtype=args.dtype,
+            store=args.store,
+        )
         return 0
 
     # Everything cheap is checked before the model loads (seconds): options and questions, then the document.

@@ -595,6 +595,27 @@ def test_serve_takes_the_model_from_the_environment_unless_given(monkeypatch: py
     assert Settings.from_env(model=given).model == "default"
 
 
+def test_serve_takes_a_path_prefix_for_uvicorn(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--root-path` reaches uvicorn's config; a prefix that is not one is a usage error before any work, and
+    Ray Serve, whose proxy serves the routes at /, refuses it."""
+    from infokv_rag import cli
+    from infokv_rag.service import app
+
+    given: list[str] = []
+    monkeypatch.setattr(app.DrainingServer, "run", lambda server: given.append(server.config.root_path))
+    monkeypatch.setenv("INFOKV_ALLOW_ANONYMOUS", "1")
+    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path))
+    assert cli.main(["serve", "--model", "tiny", "--root-path", "/kb", "--data-dir", str(tmp_path / "data")]) == 0
+    assert given == ["/kb"]
+    for bad in ("kb", "/kb/", "//kb"):
+        refused = run_cli("serve", "--root-path", bad, cache_dir=tmp_path)
+        assert refused.returncode == 2 and "a path prefix starts with /" in refused.stderr, refused.stderr
+    assert cli.main(["serve", "--ray", "--root-path", "/kb"]) != 0
+    assert "--root-path is not taken with --ray" in capsys.readouterr().err
+
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

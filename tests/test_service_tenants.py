@@ -709,6 +709,21 @@ def test_behind_a_path_prefix_each_route_keeps_its_body_limit(random_engine: Any
         assert "limit of 1024 bytes" in error["message"], error
 
 
+def test_the_page_calls_the_api_under_the_prefix_it_is_served_under(random_engine: Any, tmp_path: Path) -> None:
+    """Behind a proxy serving the API under a prefix (`serve --root-path /kb`), the page's requests go to the
+    prefixed routes: the prefix is written into its markup, and every API path in its script starts from it."""
+    app = create_app(settings_for(tmp_path / "data"), engine=random_engine)
+    for root in ("", "/kb", '/k"b'):
+        with TestClient(app, base_url=f"http://testserver{root}", root_path=root) as client:
+            page = client.get("/")
+            assert page.status_code == 200, page.text
+            written = re.search(r'<body data-root="([^"]*)">', page.text)
+            assert written is not None and written.group(1) == root.replace('"', "&quot;"), page.text[:400]
+    script = page.text.split("<script>")[1]
+    calls = [call for call in re.findall(r"(?:api|fetch)\(([^,)]*)", script) if call != "path"]  # api's own
+    assert len(calls) == 3 and all(call.startswith('root + "/v1/') for call in calls), calls
+
+
 def test_an_upload_over_its_tenants_share_or_a_full_queue_is_refused_before_it_is_received(
     random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

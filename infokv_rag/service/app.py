@@ -263,9 +263,11 @@ def serve(
     port: int = 8000,
     model: str | None = None,
     data_dir: str | os.PathLike[str] | None = None,
+    root_path: str = "",
     **overrides: Any,
 ) -> None:
-    """Runs the service with uvicorn (one process: the model worker owns the model)."""
+    """Runs the service with uvicorn (one process: the model worker owns the model). `root_path`: the path prefix
+    the service is reached under behind a proxy (`/kb`; the proxy may pass the prefix on or strip it)."""
     settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
     app = create_app(settings)
     if not settings.auth_required:
@@ -275,6 +277,7 @@ def serve(
         app,
         host=host,
         port=port,
+        root_path=root_path,
         workers=1,
         timeout_graceful_shutdown=5,
         server_header=False,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import html as markup
 import re
 from functools import lru_cache
 from importlib import resources
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from ..dependencies import ServiceDep
@@ -35,11 +36,13 @@ def _page() -> tuple[str, str]:
 
 
 @router.get("/", response_class=HTMLResponse, summary="A minimal web page: upload a document, ask, stream answers")
-async def index(service: ServiceDep) -> HTMLResponse:
+async def index(request: Request, service: ServiceDep) -> HTMLResponse:
     html, policy = _page()
-    # The answer length field starts at this server's own default and stops at its limit (markup, not script:
-    # the policy's hashes stay those of the file).
+    # The answer length field starts at this server's own default and stops at its limit, and the script calls
+    # the API under the path prefix the page is served under (markup, not script: the policy's hashes stay those
+    # of the file).
     settings = service.settings
+    html = html.replace("__ROOT_PATH__", markup.escape(request.scope.get("root_path", ""), quote=True))
     html = html.replace("__DEFAULT_MAX_TOKENS__", str(settings.default_max_tokens))
     html = html.replace("__MAX_NEW_TOKENS__", str(settings.max_new_tokens))
     return HTMLResponse(html, headers={"Content-Security-Policy": policy, "Cache-Control": "no-cache"})
