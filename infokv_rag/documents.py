@@ -805,11 +805,16 @@ def _repair_hint(name: str) -> str:
     )
 
 
-def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
-    # A file cut short loses its trailing %%EOF. pypdf (strict=False) can sometimes rebuild the
-    # cross-reference table of such a file and would then silently return partial content.
+def ends_as_pdf(data: bytes) -> bool:
+    """Whether `data` ends as a whole PDF does: a %%EOF in its last `_EOF_WINDOW` bytes before trailing padding. A
+    file cut short loses it, and pypdf (strict=False) can sometimes rebuild the cross-reference table of such a
+    file and would then silently return partial content, so `load_document` refuses a PDF without it."""
     end = _end_before_padding(data)
-    if b"%%EOF" not in data[max(0, end - _EOF_WINDOW) : end]:
+    return b"%%EOF" in data[max(0, end - _EOF_WINDOW) : end]
+
+
+def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
+    if not ends_as_pdf(data):
         raise CorruptPDFError(
             f"{name} is truncated: there is no %%EOF marker at its end ({len(data)} bytes), so the "
             "download or copy was probably cut short. " + _repair_hint(name)

@@ -446,8 +446,16 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         {"recall": True},
         {"max_tokens": "3"},
         {"recall": "0.5"},
+        # No flag but true or false: "yes" or 1 would start a stream the client did not ask for.
+        {"stream": "yes"},
+        {"stream": 1},
     ):
         assert_error(ask(client, A1, doc, **bad), 422, "invalid_request")
+    # A question that is not text (a lone surrogate, which JSON can carry) is refused naming the field.
+    raw = b'{"question": "code \\ud800?"}'
+    response = client.post(f"/v1/documents/{doc}/ask", content=raw, headers={**A1, "content-type": "application/json"})
+    error = assert_error(response, 422, "invalid_request")
+    assert error["param"] == "question" and "lone surrogate" in error["message"], error
     too_many = assert_error(ask(client, A1, doc, max_tokens=9), 422, "max_tokens_too_large")  # the server's limit
     assert too_many["param"] == "max_tokens", too_many
     for literal in ("NaN", "Infinity", "-Infinity"):  # Python's JSON reader accepts these
@@ -460,7 +468,7 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
     assert ask(client, A1, doc, seed=-(2**63), temperature=0.5).status_code == 200
     chat = {"model": "random", "messages": [{"role": "user", "content": "q"}], "document_id": doc}
     # OpenAI's route answers 400 (its clients raise BadRequestError for that status), naming the field.
-    for bad in (
+    for wrong in (
         {"seed": 2**64},
         {"max_tokens": 2**40},
         {"max_completion_tokens": -1},
@@ -470,10 +478,13 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
         {"top_p": True},
         {"recall": True},
         {"n": True},
+        {"stream": 1},
+        {"logprobs": "false"},
+        {"stream_options": {"include_usage": "yes"}, "stream": True},
     ):
-        response = client.post("/v1/chat/completions", json={**chat, **bad}, headers=A1)
+        response = client.post("/v1/chat/completions", json={**chat, **wrong}, headers=A1)
         error = assert_error(response, 400, "invalid_request")
-        assert error["param"] == next(iter(bad)), error
+        assert error["param"].split(".")[0] == next(iter(wrong)), error  # dotted down to the field within
     for keep in ("inf", "nan", "-1", "1e400", "0"):
         assert_error(upload(client, A1, "a.txt", SECRET, keep=keep), 422, "invalid_option")
     # The form is held to the bounds its schema shows (the form is read by hand, not by FastAPI's validation).
@@ -695,6 +706,34 @@ def test_an_encrypted_pdf_over_the_page_limit_is_refused_before_its_text_is_read
         for name, data, fields in (("locked.pdf", locked, {"password": "pw123"}), ("owner.pdf", owner_only, {})):
             error = assert_error(upload(client, A1, name, data, **fields), 413, "too_many_pages")
             assert "has 5 pages" in error["message"], error
+
+
+def test_a_pdf_over_the_page_limit_is_refused_before_its_text_is_read_whatever_pads_its_end(
+    random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pages are counted as the loader reads the file: after the NULs or blank lines that a transfer left past
+    its %%EOF (the count looked for the marker in the raw last 1024 bytes, so padding made every page be read)."""
+    pages = [f"Page {number}: the notice period is ninety days." for number in range(5)]
+    data = pdfs.text_pdf(tmp_path / "long.pdf", pages).read_bytes()
+
+    def read_text(staged: Any) -> Any:
+        raise AssertionError(f"the text of {staged.name} was read")
+
+    monkeypatch.setattr(uploads, "_load", read_text)
+    with running(random_engine, tmp_path / "data", max_pages=3) as client:
+        for padding in (b"", b"\x00" * 2048, b"\n" * 4096):
+            error = assert_error(upload(client, A1, "long.pdf", data + padding), 413, "too_many_pages")
+            assert "has 5 pages" in error["message"], error
+
+
+def test_an_upload_named_in_another_script_keeps_its_name_and_suffix(client: TestClient) -> None:
+    """A name of Cyrillic or CJK letters is kept (it was reduced to its suffix, "pdf", and staged without one), so
+    a PDF with junk before its header, read past only in a file named .pdf, is read as one."""
+    data = b"junk before the header\n" + pdfs.text_pdf_bytes(["The notice period is ninety days."])
+    for name in ("договор.pdf", "合同.pdf"):
+        doc_id = upload_ready(client, A1, name, data)
+        info = client.get(f"/v1/documents/{doc_id}", headers=A1).json()
+        assert info["filename"] == name and info["status"] == "ready", info
 
 
 def test_behind_a_path_prefix_each_route_keeps_its_body_limit(random_engine: Any, tmp_path: Path) -> None:

@@ -227,12 +227,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request.url.path, exc)
 
     @app.exception_handler(core.InfoKVError)
-    async def _core(_: Request, exc: core.InfoKVError) -> JSONResponse:
+    async def _core(request: Request, exc: core.InfoKVError) -> JSONResponse:
         error = from_core(exc)
         if error.status >= 500:
             log.error("unexpected core error: %s", exc, exc_info=exc)
             error = ServiceError(500, "internal_error", "internal server error")
-        return JSONResponse(error.body(), status_code=error.status)
+        return error_response(request.url.path, error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

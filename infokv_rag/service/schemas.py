@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints
 
 from ..config import COLD_BITS
 from ..scorers import method_names
@@ -244,7 +244,7 @@ class AskRequest(BaseModel):
         description="How much of the document's cold tier this question may recall (ratio like 0.1 or token count "
         "like 64; 0: none). Default: the document's upload `recall`.",
     )
-    stream: bool = Field(
+    stream: StrictBool = Field(
         False,
         description="Stream the answer as Server-Sent Events: `token` events "
         '({"text": ...}), then one `done` event (the full answer, as without streaming), '
@@ -301,7 +301,7 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
@@ -327,14 +327,14 @@ class ChatCompletionRequest(BaseModel):
         None, description="Cold-tier recall of this answer, as in /ask (extension field; send it with `extra_body`)."
     )
     n: Annotated[int, Strict()] | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Not supported, and refused when asked for (400 `unsupported_parameter`): ignored, each would answer
     # something other than what the client relies on (plain text for a tool call or JSON, no logprobs).
     tools: list[Any] | None = Field(None, description="Not supported: refused unless empty.")
     tool_choice: Any = Field(None, description="Not supported: refused unless absent, 'none' or 'auto'.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
-    logprobs: bool | None = Field(None, description="Not supported: refused when true.")
+    logprobs: StrictBool | None = Field(None, description="Not supported: refused when true.")
     top_logprobs: Annotated[int, Strict()] | None = Field(
         None, ge=0, le=20, description="Not supported: refused unless 0."
     )

@@ -7,9 +7,11 @@ itself stops as soon as the text has passed the model's context window.
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import shutil
+import unicodedata
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,16 +36,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._ ()+-]+")
+_UNSAFE = re.compile(r"[^\w.()+ -]+")  # \w: letters and digits of every script, and _
+_SUFFIX = re.compile(r"[A-Za-z0-9]{1,10}")
+NAME_BYTES = 120
+"""The most bytes of a display name in UTF-8 (a file name on disk holds 255)."""
 _FIELDS = tuple(UploadOptions.model_fields)
 _BITS_FIELDS = ("cold_bits", "stored_bits")
 
 
 def display_name(raw: str | None) -> str:
-    """The client's file name reduced to one safe path component (only ever shown, never trusted)."""
-    name = (raw or "").replace("\\", "/").rsplit("/", 1)[-1]
-    name = _UNSAFE.sub("_", name).strip(" ._")[:120]
-    return name or "upload"
+    """The client's file name reduced to one safe path component of at most `NAME_BYTES` bytes (only ever shown,
+    never trusted), with its suffix kept: the upload is staged under it, and the loader reads a `.pdf` as a PDF
+    where it would read another name as text."""
+    name = unicodedata.normalize("NFC", (raw or "").replace("\\", "/").rsplit("/", 1)[-1])
+    stem, dot, suffix = _UNSAFE.sub("_", name).rpartition(".")
+    if not dot or not _SUFFIX.fullmatch(suffix):
+        stem, suffix = f"{stem}{dot}{suffix}", ""
+    suffix = f".{suffix}" if suffix else ""
+    stem = stem.strip(" ._") or "upload"
+    room = NAME_BYTES - len(suffix)  # an ASCII suffix: one byte a character
+    return stem.encode()[:room].decode(errors="ignore").rstrip(" ._") + suffix
 
 
 @dataclass
@@ -267,18 +279,17 @@ def _pdf_page_count(path: Path, password: str | None) -> int | None:
     try:
         from pypdf import PasswordType, PdfReader
 
-        with open(path, "rb") as handle:
-            if b"%PDF-" not in handle.read(1024):
-                return None
-            handle.seek(max(0, path.stat().st_size - 1024))
-            if b"%%EOF" not in handle.read():
-                return None  # truncated: load_document says so
-            handle.seek(0)
-            reader = PdfReader(handle, strict=False)
-            # Opened as `load_document` opens it: an owner-password-only file with the empty user password.
-            if reader.is_encrypted and reader.decrypt(password or "") == PasswordType.NOT_DECRYPTED:
-                return None
-            return len(reader.pages)
+        from ..documents import PDF_HEADER_WINDOW, ends_as_pdf, reads_as_pdf
+
+        data = path.read_bytes()
+        # Told apart as `load_document` tells them: whatever it reads as a PDF is counted first.
+        if not reads_as_pdf(data[:PDF_HEADER_WINDOW], path.name) or not ends_as_pdf(data):
+            return None  # text, or truncated: load_document says so
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        # Opened as `load_document` opens it: an owner-password-only file with the empty user password.
+        if reader.is_encrypted and reader.decrypt(password or "") == PasswordType.NOT_DECRYPTED:
+            return None
+        return len(reader.pages)
     except Exception:  # noqa: BLE001 - load_document reports damage properly
         return None
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import EmptyQuestionError
+from ...errors import ConfigError, EmptyQuestionError
 from ...prompt import question_turns
 from ..answers import (
     SSE_HEADERS,
@@ -228,6 +228,8 @@ async def ask(
         turns = question_turns(body.question)  # before the document loads
     except EmptyQuestionError as exc:
         raise ServiceError(422, "empty_message", str(exc), param="question") from exc
+    except ConfigError as exc:  # not text: a lone surrogate
+        raise ServiceError(422, "invalid_request", str(exc), param="question") from exc
     options = generation_options(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )

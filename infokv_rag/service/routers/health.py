@@ -11,7 +11,7 @@ import time
 from fastapi import APIRouter
 
 from ..dependencies import OptionalCallerDep, ServiceDep
-from ..schemas import Health
+from ..schemas import Health, error_responses
 
 router = APIRouter(tags=["health"])
 
@@ -21,6 +21,7 @@ router = APIRouter(tags=["health"])
     response_model=Health,
     response_model_exclude_none=True,
     summary="Liveness; with an admin key also queue lengths and counters",
+    responses=error_responses(401),
 )
 async def healthz(service: ServiceDep, caller: OptionalCallerDep) -> Health:
     assert service.worker is not None
