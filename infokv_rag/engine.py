@@ -223,7 +223,7 @@ class InfoKVEngine:
             if end < len(body):
                 cut = max(body.rfind(" ", start, end), body.rfind("\n", start, end))
                 end = cut if cut > start else end
-            counted += len(self.tokenizer(body[start:end], add_special_tokens=False)["input_ids"])
+            counted += self.prompt.text_tokens(body[start:end])
             pieces += 1
             if counted > limit + 2 * pieces:
                 return counted

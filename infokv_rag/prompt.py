@@ -14,6 +14,7 @@ from .documents import is_blank, unpaired_surrogate
 from .errors import ConfigError, EmptyQuestionError
 
 _SENTINEL = "\u2063INFOKV-SPLIT\u2063"
+_FENCE = "\u2063INFOKV-TURN\u2063"
 
 DOCUMENT_INTRO = "Read the document below, then answer the question that follows it.\n\nDocument:\n"
 ANSWER_INSTRUCTION = "Answer concisely, using only the document above."
@@ -73,7 +74,10 @@ def conversation_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
     if pending_system:  # after the last user turn: it still speaks to the question, so it joins it
         _add_turn(messages, "user", "\n".join(pending_system))
     if not messages or messages[0]["role"] != "user":
-        raise ConfigError("a conversation about the document must start with a user message")
+        raise ConfigError(
+            "a conversation about the document must start with a user message (the document opens the first user "
+            "turn): leave out an assistant's opening message, such as a greeting, or start with the user's"
+        )
     return messages
 
 
@@ -87,6 +91,7 @@ class PromptFormat:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._head = self._head_now()
+        self._controls = tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
 
     def _head_now(self) -> str:
         """What the chat template renders before the first user turn's text, read at this moment."""
@@ -103,36 +108,69 @@ class PromptFormat:
             raise ConfigError("the model's chat template does not place the first user turn verbatim")
         return str(rendered)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def spells_control(self, text: str) -> bool:
+        """Whether `text` holds the spelling of one of the tokenizer's control tokens (`<|im_end|>`)."""
+        return any(control in text for control in self._controls)
+
+    def _ids(self, text: str, as_text: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
+
+    def _encode(self, pieces: Sequence[str]) -> list[int]:
+        """Token ids of the template's text and the caller's alternating, the template's first: the template's
+        control tokens read as such, the caller's text (a document, a turn) read as text whatever it spells, so a
+        contract quoting `<|im_end|>` cannot end its turn and answer in its place. Read in one call where the
+        caller's text spells no control token (ids at a piece's edge may differ from the pieces' own, and every
+        other text reads as it always has)."""
+        if not any(self.spells_control(piece) for piece in pieces[1::2]):
+            return self._ids("".join(pieces), as_text=False)
+        return [token for index, piece in enumerate(pieces) for token in self._ids(piece, as_text=index % 2 == 1)]
+
+    def text_tokens(self, text: str) -> int:
+        """How many tokens `text` is, read as text (a piece of a document)."""
+        return len(self._ids(text, as_text=self.spells_control(text)))
 
     @property
     def head_tokens(self) -> int:
         """Tokens of the template head and instruction that precede every document."""
-        return len(self._encode(f"{self._head}{DOCUMENT_INTRO}"))
+        return len(self._encode([f"{self._head}{DOCUMENT_INTRO}"]))
 
     def document_ids(self, text: str) -> list[int]:
         """Tokens of the template head, the instruction and the document: the cached prefix."""
-        return self._encode(f"{self._head}{DOCUMENT_INTRO}{text.strip()}\n\n")
+        return self._encode([f"{self._head}{DOCUMENT_INTRO}", text.strip(), "\n\n"])
 
     def conversation_ids(self, turns: Sequence[Turn]) -> list[int]:
         """Tokens that follow the document prefix for a conversation, up to the assistant prompt; the turns are
         checked and folded as `conversation_messages` says (an empty question is `check_conversation`'s to refuse:
         the chat template's own tokens are counted around an empty one)."""
         messages = conversation_messages(turns)
-        marker = _SENTINEL
-        while any(marker in message["content"] for message in messages):  # a turn may quote the marker
-            marker += "\u2063"
-        messages[0] = {"role": "user", "content": marker + messages[0]["content"]}
+        contents = [message["content"] for message in messages]
+        marker = _unquoted(_SENTINEL, contents)
+        # Where a turn spells a control token, each turn is fenced to be read as text (`_encode`); otherwise the
+        # turns are rendered as they are, so a template that trims them trims them.
+        fence = _unquoted(_FENCE, contents) if any(self.spells_control(content) for content in contents) else ""
+        messages = [{**message, "content": f"{fence}{message['content']}{fence}"} for message in messages]
+        messages[0]["content"] = marker + messages[0]["content"]
         head, suffix = self._render(messages, marker).split(marker)
         # A head that prints today's date changes at midnight, after documents were cached behind the old one (or
         # saved on another day); the suffix never holds the head, so it only has to agree with today's.
         if head != self._head and head != self._head_now():
             raise ConfigError("the chat template renders the document turn differently for this conversation")
-        return self._encode(suffix)
+        if not fence:
+            return self._encode([suffix])
+        pieces = suffix.split(fence)
+        if len(pieces) != 2 * len(contents) + 1 or pieces[1::2] != contents:
+            raise ConfigError("the model's chat template does not place every turn verbatim")
+        return self._encode(pieces)
 
     def question_ids(self, question: str) -> list[int]:
         return self.conversation_ids(question_turns(question))
+
+
+def _unquoted(marker: str, texts: Sequence[str]) -> str:
+    """`marker`, lengthened until none of `texts` holds it (a turn may quote it)."""
+    while any(marker in text for text in texts):
+        marker += "\u2063"
+    return marker
 
 
 def _add_turn(messages: list[dict[str, str]], role: str, content: str) -> None:
