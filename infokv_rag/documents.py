@@ -4,6 +4,7 @@ typed, actionable errors."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import hashlib
 import io
@@ -71,6 +72,8 @@ _EOF_WINDOW = 1024
 # The last 1024 bytes are counted before padding: NULs and whitespace that a transfer or a disk image left after the
 # file (a file cut short ends in its content, not in padding). The same padding before a PDF's header is tolerated.
 _PADDING = b"\x00\t\n\x0c\r "
+_REVISION_PART = re.compile(rb"\bobj\b|\bendobj\b|\bstream\b|\bxref\b|\btrailer\b|\bstartxref\b")
+"""What only a revision of a PDF holds: found after the last %%EOF, the file was cut inside an appended update."""
 _REPLACEMENT = "\ufffd"  # what pypdf reads a glyph as when it cannot map it to a character
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -588,8 +591,8 @@ def _iso_2022(data: bytes) -> str | None:
 def _halfwidth_kana(text: str) -> bool:
     """Whether half-width katakana (U+FF61-U+FF9F, which Japanese text written since the 1990s hardly uses) are most
     of the characters beyond ASCII."""
-    beyond_ascii = [char for char in text if ord(char) > 0x7F]
-    return 2 * sum("\uff61" <= char <= "\uff9f" for char in beyond_ascii) > len(beyond_ascii)
+    beyond_ascii = len(text) - len(text.encode("ascii", errors="ignore"))
+    return 2 * sum(1 for char in text if "\uff61" <= char <= "\uff9f") > beyond_ascii
 
 
 def _text_or_none(data: bytes, encoding: str) -> str | None:
@@ -794,6 +797,9 @@ def _with_words_joined(pages: Sequence[Page]) -> list[Page]:
 def _clean_page_text(text: str) -> str:
     """Repair (`repair_extracted_text`), then collapse runs of spaces and blank lines; paragraph breaks survive
     as one blank line."""
+    # A font's ToUnicode map may send a glyph to half of a surrogate pair: the pairs are joined, a lone half is
+    # unreadable (U+FFFD, which `unreadable_text` judges), never text no encoder takes.
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     lines = [_HSPACE.sub(" ", line).strip() for line in repair_extracted_text(text).split("\n")]
     return _MANY_NEWLINES.sub("\n\n", "\n".join(lines)).strip()
 
@@ -806,11 +812,15 @@ def _repair_hint(name: str) -> str:
 
 
 def ends_as_pdf(data: bytes) -> bool:
-    """Whether `data` ends as a whole PDF does: a %%EOF in its last `_EOF_WINDOW` bytes before trailing padding. A
-    file cut short loses it, and pypdf (strict=False) can sometimes rebuild the cross-reference table of such a
-    file and would then silently return partial content, so `load_document` refuses a PDF without it."""
+    """Whether `data` ends as a whole PDF does: a %%EOF in its last `_EOF_WINDOW` bytes before trailing padding,
+    with no part of a revision after it. A file cut short loses its last %%EOF, and pypdf (strict=False) can
+    sometimes rebuild the cross-reference table of such a file and would then silently return partial content, so
+    `load_document` refuses a PDF without it; one cut inside an update appended to it (a page added, a form filled,
+    a signature) still ends in the older revision's %%EOF, followed by the update's objects."""
     end = _end_before_padding(data)
-    return b"%%EOF" in data[max(0, end - _EOF_WINDOW) : end]
+    tail = data[max(0, end - _EOF_WINDOW) : end]
+    last = tail.rfind(b"%%EOF")
+    return last >= 0 and _REVISION_PART.search(tail, last + len(b"%%EOF")) is None
 
 
 def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
@@ -852,6 +862,11 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
         raise CorruptPDFError(
             f"{name} is encrypted and its encryption data is damaged ({pypdf_detail(exc)}). " + _repair_hint(name)
         ) from exc
+    if result == PasswordType.NOT_DECRYPTED and password is not None:
+        # A file that opens without a password is opened so, whatever password a batch passes to every file, as in
+        # a viewer: a wrong one only matters to a file that needs one.
+        with contextlib.suppress(Exception):
+            result = reader.decrypt("")
     if result == PasswordType.NOT_DECRYPTED:
         if password is None:
             raise _needs_password(name)
@@ -959,6 +974,11 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
             raise CorruptPDFError(
                 f"{name} is damaged: text extraction failed on {page_list(failed)} "
                 f"({pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
+            )
+        if not scanned:
+            raise EmptyDocumentError(
+                f"{name}'s {page_count} page(s) are blank: they show no text and no images. Check that you picked "
+                "the right file."
             )
         raise NoExtractableTextError(
             f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "

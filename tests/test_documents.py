@@ -167,6 +167,8 @@ def test_aes256_pdf_opens_with_password(tmp_path: Path) -> None:
 def test_owner_only_encryption_opens_without_password(tmp_path: Path) -> None:
     path = pdfs.encrypted_pdf(tmp_path / "restricted.pdf", ["Readable."], user_password="", owner_password="o")
     assert _load_quietly(path).text == "Readable."
+    # Whatever password a batch passes to every file: one that needs none opens as it would without it.
+    assert _load_quietly(path, password="batch-password").text == "Readable."
 
 
 def test_password_is_ignored_for_unencrypted_pdf_and_text(tmp_path: Path) -> None:
@@ -208,6 +210,51 @@ def test_image_only_pdf_needs_ocr(tmp_path: Path, signed: bool) -> None:
         pdfs.add_free_text(path, "Dana Whitcombe")
     message = _refusal(NoExtractableTextError, path)
     assert "scan.pdf" in message and "OCR" in message and "ocrmypdf" in message and "2 page" in message
+
+
+def test_a_pdf_cut_inside_an_appended_update_is_truncated_not_its_older_revision(tmp_path: Path) -> None:
+    """A page added, a form filled or a signature is saved as an update after the file's first %%EOF: cut short
+    inside it, the file still ends near that %%EOF, and was read silently as the revision before the update."""
+    original = pdfs.text_pdf_bytes(["Original page one."])
+    writer = pypdf.PdfWriter(io.BytesIO(original), incremental=True)
+    added = pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(["Added page two: the fee is USD 9,900."])))
+    writer.add_page(added.pages[0])
+    updated = io.BytesIO()
+    writer.write(updated)
+    whole = tmp_path / "updated.pdf"
+    whole.write_bytes(updated.getvalue())
+    assert "USD 9,900" in _load_quietly(whole).text
+    for kept in (100, 400, 800):
+        cut = tmp_path / f"cut-{kept}.pdf"
+        cut.write_bytes(updated.getvalue()[: len(original) + kept])
+        assert "truncated" in _refusal(CorruptPDFError, cut)
+
+
+def test_a_glyph_mapped_to_half_a_surrogate_pair_is_no_text_that_cannot_be_encoded(tmp_path: Path) -> None:
+    """A font's ToUnicode map may send a glyph to half of a UTF-16 surrogate pair: the page reads as unreadable
+    text, never as a lone surrogate in `Document.text` (which no tokenizer or UTF-8 writer takes)."""
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdfs.text_pdf_bytes(["ABC rent is 500"]))))
+    cmap = pypdf.generic.DecodedStreamObject()
+    cmap.set_data(
+        b"/CIDInit /ProcSet findresource begin 12 dict begin begincmap /CMapName /Broken def\n"
+        b"1 begincodespacerange <00> <FF> endcodespacerange\n2 beginbfchar\n<41> <D835>\n<42> <D835DC00>\n"
+        b"endbfchar\nendcmap CMapName currentdict /CMap defineresource pop end end"
+    )
+    fonts: Any = writer.pages[0]["/Resources"]["/Font"]  # type: ignore[index]
+    for key in fonts:
+        fonts[key].get_object()[NameObject("/ToUnicode")] = writer._add_object(cmap)
+    path = tmp_path / "broken-cmap.pdf"
+    writer.write(path)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        text = load_document(path).text
+    assert "rent is 500" in text and "\ufffd" in text and text.encode("utf-8"), text
+
+
+def test_a_pdf_of_blank_pages_is_empty_not_scanned(tmp_path: Path) -> None:
+    path = pdfs.indirect_resources_pdf(tmp_path / "blank.pdf", [" ", " "])
+    message = _refusal(EmptyDocumentError, path)
+    assert "blank" in message and "OCR" not in message, message
 
 
 def test_truncated_pdf(tmp_path: Path) -> None:
@@ -339,7 +386,7 @@ def test_resources_named_by_reference_hold_their_fonts(tmp_path: Path) -> None:
         doc = load_document(path)
     assert [p.number for p in doc.pages] == [2] and doc.skipped_pages == () and doc.load_warnings == ()
     blank = pdfs.indirect_resources_pdf(tmp_path / "blank.pdf", [" "])
-    _refusal(NoExtractableTextError, blank)  # not "damaged"
+    _refusal(EmptyDocumentError, blank)  # not "damaged"
 
 
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:

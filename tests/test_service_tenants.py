@@ -703,7 +703,11 @@ def test_an_encrypted_pdf_over_the_page_limit_is_refused_before_its_text_is_read
 
         monkeypatch.setattr(uploads, "_load", read_text)
         owner_only = pdfs.encrypted_pdf(tmp_path / "owner.pdf", pages, "", owner_password="owner-secret").read_bytes()
-        for name, data, fields in (("locked.pdf", locked, {"password": "pw123"}), ("owner.pdf", owner_only, {})):
+        for name, data, fields in (
+            ("locked.pdf", locked, {"password": "pw123"}),
+            ("owner.pdf", owner_only, {}),
+            ("owner.pdf", owner_only, {"password": "sent-to-every-file"}),  # opens without one, as it loads
+        ):
             error = assert_error(upload(client, A1, name, data, **fields), 413, "too_many_pages")
             assert "has 5 pages" in error["message"], error
 

@@ -286,8 +286,10 @@ def _pdf_page_count(path: Path, password: str | None) -> int | None:
         if not reads_as_pdf(data[:PDF_HEADER_WINDOW], path.name) or not ends_as_pdf(data):
             return None  # text, or truncated: load_document says so
         reader = PdfReader(io.BytesIO(data), strict=False)
-        # Opened as `load_document` opens it: an owner-password-only file with the empty user password.
-        if reader.is_encrypted and reader.decrypt(password or "") == PasswordType.NOT_DECRYPTED:
+        # Opened as `load_document` opens it: an owner-password-only file with the empty user password, whatever
+        # password was sent.
+        tried = dict.fromkeys((password or "", ""))
+        if reader.is_encrypted and all(reader.decrypt(each) == PasswordType.NOT_DECRYPTED for each in tried):
             return None
         return len(reader.pages)
     except Exception:  # noqa: BLE001 - load_document reports damage properly
