@@ -14,6 +14,7 @@ from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_r
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig, parse_keep
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError, DocumentError
+from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 from infokv_rag.store import MANIFEST
 
@@ -60,6 +61,8 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--password", default=None, help="opens an encrypted PDF")
     args = parser.parse_args(argv)
     args.questions = args.question or [question for question, _ in read_questions()]
+    for question in args.questions:
+        question_turns(question)  # an empty one is refused here, also where a chain's template would wrap it
     # Refusals below are errors of infokv-rag's or of the system: `run` reports them in one line, as the CLI does.
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")

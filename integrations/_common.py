@@ -8,6 +8,7 @@ between its framework's types and `CompressedDocument.generate`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -26,7 +27,7 @@ from pypdf import PasswordType, PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, reads_as_pdf
-from infokv_rag.errors import CacheStoreError, ConfigError, InfoKVError, ModelError
+from infokv_rag.errors import CacheStoreError, ConfigError, ContextLengthError, InfoKVError, ModelError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name, resolve_placement
@@ -223,17 +224,20 @@ def _manifest_stamp(source: Any, text: str | None) -> tuple[str, int, int] | Non
     return _saved_cache_stamp(_document_path(os.fspath(source)))
 
 
-def answering_model(model: str | None, source: Any, text: str | None) -> str:
+def answering_model(model: str | None, source: Any, text: str | None, reader: InfoKVEngine | None = None) -> str:
     """The name of the model that answers from a document: `model` when given, else the one that made the document,
     which alone can answer from its cache (a `CompressedDocument`'s; a saved cache directory's, as its manifest
-    names it), else `DEFAULT_MODEL` (a file, a `Document` or text, which any model reads). `text`, when given, is
-    the document instead of `source`. `CacheStoreError` for a saved cache whose manifest cannot be read."""
+    names it), else `reader`'s (`open_document`) or `DEFAULT_MODEL` (a file, a `Document` or text, which any model
+    reads). `text`, when given, is the document instead of `source`. `CacheStoreError` for a saved cache whose
+    manifest cannot be read."""
     if model:
         return model
     if text is None and isinstance(source, CompressedDocument):
         return source.engine.name
     saved = _manifest_stamp(source, text)
-    return DEFAULT_MODEL if saved is None else _manifest_model(*saved)
+    if saved is not None:
+        return _manifest_model(*saved)
+    return DEFAULT_MODEL if reader is None else reader.name
 
 
 def answering_engine(
@@ -267,11 +271,13 @@ def open_document(
     dtype: str | None = None,
     password: str | None = None,
     how_to_bind: str = "at construction or per call",
+    reader: InfoKVEngine | None = None,
 ) -> CompressedDocument:
     """The compressed document for a source, ingested (or loaded) once per model and config.
 
     `model` None means the model that made the source (`answering_model`: a `CompressedDocument`'s, a saved cache
-    directory's), else `DEFAULT_MODEL`. Asking for another model than the one a `CompressedDocument` was read with is
+    directory's), else `reader` (an adapter's engine: its bound document's, which may be no model that loads by
+    name), else `DEFAULT_MODEL`. Asking for another model than the one a `CompressedDocument` was read with is
     an error: its cache belongs to that model.
 
     `config` None (an adapter's `compression` left unset) means the defaults for a file or text, and a saved cache
@@ -297,7 +303,7 @@ def open_document(
     if source is None and text is None:
         raise ValueError(f"no document bound: pass document= ({DOCUMENT_SOURCES}) or document_text=, {how_to_bind}")
     kind, *identity = _source_key(source, text)
-    name = answering_model(model, source, text)
+    name = answering_model(model, source, text, reader)
     if kind == "cache":
         key: tuple[Any, ...] = (name, *placement_key(device, dtype), kind, *identity)
         saved = _DOCUMENTS.get_or_load(
@@ -309,10 +315,12 @@ def open_document(
     if kind == "file":
         _check_password(Path(identity[0]), identity[1], identity[2], password)
     config = coerce_config(config)
-    key = (name, *placement_key(device, dtype), config, kind, *identity)
+    reads = reader if reader is not None and model is None else None
+    engine_key = (reads,) if reads is not None else (name, *placement_key(device, dtype))
+    key = (*engine_key, config, kind, *identity)
 
     def ingest() -> CompressedDocument:
-        engine = get_engine(name, device, dtype)
+        engine = reads if reads is not None else get_engine(name, device, dtype)
         if text is not None:
             return engine.ingest_text(text, config)
         if isinstance(source, Document):
@@ -455,9 +463,15 @@ def call_model_name(adapter: AdapterFields, kwargs: dict[str, Any]) -> str:
     whose manifest cannot be read is refused when the call opens it, and named with the default model until then."""
     source, text = _call_source(adapter, kwargs)
     try:
-        return answering_model(kwargs.get("model") or adapter.model, source, text)
+        return answering_model(kwargs.get("model") or adapter.model, source, text, bound_engine(adapter))
     except (OSError, InfoKVError):
         return DEFAULT_MODEL
+
+
+def bound_engine(adapter: AdapterFields) -> InfoKVEngine | None:
+    """The engine of the adapter's own document when that is a `CompressedDocument`: the model the adapter answers
+    with, which reads a call's file or text where neither the call nor the adapter names a model."""
+    return adapter.document.engine if isinstance(adapter.document, CompressedDocument) else None
 
 
 def token_ids(adapter: AdapterFields, text: str) -> list[int]:
@@ -571,6 +585,7 @@ def open_call_document(
         dtype=adapter.dtype,
         password=password,
         how_to_bind=how_to_bind,
+        reader=bound_engine(adapter),
     )
 
 
@@ -607,15 +622,34 @@ def call_options(
     options = {name: kwargs.get(name, getattr(adapter, name)) for name in CALL_OPTIONS}
     if stop is None:
         stop = kwargs.get("stop", adapter.stop)
-    return GenerationOptions.build(
-        max_new_tokens=options["max_tokens"],
-        temperature=options["temperature"],
-        top_p=options["top_p"],
-        stop=[s for s in ([stop] if isinstance(stop, str) else stop or ()) if s],  # a string is one sequence
-        seed=options["seed"],
-        max_cache_tokens=options["max_cache_tokens"],
-        recall=options["recall"],
-    )
+    with _in_adapter_terms():
+        return GenerationOptions.build(
+            max_new_tokens=options["max_tokens"],
+            temperature=options["temperature"],
+            top_p=options["top_p"],
+            stop=[s for s in ([stop] if isinstance(stop, str) else stop or ()) if s],  # a string is one sequence
+            seed=options["seed"],
+            max_cache_tokens=options["max_cache_tokens"],
+            recall=options["recall"],
+        )
+
+
+def start_generation(document: CompressedDocument, turns: list[Turn], options: GenerationOptions) -> Generation:
+    """`document.generate`, its refusals in the adapters' terms (`_in_adapter_terms`)."""
+    with _in_adapter_terms():
+        return document.generate(turns, options)
+
+
+@contextlib.contextmanager
+def _in_adapter_terms() -> Iterator[None]:
+    """The core's refusals worded with the adapters' option names: they take `max_tokens` where the core takes
+    `max_new_tokens`, which a call that follows the advice would be refused for."""
+    try:
+        yield
+    except (ConfigError, ContextLengthError) as exc:
+        if "max_new_tokens" not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace("max_new_tokens", "max_tokens")) from exc
 
 
 _DONE = object()

@@ -18,6 +18,7 @@ Needs the `langchain` extra (`langchain-core`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -80,6 +81,7 @@ from ._common import (
     optional_config,
     refuse_unknown_fields,
     revealed,
+    start_generation,
     token_ids,
 )
 
@@ -219,6 +221,15 @@ class _InfoKVFields(BaseModel):
     _hold: DocumentHold = PrivateAttr(default_factory=DocumentHold)
     """The document the fields chose, once read."""
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # The repr goes into every trace (LangChain serialises a model it cannot serialise as its repr): a
+        # document's text is named by its length and digest, not written out whole.
+        for name, value in super().__repr_args__():
+            if name == "document_text" and isinstance(value, str):
+                digest = hashlib.sha256(value.encode(errors="surrogatepass")).hexdigest()
+                value = f"<{len(value)} characters, sha256 {digest[:16]}>"
+            yield name, value
+
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
@@ -282,7 +293,7 @@ class _InfoKVFields(BaseModel):
         check_conversation(turns)
         options = call_options(self, kwargs, stop)
         document = self.compressed_document(**kwargs)
-        return document.generate(turns, options), document
+        return start_generation(document, turns, options), document
 
     def _infokv_identity(self) -> dict[str, Any]:
         document = document_identity(self.document, self.document_text)

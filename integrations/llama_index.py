@@ -73,6 +73,7 @@ from ._common import (
     optional_config,
     refuse_unknown_fields,
     revealed,
+    start_generation,
 )
 
 __all__ = ["DocumentQueryEngine", "InfoKV", "messages_to_turns"]
@@ -263,7 +264,7 @@ class InfoKV(CustomLLM):
         check_conversation(turns)
         options = call_options(self, kwargs)
         document = self.compressed_document(**kwargs)
-        return document.generate(turns, options), document
+        return start_generation(document, turns, options), document
 
     async def _astart(self, turns: list[Turn], kwargs: dict[str, Any]) -> tuple[Generation, CompressedDocument]:
         return await asyncio.to_thread(self._start, turns, kwargs)

@@ -40,7 +40,14 @@ from pydantic import ValidationError
 
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag.documents import document_from_text
-from infokv_rag.errors import CacheStoreError, ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
+from infokv_rag.errors import (
+    CacheStoreError,
+    ConfigError,
+    ContextLengthError,
+    EmptyQuestionError,
+    EncryptedPDFError,
+    ModelError,
+)
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
@@ -310,7 +317,7 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
                 adapter(model="tiny", document_text=SUITE_TEXT, **bad)
         refusals: list[tuple[type[Exception], str, Any]] = [
             (ConfigError, "unknown option.*max_new_tokens", lambda llm: llm.invoke("hi", max_new_tokens=4)),
-            (ConfigError, "max_new_tokens must be >= 1", lambda llm: llm.invoke("hi", max_tokens=0)),
+            (ConfigError, "max_tokens must be >= 1", lambda llm: llm.invoke("hi", max_tokens=0)),
             (ConfigError, "lone surrogate", lambda llm: list(llm.stream("hi \ud800"))),
             (EmptyQuestionError, "empty", lambda llm: llm.invoke("  \n\t")),
             (EmptyQuestionError, "empty", lambda llm: list(llm.stream("\x00"))),
@@ -829,3 +836,32 @@ def test_a_saved_cache_is_answered_by_the_model_that_made_it(
         with pytest.raises(ModelError, match=re.escape(refused)):
             call()
     assert ChatInfoKV(model=model, document=str(saved), max_tokens=2).invoke("What is the notice period?")
+
+
+def test_a_call_s_own_document_is_read_by_the_model_of_the_bound_one(random_engine: InfoKVEngine) -> None:
+    """An adapter bound to a document that the caller's engine read (a model in memory, which may load by no name)
+    reads a call's text with that engine: not with the default model, loaded beside it and answering instead."""
+    bound = random_engine.ingest_text(SUITE_TEXT, CompressionConfig(keep=0.5))
+    loaded = _common.loaded_models()
+    for adapter in (ChatInfoKV(document=bound, max_tokens=2), InfoKVLLM(document=bound, max_tokens=2)):
+        text = f"{SUITE_TEXT} Read per call by {type(adapter).__name__}."
+        assert adapter.compressed_document(document_text=text).engine is random_engine
+        adapter.invoke("What is the fee?", document_text=text)
+        assert adapter._identifying_params["model"] == random_engine.name
+    assert _common.loaded_models() == loaded
+    # The advice of a refusal names the adapters' option, max_tokens, which a call takes (not the core's name).
+    with pytest.raises(ContextLengthError, match="lower max_tokens") as refused:
+        ChatInfoKV(document=bound).invoke("What is the fee?", max_tokens=random_engine.context_window)
+    assert "max_new_tokens" not in str(refused.value)
+
+
+def test_a_document_s_text_is_no_part_of_the_repr(random_model_dir: Path) -> None:
+    """The repr goes into every trace (LangChain serialises a model it cannot serialise by its repr): the text of a
+    document is named by its length and digest; the answer cache's key still holds what the answers depend on."""
+    text = "The fee is 9 euros. " * 1000
+    for adapter in (ChatInfoKV, InfoKVLLM):
+        llm = adapter(model=str(random_model_dir), document_text=text)
+        assert len(repr(llm)) < 1000 and "20000 characters, sha256 " in repr(llm), repr(llm)
+        assert len(json.dumps(dumpd(llm))) < 2000
+        other = adapter(model=str(random_model_dir), document_text=text + ".")
+        assert llm._identifying_params["document"] != other._identifying_params["document"]

@@ -30,6 +30,7 @@ from infokv_rag.citations import supporting_pages
 from infokv_rag.documents import Document, document_from_pages, document_from_text
 from infokv_rag.errors import ConfigError, EmptyQuestionError, EncryptedPDFError, ModelError
 from infokv_rag.generation import GenerationOptions
+from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine
 from infokv_rag.integrations.llama_index import DocumentQueryEngine, InfoKV, messages_to_turns
 from infokv_rag.prompt import question_turns
@@ -267,7 +268,7 @@ def test_bad_options_and_questions_are_refused_before_the_document_is_read(no_do
     llm = InfoKV(model="tiny", document_text="A text no other test reads.", system_prompt="Be brief.")
     user = MessageRole.USER
     refusals: list[tuple[type[Exception], str, Any]] = [
-        (ConfigError, "max_new_tokens must be >= 1", lambda: llm.complete("hi", max_tokens=0)),
+        (ConfigError, "max_tokens must be >= 1", lambda: llm.complete("hi", max_tokens=0)),
         (ConfigError, "unknown option.*max_new_tokens", lambda: llm.complete("hi", max_new_tokens=4)),
         (ConfigError, "lone surrogate", lambda: llm.stream_complete("hi \ud800")),
         (EmptyQuestionError, "empty", lambda: llm.complete("")),
@@ -821,3 +822,14 @@ def test_a_password_may_be_a_secret_str(random_model_dir: Path, tmp_path: Path) 
     assert "Lindqvist" in engine.document.document.text
     assert isinstance(InfoKV(model=model, password="s3cret").password, SecretStr), "a str is held as a SecretStr"
     assert "s3cret" not in repr(engine) + repr(engine.model_dump()) + engine.llm.to_json()
+
+
+def test_a_call_s_own_document_is_read_by_the_model_of_the_bound_one(random_engine: Any) -> None:
+    """As in LangChain: a call's text is read by the engine that read the bound document, not the default model."""
+    bound = random_engine.ingest_text(COLD_TEXT, CompressionConfig(keep=0.5))
+    loaded = _common.loaded_models()
+    llm = InfoKV(document=bound, max_tokens=2)
+    text = f"{COLD_TEXT} Read per call."
+    assert llm.compressed_document(document_text=text).engine is random_engine
+    llm.complete("What is the fee?", document_text=text)
+    assert _common.loaded_models() == loaded
