@@ -76,6 +76,8 @@ _REVISION_PART = re.compile(rb"\bobj\b|\bendobj\b|\bstream\b|\bxref\b|\btrailer\
 """What only a revision of a PDF holds: found after the last %%EOF, the file was cut inside an appended update."""
 _REPLACEMENT = "\ufffd"  # what pypdf reads a glyph as when it cannot map it to a character
 _UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+_UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")  # the first begins as UTF-16's little-endian mark
 
 
 def reads_as_pdf(head: bytes, name: str) -> bool:
@@ -406,11 +408,11 @@ def _read_text(data: bytes) -> tuple[str | None, tuple[int, ...]]:
                 return stray[0].removeprefix("\ufeff"), stray[1]
         return text, ()
     # Windows editors save "Unicode" text as UTF-16 with a BOM; without a BOM we do not guess.
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    if data.startswith(_UTF16_BOMS):
         return _text_or_none(data, "utf-16"), ()
     text = _text_or_none(data, "utf-8")
     if text is not None:
-        return _iso_2022(data) if "\x1b$" in text else text, ()
+        return _iso_2022(data) if data.isascii() and "\x1b$" in text else text, ()  # ISO-2022 is 7-bit
     if b"\x00" in data:
         return None, ()
     stray = _utf8_with_stray_bytes(data)
@@ -636,6 +638,8 @@ def _describe(data: bytes) -> str:
     for signature, what in _SIGNATURES:
         if data.startswith(signature):
             return what
+    if data.startswith((*_UTF16_BOMS, *_UTF32_BOMS)):
+        return _describe_marked_unicode(data)
     head = data[:512].lstrip().lower()
     if head.startswith((b"<!doctype html", b"<html")):
         return "looks like an HTML page (often a failed or blocked download)"
@@ -658,6 +662,22 @@ def _describe(data: bytes) -> str:
     if any(_text_or_none(data, encoding) is not None for encoding in ("cp1252", "latin-1")):
         return "looks like text in an encoding that could not be determined (not UTF-8); save it as UTF-8"
     return "looks like binary data of an unknown format"
+
+
+def _describe_marked_unicode(data: bytes) -> str:
+    """What bytes that start with a UTF-16 or UTF-32 byte-order mark, and were not read as text, hold: phrased to
+    follow 'it', and not as "NUL bytes" to delete (UTF-16 holds one beside every ASCII character)."""
+    if data.startswith(_UTF32_BOMS):
+        return "is UTF-32 text (its byte-order mark says so), which is not read here: save it as UTF-8"
+    if len(data) % 2:
+        return "is UTF-16 text (its byte-order mark says so) cut short inside its last character: get a whole copy"
+    text = data.decode("utf-16", errors="replace")
+    if "\x00" in text:
+        return (
+            f"is UTF-16 text holding {text.count(chr(0))} NUL character(s) (the first at character "
+            f"{text.index(chr(0))}), which no text holds: save it again as UTF-8 without them"
+        )
+    return "is UTF-16 text (its byte-order mark says so) that does not read as text: save it again as UTF-8"
 
 
 def _describe_nuls(data: bytes) -> str | None:

@@ -841,6 +841,17 @@ def test_nul_bytes_in_text_are_named(tmp_path: Path) -> None:
     path.write_bytes("Notice: the notice period is ninety days.".encode("utf-16-le"))
     message = _refusal(UnsupportedFormatError, path)
     assert "UTF-16 without a byte-order mark" in message and "UTF-8" in message
+    # With a byte-order mark the NULs are UTF-16's own: deleting them, as for text, would destroy the file.
+    marked = "\ufeffNotice: the notice\x00 period is ninety days.".encode("utf-16-le")
+    for data, told in (
+        (marked, "UTF-16 text holding 1 NUL character(s) (the first at character 18)"),
+        (marked[:-1], "UTF-16 text (its byte-order mark says so) cut short"),
+        ("Notice: ninety days.".encode("utf-32"), "UTF-32 text"),
+        ("\ufeffNotice: ninety days.".encode("utf-32-be"), "UTF-32 text"),
+    ):
+        path.write_bytes(data)
+        message = _refusal(UnsupportedFormatError, path)
+        assert told in message and "tr -d" not in message, message
 
 
 def test_a_loaded_document_instead_of_a_path_names_the_call_to_use() -> None:
@@ -876,6 +887,13 @@ def test_iso_2022_text_is_read_in_its_character_set(tmp_path: Path, encoding: st
     path = tmp_path / "notice.txt"
     path.write_bytes(f"Notice: {text}\n".encode(encoding))
     assert _load_quietly(path).text == f"Notice: {text}\n"
+
+
+def test_utf8_text_holding_an_escape_is_utf8_not_iso_2022(tmp_path: Path) -> None:
+    """ISO-2022 is 7-bit: a UTF-8 file beyond ASCII that holds ESC $ (a terminal colour code pasted in) is UTF-8."""
+    path = tmp_path / "log.txt"
+    path.write_bytes("Fee: 5 € per day \x1b$B, payable monthly.".encode())
+    assert _load_quietly(path).text == "Fee: 5 € per day \x1b$B, payable monthly."
 
 
 @pytest.mark.parametrize("encoding", sorted(_LEGACY_TEXTS))
