@@ -175,6 +175,8 @@ class CompressionConfig:
     settings: MethodSettings | Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.method, str):  # the registry's lookup would say "unhashable", not what to pass
+            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(scorers.method_names())}")
         method = scorers.method(self.method)
         if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)):
             raise ConfigError(f"keep must be a ratio in (0, 1] or a positive token count, not {self.keep!r}")
@@ -233,12 +235,20 @@ class CompressionConfig:
         """
         if not self.method_spec.compresses:
             return document_tokens
-        wanted = round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep
+        wanted = self._wanted(document_tokens)
         if wanted < document_tokens:
-            wanted -= self.summaries  # they take their place in the budget
+            wanted -= self.summaries_for(document_tokens)  # they take their place in the budget
         protected = max(sink_tokens or 0, self.sink_tokens) + self.window
-        # At least one token of the document's own: a budget the summaries took whole would keep none.
         return min(document_tokens, max(wanted, protected, 1))
+
+    def summaries_for(self, document_tokens: int) -> int:
+        """Summary entries per (layer, KV head) for a document of `document_tokens` tokens: `summaries`, or fewer
+        where the budget holds fewer and one token of the document's own (summaries beyond the budget would make
+        the cache as large as the full one, each evicted entry its own summary)."""
+        return min(self.summaries, max(0, self._wanted(document_tokens) - 1))
+
+    def _wanted(self, document_tokens: int) -> int:
+        return round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep
 
     def keep_ratio(self, document_tokens: int) -> float:
         """The share of a `document_tokens`-token document a (layer, KV head) keeps on average: `keep` itself, or
@@ -301,7 +311,10 @@ class CompressionConfig:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
         own = scorers.method(data.get("method", DEFAULT_METHOD)).setting_names
         added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
-        return cls(**{"summaries": 0, **data, "settings": {**added, **data.get("settings", {})}})
+        settings = data.get("settings", {})
+        if not isinstance(settings, Mapping):  # as the constructor says it, not a bare TypeError from the merge
+            raise ConfigError(f"settings must be a mapping of the method's settings, not {settings!r}")
+        return cls(**{"summaries": 0, **data, "settings": {**added, **settings}})
 
 
 ALWAYS_KEPT = CompressionConfig.sink_tokens + CompressionConfig.window

@@ -317,9 +317,14 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
         )
     p = Path(path)
     name = os.fspath(path)
-    if not p.exists():
-        raise FileNotFoundError(f"No such file: {name}")
-    if p.is_dir():
+    if not name:  # Path("") is the working directory
+        raise FileNotFoundError("No such file: the document's path is empty")
+    try:
+        status = p.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No such file: {name}") from None
+    # Any other failure (a loop of symbolic links, no permission) is the system's own, as it says it.
+    if stat.S_ISDIR(status.st_mode):
         raise IsADirectoryError(f"{name} is a directory; give the path of a PDF or text file")
     try:
         with open_regular(p) as handle:

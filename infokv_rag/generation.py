@@ -55,20 +55,27 @@ class GenerationOptions:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop_sequences(self.stop))
 
     @classmethod
     def build(cls, stop: str | Sequence[str] | None = None, **options: Any) -> GenerationOptions:
         """The options of a call (`CompressedDocument.stream`): None leaves an option at its default; `stop` is one
         string or a list or tuple of them."""
-        if isinstance(stop, str):
-            stops: tuple[str, ...] = (stop,)
-        elif stop is None or isinstance(stop, (list, tuple)):
-            stops = tuple(stop or ())
-        else:  # any other iterable would be taken apart: a dict into its keys, bytes into ints
-            raise ConfigError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
-        return cls(stop=stops, **{k: v for k, v in options.items() if v is not None})
+        return cls(stop=stop_sequences(stop), **{k: v for k, v in options.items() if v is not None})
+
+
+def stop_sequences(stop: object) -> tuple[str, ...]:
+    """`stop` as the tuple of sequences it names: a string is one sequence (not each of its characters), a list or
+    tuple holds several, None none; `ConfigError` for anything else (any other iterable would be taken apart: a
+    dict into its keys, bytes into ints) and for a sequence that is no non-empty string."""
+    if isinstance(stop, str):
+        return (stop,)
+    if stop is not None and not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
+    stops = tuple(stop or ())
+    if any(not isinstance(each, str) or not each for each in stops):
+        raise ConfigError(f"stop sequences must be non-empty strings, got {stops!r}")
+    return stops
 
 
 def logits_entropy(logits: Tensor, top_k: int) -> Tensor:

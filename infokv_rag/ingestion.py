@@ -141,6 +141,7 @@ class Ingestion:
         self.scorer: Scorer[Any] = config.method_spec.build(config.settings)
         self.sinks = max(config.sink_tokens, engine.prompt.head_tokens if config.protect_prompt else 0)
         self.budget = config.budget_for(self.n, self.sinks)
+        self.summary_entries = config.summaries_for(self.n)
         self.keep = config.keep_ratio(self.n)
         self.information: Tensor | None = None
         """(n,) outgoing information per position, when the scorer reads it."""
@@ -421,11 +422,11 @@ class Ingestion:
                     for head, pieces in enumerate(self.evicted[index]):
                         cold = slice(None) if held_extra is None else ~held_extra[head]
                         pieces.append((dropped[0][head, cold], dropped[1][head, cold], dropped[2][head, cold]))
-                if self.summaries is not None:
+                if self.summaries is not None and self.summary_entries:
                     # What a head holds as extras is not evicted from it: it joins no summary.
                     weights = None if held_extra is None else (~held_extra).float()
                     self.summaries[index] = absorb(
-                        self.summaries[index], *dropped[:2], self.config.summaries, self.config.seed + index, weights
+                        self.summaries[index], *dropped[:2], self.summary_entries, self.config.seed + index, weights
                     )
             accumulated = self.accumulated[index]
             if accumulated is not None:

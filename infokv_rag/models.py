@@ -330,7 +330,9 @@ def resolve_model_dir(name_or_path: str) -> Path:
     return resolve_model(name_or_path).weights_directory()
 
 
-def resolve_model(name_or_path: str, revision: str | None = None, *, repair: bool = False) -> ModelSource:
+def resolve_model(
+    name_or_path: str | os.PathLike[str], revision: str | None = None, *, repair: bool = False
+) -> ModelSource:
     """Where a model's files are: a registry name (`default`, `tiny`), a `.gguf` file (converted once), a
     local HF directory, or a Hugging Face hub id (`org/name`, optionally `org/name@revision`).
 
@@ -338,6 +340,7 @@ def resolve_model(name_or_path: str, revision: str | None = None, *, repair: boo
     refused before gigabytes of weights are); `ModelSource.weights_directory` fetches the weights.
     `repair` (`infokv-rag fetch`): a converted copy whose weights are damaged is converted again.
     """
+    name_or_path = os.fspath(name_or_path)
     local = _resolve_local(name_or_path, repair)
     if local is not None:
         if revision is not None:

@@ -58,6 +58,8 @@ def resolve_placement(
     if place.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {device!r} was asked for, but MPS is not available on this machine")
     if isinstance(dtype, torch.dtype):
+        if str(dtype).removeprefix("torch.") not in DTYPES.values():  # int8 or float64 would fail only once loaded
+            raise ConfigError(f"dtype {dtype} cannot run a model: use auto, {', '.join(DTYPES)}")
         return place, dtype
     if dtype is not None and not isinstance(dtype, str):
         raise ConfigError(f"dtype {dtype!r} is neither a torch dtype nor a name: use auto, {', '.join(DTYPES)}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from infokv_rag.cli import build_parser
 from infokv_rag.config import CompressionConfig
@@ -606,7 +607,6 @@ def test_serve_takes_a_path_prefix_for_uvicorn(
     given: list[str] = []
     monkeypatch.setattr(app.DrainingServer, "run", lambda server: given.append(server.config.root_path))
     monkeypatch.setenv("INFOKV_ALLOW_ANONYMOUS", "1")
-    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path))
     assert cli.main(["serve", "--model", "tiny", "--root-path", "/kb", "--data-dir", str(tmp_path / "data")]) == 0
     assert given == ["/kb"]
     for bad in ("kb", "/kb/", "//kb"):
@@ -614,6 +614,25 @@ def test_serve_takes_a_path_prefix_for_uvicorn(
         assert refused.returncode == 2 and "a path prefix starts with /" in refused.stderr, refused.stderr
     assert cli.main(["serve", "--ray", "--root-path", "/kb"]) != 0
     assert "--root-path is not taken with --ray" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_model_or_device_that_cannot_load_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """As `ask` refuses them (exit 2, one line), before the data directory is made: the app loads the model inside
+    uvicorn's startup, which printed a traceback and exited 3."""
+    from infokv_rag import cli
+
+    monkeypatch.setenv("INFOKV_ALLOW_ANONYMOUS", "1")
+    data = tmp_path / "data"
+    refusals = [(["--model", "bogus"], "cannot resolve model 'bogus'")]
+    if not torch.cuda.is_available():
+        refusals.append((["--model", "tiny", "--device", "cuda"], "sees no CUDA GPU"))
+    for options, told in refusals:
+        assert cli.main(["serve", *options, "--port", "0", "--data-dir", str(data)]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("infokv-rag: error: ") and told in error and "Traceback" not in error, error
+    assert not data.exists()
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -808,6 +808,11 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         load_document(tmp_path / "nope.pdf")
     with pytest.raises(IsADirectoryError, match="is a directory"):
         load_document(tmp_path)
+    with pytest.raises(FileNotFoundError, match="the document's path is empty"):
+        load_document("")  # not " is a directory": Path("") is the working directory
+    (tmp_path / "loop.pdf").symlink_to(tmp_path / "loop.pdf")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):  # not "No such file"
+        load_document(tmp_path / "loop.pdf")
 
 
 def test_special_files_are_refused_by_kind(tmp_path: Path) -> None:

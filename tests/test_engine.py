@@ -572,6 +572,10 @@ def test_surprisal_signal_is_exact_across_chunks(random_engine: InfoKVEngine) ->
 def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="unknown method"):
         CompressionConfig(method="magic")
+    with pytest.raises(ConfigError, match=r"unknown method \['infokv'\]"):
+        CompressionConfig(method=["infokv"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="settings must be a mapping"):
+        CompressionConfig.from_dict({"settings": None})
     with pytest.raises(ConfigError, match="keep ratio"):
         CompressionConfig(keep=1.5)
     with pytest.raises(ConfigError, match="tau"):
@@ -632,6 +636,12 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(random_engi
         with pytest.raises(ConfigError, match="stop must be a string or a list of strings"):
             doc.ask("What is the notice period?", max_new_tokens=2, stop=stop)
     assert [GenerationOptions.build(stop=stop).stop for stop in ("ab", ["ab"], ("ab",), None)] == [("ab",)] * 3 + [()]
+    # Made directly, the options read their stop sequences so too: "Zebra" is one sequence, not five letters that cut
+    # an answer at its first "r", and a list is held as a tuple, so that the frozen options hash.
+    made = [GenerationOptions(stop=stop) for stop in ("Zebra", ["Zebra"])]  # type: ignore[arg-type]
+    assert [options.stop for options in made] == [("Zebra",)] * 2 and len(set(made)) == 1
+    with pytest.raises(ConfigError, match="stop must be a string or a list of strings"):
+        GenerationOptions(stop={"Zebra": 1})  # type: ignore[arg-type]
 
 
 def _options(**kwargs: Any) -> GenerationOptions:

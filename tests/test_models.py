@@ -191,6 +191,10 @@ def test_unreachable_hub_without_a_cached_copy(tmp_path: Path, monkeypatch: pyte
 def test_names_that_are_not_hub_ids(hub_random: dict[str, str], random_model_dir: Path) -> None:
     with pytest.raises(ModelError, match="cannot resolve model 'tinyy'.*org/name"):
         resolve_model("tinyy")  # a bare name is never looked up on the hub
+    with pytest.raises(ModelError, match="cannot resolve model '/no/such/model'"):
+        resolve_model(Path("/no/such/model"))  # a path object, as from_pretrained takes: not an AttributeError
+    as_path, as_text = resolve_model(random_model_dir), resolve_model(str(random_model_dir))
+    assert as_path.weights_directory() == as_text.weights_directory()
     with pytest.raises(ModelError, match="names revision 'v2' but revision='v3'"):
         resolve_model(f"{REPO}@v2", revision="v3")
     with pytest.raises(ModelError, match="applies to hub ids only"):
@@ -657,6 +661,9 @@ def test_dtype_names_and_default_placement() -> None:
         resolve_placement("meta")
     with pytest.raises(ConfigError, match="dtype 16 is neither a torch dtype nor a name"):
         resolve_placement("cpu", 16)  # type: ignore[arg-type]
+    for unfit in (torch.int8, torch.float64):  # failed only once loaded, telling to delete good weights; or ran
+        with pytest.raises(ConfigError, match=f"dtype {unfit} cannot run a model: use auto, float32"):
+            resolve_placement("cpu", unfit)
     if torch.cuda.is_available():
         device, dtype = resolve_placement(None)
         assert device.type == "cuda" and dtype in (torch.bfloat16, torch.float16), "bf16/fp16 on CUDA by default"

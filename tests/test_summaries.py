@@ -73,6 +73,20 @@ def test_summaries_bring_the_answer_closer_to_the_full_cache(random_engine: Info
     assert kl(reference_answer, answer) < 0.5 * kl(reference_answer, answer_without)
 
 
+def test_summaries_beyond_the_budget_are_capped_by_it(random_engine: InfoKVEngine) -> None:
+    """Summaries take their place in the keep budget: asked for more than it holds, they are what it holds less one
+    token of the document's own, not one per evicted entry (a cache as large as the full one, and minutes of
+    clustering), while the cache says it keeps a quarter."""
+    full = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    config = CompressionConfig(keep=0.25, chunk_size=64, summaries=100_000)
+    capped = random_engine.ingest_text(TEXT, config)
+    budget = round(0.25 * full.stats.document_tokens)
+    assert config.summaries_for(full.stats.document_tokens) == budget - 1
+    assert capped.cache.summaries is not None
+    assert all(0 < summary.length <= budget - 1 for summary in capped.cache.summaries)
+    assert capped.stats.cache_bytes < 0.5 * full.stats.cache_bytes, (capped.stats.cache_bytes, full.stats.cache_bytes)
+
+
 def test_summaries_are_saved_verified_and_refused_when_malformed(random_engine: InfoKVEngine, tmp_path: Path) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     loaded = random_engine.load(doc.save(tmp_path / "cache"))

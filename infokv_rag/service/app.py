@@ -269,6 +269,13 @@ def serve(
     """Runs the service with uvicorn (one process: the model worker owns the model). `root_path`: the path prefix
     the service is reached under behind a proxy (`/kb`; the proxy may pass the prefix on or strip it)."""
     settings = Settings.from_env(model=model, data_dir=data_dir, **overrides)
+    # A model or placement that cannot load is the caller's error, told before anything starts or is created (the
+    # app loads the model inside uvicorn's startup, which would print a traceback and exit 3).
+    from ..models import resolve_model
+    from ..placement import resolve_placement
+
+    resolve_placement(settings.device, settings.dtype)
+    resolve_model(settings.model)
     app = create_app(settings)
     if not settings.auth_required:
         where = f"{host}:{port}" if port else f"{host} on the port the system picks"  # port 0: any free one
