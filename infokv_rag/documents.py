@@ -8,6 +8,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import itertools
 import logging
 import os
 import re
@@ -445,12 +446,15 @@ _MAX_STRAY_BYTES = 8
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as errors="surrogateescape" decodes it
 
 
-def _utf8_with_escapes(data: bytes) -> tuple[str, list[int], int]:
+def _utf8_with_escapes(data: bytes) -> tuple[str, list[int], int, int]:
     """`data` decoded as UTF-8 with each byte that is not UTF-8 as a lone surrogate U+DC80..U+DCFF (no valid UTF-8
-    decodes to one), where those stand in the text, and how many multi-byte UTF-8 characters it holds."""
+    decodes to one); where the first `_MAX_STRAY_BYTES` + 1 of those stand in the text (a legacy file has one per
+    letter: a list of them all took tens of bytes each); how many there are; and how many multi-byte UTF-8
+    characters the text holds."""
     text = data.decode("utf-8", errors="surrogateescape")
-    escaped = [match.start() for match in _ESCAPED_BYTE.finditer(text)]
-    return text, escaped, len(text) - len(text.encode("ascii", errors="ignore")) - len(escaped)
+    first = [match.start() for match in itertools.islice(_ESCAPED_BYTE.finditer(text), _MAX_STRAY_BYTES + 1)]
+    count = len(text) - len(text.encode("utf-32-le", errors="ignore")) // 4  # UTF-32 drops the lone surrogates
+    return text, first, count, len(text) - len(text.encode("ascii", errors="ignore")) - count
 
 
 def _byte_offset(text: str, position: int) -> int:
@@ -461,10 +465,10 @@ def _byte_offset(text: str, position: int) -> int:
 def _utf8_with_stray_bytes(data: bytes, marked: bool = False) -> tuple[str, tuple[int, ...]] | None:
     """The text of UTF-8 bytes with a few stray Windows-1252 bytes (the rules above), and those bytes' offsets;
     None when the bytes are no such text. `marked`: `data` starts with a UTF-8 byte-order mark."""
-    text, escaped, multibyte = _utf8_with_escapes(data)
-    if not 0 < len(escaped) <= _MAX_STRAY_BYTES or any(b - a == 1 for a, b in zip(escaped, escaped[1:], strict=False)):
+    text, escaped, count, multibyte = _utf8_with_escapes(data)
+    if not 0 < count <= _MAX_STRAY_BYTES or any(b - a == 1 for a, b in zip(escaped, escaped[1:], strict=False)):
         return None
-    if not marked and multibyte <= len(escaped):
+    if not marked and multibyte <= count:
         return None
     try:
         replacements = bytes(ord(text[i]) - 0xDC00 for i in escaped).decode("cp1252")
@@ -494,10 +498,10 @@ def _stray_bytes_warning(name: str, data: bytes, offsets: tuple[int, ...]) -> St
 def _mostly_utf8(data: bytes) -> tuple[int, int] | None:
     """(how many bytes are not UTF-8, the offset of the first) for bytes that are UTF-8 text by majority (more
     multi-byte UTF-8 characters than bytes that are not UTF-8) but hold some; None for other bytes."""
-    text, escaped, multibyte = _utf8_with_escapes(data)
-    if not escaped or multibyte <= len(escaped) or not _looks_like_text(_ESCAPED_BYTE.sub("", text)):
+    text, escaped, count, multibyte = _utf8_with_escapes(data)
+    if not count or multibyte <= count or not _looks_like_text(_ESCAPED_BYTE.sub("", text)):
         return None
-    return len(escaped), _byte_offset(text, escaped[0])
+    return count, _byte_offset(text, escaped[0])
 
 
 def _decode_legacy(data: bytes) -> str | None:
