@@ -242,10 +242,11 @@ class CompressionConfig:
         return min(document_tokens, max(wanted, protected, 1))
 
     def summaries_for(self, document_tokens: int) -> int:
-        """Summary entries per (layer, KV head) for a document of `document_tokens` tokens: `summaries`, or fewer
-        where the budget holds fewer and one token of the document's own (summaries beyond the budget would make
-        the cache as large as the full one, each evicted entry its own summary)."""
-        return min(self.summaries, max(0, self._wanted(document_tokens) - 1))
+        """Summary entries per (layer, KV head) for a document of `document_tokens` tokens: `summaries`, at most the
+        budget less one token of the document's own, or the protected tokens' count where that is more (as the
+        budget is then). Unbounded, summaries beyond the budget made the cache as large as the full one, each
+        evicted entry its own summary; no more than the protected tokens, they leave every budget as it was."""
+        return min(self.summaries, max(self._wanted(document_tokens) - 1, self.sink_tokens + self.window))
 
     def _wanted(self, document_tokens: int) -> int:
         return round(self.keep * document_tokens) if isinstance(self.keep, float) else self.keep

@@ -43,7 +43,7 @@ from .pdf_damage import (
     pypdf_reports,
     unreadable_text,
 )
-from .pdf_forms import draws_images, page_text
+from .pdf_forms import draws_images, draws_nothing, page_text
 
 __all__ = [
     "Document",
@@ -73,8 +73,10 @@ _EOF_WINDOW = 1024
 # The last 1024 bytes are counted before padding: NULs and whitespace that a transfer or a disk image left after the
 # file (a file cut short ends in its content, not in padding). The same padding before a PDF's header is tolerated.
 _PADDING = b"\x00\t\n\x0c\r "
-_REVISION_PART = re.compile(rb"\bobj\b|\bendobj\b|\bstream\b|\bxref\b|\btrailer\b|\bstartxref\b")
-"""What only a revision of a PDF holds: found after the last %%EOF, the file was cut inside an appended update."""
+_REVISION_START = re.compile(rb"\s*(?:\d+\s+\d+\s+obj\b|xref\b)")
+"""How an update appended to a PDF begins (an object, or a cross-reference table): found right after the last
+%%EOF, the file was cut inside the update. Other bytes there (a web server's error page, a comment) are junk that
+viewers read past."""
 _REPLACEMENT = "\ufffd"  # what pypdf reads a glyph as when it cannot map it to a character
 _UTF8_BOM = b"\xef\xbb\xbf"
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -849,14 +851,14 @@ def ends_as_pdf(data: bytes) -> bool:
     end = _end_before_padding(data)
     tail = data[max(0, end - _EOF_WINDOW) : end]
     last = tail.rfind(b"%%EOF")
-    return last >= 0 and _REVISION_PART.search(tail, last + len(b"%%EOF")) is None
+    return last >= 0 and _REVISION_START.match(tail, last + len(b"%%EOF")) is None
 
 
 def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
     if not ends_as_pdf(data):
         raise CorruptPDFError(
-            f"{name} is truncated: there is no %%EOF marker at its end ({len(data)} bytes), so the "
-            "download or copy was probably cut short. " + _repair_hint(name)
+            f"{name} is truncated: it does not end with a %%EOF marker after its last part ({len(data)} bytes), so "
+            "the download or copy was probably cut short. " + _repair_hint(name)
         )
     try:
         # The password goes to decrypt() below: pypdf refuses one for an unencrypted file.
@@ -1004,10 +1006,9 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
                 f"{name} is damaged: text extraction failed on {page_list(failed)} "
                 f"({pypdf_detail(first_error)}) and no other page has text. " + _repair_hint(name)
             )
-        if not scanned:
+        if not scanned and all(draws_nothing(reader.pages[index]) for index in range(page_count)):
             raise EmptyDocumentError(
-                f"{name}'s {page_count} page(s) are blank: they show no text and no images. Check that you picked "
-                "the right file."
+                f"{name}'s {page_count} page(s) are blank: they draw nothing. Check that you picked the right file."
             )
         raise NoExtractableTextError(
             f"{name} has {page_count} page(s) but no extractable text: it looks scanned or image-only, "

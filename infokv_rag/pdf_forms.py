@@ -108,6 +108,26 @@ def draws_images(page: PageObject) -> bool:
         return False
 
 
+_PAINTING = frozenset(
+    {b"Tj", b"TJ", b"'", b'"', b"S", b"s", b"f", b"F", b"f*", b"B", b"B*", b"b", b"b*", b"sh", b"Do", b"BI"}
+)
+"""Content operators that put marks on a page: text shown, paths stroked or filled, shadings, images and forms."""
+
+
+def draws_nothing(page: PageObject) -> bool:
+    """Whether a page is blank: its content paints nothing and it carries no annotations. A page that paints what
+    reads as no text (text drawn as outlines, a font without a text mapping) is not blank: it needs OCR."""
+    try:
+        if page.get("/Annots"):
+            return False
+        contents = page.get_contents()
+        return contents is None or not any(operator in _PAINTING for _, operator in contents.operations)
+    except MemoryError:
+        raise
+    except Exception:  # content pypdf cannot parse: not known to be blank
+        return False
+
+
 def filled_values(page: PageObject) -> list[Filled]:
     """The form field values and free-text annotations that `page` shows, top to bottom, left to right."""
     found = []

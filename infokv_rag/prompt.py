@@ -123,7 +123,22 @@ class PromptFormat:
         other text reads as it always has)."""
         if not any(self.spells_control(piece) for piece in pieces[1::2]):
             return self._ids("".join(pieces), as_text=False)
-        return [token for index, piece in enumerate(pieces) for token in self._ids(piece, as_text=index % 2 == 1)]
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            before = pieces[index - 1][-1:] if index else ""
+            ids += self._ids_after(before, piece, as_text=index % 2 == 1)
+        return ids
+
+    def _ids_after(self, before: str, text: str, as_text: bool) -> list[int]:
+        """`text`'s ids as they read after the character `before` (where the piece before it ends): alone, a
+        SentencePiece tokenizer would begin it with a word-start space that the rendered prompt does not hold. Alone
+        after all where `before` and `text` share a token."""
+        if before:
+            anchor = self._ids(before, as_text=True)
+            ids = self._ids(before + text, as_text)
+            if ids[: len(anchor)] == anchor:
+                return ids[len(anchor) :]
+        return self._ids(text, as_text)
 
     def text_tokens(self, text: str) -> int:
         """How many tokens `text` is, read as text (a piece of a document)."""
@@ -145,11 +160,15 @@ class PromptFormat:
         messages = conversation_messages(turns)
         contents = [message["content"] for message in messages]
         marker = _unquoted(_SENTINEL, contents)
-        # Where a turn spells a control token, each turn is fenced to be read as text (`_encode`); otherwise the
-        # turns are rendered as they are, so a template that trims them trims them.
-        fence = _unquoted(_FENCE, contents) if any(self.spells_control(content) for content in contents) else ""
-        messages = [{**message, "content": f"{fence}{message['content']}{fence}"} for message in messages]
-        messages[0]["content"] = marker + messages[0]["content"]
+        # A turn that spells a control token is fenced, to be read as text (`_encode`); the others are rendered as
+        # they are, so a template that trims or rewrites them does so.
+        spelling = [content for content in contents if self.spells_control(content)]
+        fence = _unquoted(_FENCE, contents) if spelling else ""
+        messages = [
+            {**message, "content": f"{fence}{message['content']}{fence}"} if message["content"] in spelling else message
+            for message in messages
+        ]
+        messages[0] = {**messages[0], "content": marker + messages[0]["content"]}
         head, suffix = self._render(messages, marker).split(marker)
         # A head that prints today's date changes at midnight, after documents were cached behind the old one (or
         # saved on another day); the suffix never holds the head, so it only has to agree with today's.
@@ -158,8 +177,8 @@ class PromptFormat:
         if not fence:
             return self._encode([suffix])
         pieces = suffix.split(fence)
-        if len(pieces) != 2 * len(contents) + 1 or pieces[1::2] != contents:
-            raise ConfigError("the model's chat template does not place every turn verbatim")
+        if pieces[1::2] != spelling or len(pieces) % 2 == 0:
+            raise ConfigError("the model's chat template does not place verbatim a turn that quotes a control token")
         return self._encode(pieces)
 
     def question_ids(self, question: str) -> list[int]:

@@ -56,6 +56,7 @@ from pydantic import (
 )
 
 from infokv_rag import CompressedDocument, CompressionConfig
+from infokv_rag.documents import Document
 from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS
 from infokv_rag.generation import Generation as InfoKVGeneration
 from infokv_rag.prompt import Turn, check_conversation
@@ -176,6 +177,11 @@ def _identified(kwargs: dict[str, Any]) -> dict[str, Any]:
     return named
 
 
+def _described(text: str) -> str:
+    """A text by its length and digest."""
+    return f"<{len(text)} characters, sha256 {hashlib.sha256(text.encode(errors='surrogatepass')).hexdigest()[:16]}>"
+
+
 class _InfoKVFields(BaseModel):
     """Settings shared by the chat model and the completion LLM."""
 
@@ -223,11 +229,13 @@ class _InfoKVFields(BaseModel):
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # The repr goes into every trace (LangChain serialises a model it cannot serialise as its repr): a
-        # document's text is named by its length and digest, not written out whole.
+        # document's text, given as text or as a loaded Document, is named by its length and digest, not written
+        # out whole.
         for name, value in super().__repr_args__():
             if name == "document_text" and isinstance(value, str):
-                digest = hashlib.sha256(value.encode(errors="surrogatepass")).hexdigest()
-                value = f"<{len(value)} characters, sha256 {digest[:16]}>"
+                value = _described(value)
+            elif name == "document" and isinstance(value, Document):
+                value = f"Document(source={value.source!r}, text={_described(value.text)})"
             yield name, value
 
     @model_validator(mode="before")

@@ -228,6 +228,10 @@ def test_a_pdf_cut_inside_an_appended_update_is_truncated_not_its_older_revision
         cut = tmp_path / f"cut-{kept}.pdf"
         cut.write_bytes(updated.getvalue()[: len(original) + kept])
         assert "truncated" in _refusal(CorruptPDFError, cut)
+    # Junk after the last %%EOF that is no update (a server's error page, a comment) is read past, as viewers do.
+    for junk in (b"\n<html>Upload stream interrupted; see xref</html>\n", b"\n%startxref is above\n"):
+        whole.write_bytes(original + junk)
+        assert _load_quietly(whole).text == "Original page one."
 
 
 def test_a_glyph_mapped_to_half_a_surrogate_pair_is_no_text_that_cannot_be_encoded(tmp_path: Path) -> None:
@@ -252,9 +256,21 @@ def test_a_glyph_mapped_to_half_a_surrogate_pair_is_no_text_that_cannot_be_encod
 
 
 def test_a_pdf_of_blank_pages_is_empty_not_scanned(tmp_path: Path) -> None:
-    path = pdfs.indirect_resources_pdf(tmp_path / "blank.pdf", [" ", " "])
-    message = _refusal(EmptyDocumentError, path)
-    assert "blank" in message and "OCR" not in message, message
+    """Pages that draw nothing are blank, not a scan to OCR; pages that draw what reads as no text (text as
+    outlines) still need OCR."""
+    writer = pypdf.PdfWriter()
+    for _ in range(2):
+        writer.add_blank_page(612, 792)
+    writer.write(tmp_path / "blank.pdf")
+    message = _refusal(EmptyDocumentError, tmp_path / "blank.pdf")
+    assert "2 page(s) are blank" in message and "OCR" not in message, message
+    outlined = pypdf.PdfWriter()
+    page = outlined.add_blank_page(612, 792)
+    strokes = pypdf.generic.DecodedStreamObject()
+    strokes.set_data(b"10 10 m 100 100 l 100 10 l h f")  # a glyph drawn as a filled path
+    page[NameObject("/Contents")] = outlined._add_object(strokes)
+    outlined.write(tmp_path / "outlined.pdf")
+    assert "OCR" in _refusal(NoExtractableTextError, tmp_path / "outlined.pdf")
 
 
 def test_truncated_pdf(tmp_path: Path) -> None:
@@ -386,7 +402,7 @@ def test_resources_named_by_reference_hold_their_fonts(tmp_path: Path) -> None:
         doc = load_document(path)
     assert [p.number for p in doc.pages] == [2] and doc.skipped_pages == () and doc.load_warnings == ()
     blank = pdfs.indirect_resources_pdf(tmp_path / "blank.pdf", [" "])
-    _refusal(EmptyDocumentError, blank)  # not "damaged"
+    _refusal(NoExtractableTextError, blank)  # not "damaged"
 
 
 def test_every_page_failing_is_a_corrupt_pdf(tmp_path: Path) -> None:

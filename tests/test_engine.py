@@ -18,7 +18,7 @@ from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
 from infokv_rag.generation import GenerationOptions, TextAssembler
 from infokv_rag.ingestion import chunk_bounds
-from infokv_rag.prompt import check_conversation, question_turns
+from infokv_rag.prompt import PromptFormat, check_conversation, question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir, build_tokenizer
@@ -461,6 +461,29 @@ def test_a_document_or_a_turn_that_spells_a_control_token_is_read_as_text(random
     ids = prompt.conversation_ids(asked)
     assert control_ids(ids) == control_ids(prompt.conversation_ids(without))
     assert tokenizer.decode(ids).startswith("What is <|im_end|> here?")
+
+
+def test_text_that_spells_a_control_token_reads_as_the_prompt_holds_it(random_model_dir: Path) -> None:
+    """Read as text, a document that quotes a control token keeps the ids of its other text as one call gives them:
+    a SentencePiece tokenizer encoding a piece alone would begin it with a word-start space the prompt does not
+    hold. And only the turn that quotes one is fenced: a template that rewrites the others still rewrites them."""
+    sentencepiece = build_tokenizer(sentencepiece=True)
+    prompt = PromptFormat(sentencepiece)
+    text = "Payment is due. Quote <|im_end|> fee 12,500 EUR."
+    plain = prompt.document_ids(text.replace("<|im_end|>", "END"))
+    quoting = prompt.document_ids(text)
+    start = prompt.head_tokens
+    assert quoting[start : start + 3] == plain[start : start + 3]  # "Payment", not "▁Payment"
+    assert quoting[-4:] == plain[-4:]  # ". \n\n" as one call reads them
+    reasoning = AutoTokenizer.from_pretrained(str(random_model_dir))
+    reasoning.chat_template = (  # drops an assistant turn's reasoning, as DeepSeek-R1's and Qwen3's do
+        "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and '</think>' in c %}"
+        "{% set c = c.split('</think>')[-1] %}{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    turns = [("user", "q1"), ("assistant", "<think>hmm</think>It is 5."), ("user", "And <|im_end|>?")]
+    read = reasoning.decode(PromptFormat(reasoning).conversation_ids(turns))
+    assert "hmm" not in read and read.count("<|im_end|>") == 4, read
 
 
 def test_an_answer_reserves_room_as_it_grows(random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch) -> None:

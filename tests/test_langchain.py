@@ -865,3 +865,5 @@ def test_a_document_s_text_is_no_part_of_the_repr(random_model_dir: Path) -> Non
         assert len(json.dumps(dumpd(llm))) < 2000
         other = adapter(model=str(random_model_dir), document_text=text + ".")
         assert llm._identifying_params["document"] != other._identifying_params["document"]
+        loaded = adapter(model=str(random_model_dir), document=document_from_text(text))  # a loaded Document too
+        assert len(repr(loaded)) < 1000 and "20000 characters, sha256 " in repr(loaded), repr(loaded)

@@ -746,6 +746,8 @@ def test_behind_a_path_prefix_each_route_keeps_its_body_limit(random_engine: Any
     app = create_app(settings_for(tmp_path / "data", max_request_bytes=1024), engine=random_engine)
     memo = b" ".join([SECRET] * 30)  # over the JSON limit, far under the upload limit
     with TestClient(app, base_url="http://testserver/infokv", root_path="/infokv") as client:
+        created = upload(client, A1, "located.txt", SECRET)
+        assert created.headers["location"] == f"/infokv/v1/documents/{created.json()['id']}"  # where a client finds it
         doc_id = upload_ready(client, A1, "memo.txt", memo)
         assert ask(client, A1, doc_id).status_code == 200
         error = assert_error(ask(client, A1, doc_id, question=memo.decode()), 413, "request_too_large")

@@ -207,6 +207,8 @@ def test_display_names_are_one_safe_path_component() -> None:
     assert display_name("a\x00b\nc<script>.txt") == "a_b_c_script.txt"
     # Letters of any script are kept, and the suffix is kept whatever the stem loses.
     assert display_name("договор-1.txt") == "договор-1.txt" and display_name("契約書.pdf") == "契約書.pdf"
+    for marked in ("नमस्ते.txt", "สัญญาเช่า.pdf", "عَقْد.pdf"):  # combining marks are part of the word
+        assert display_name(marked) == marked
     assert display_name("x" * 1000 + ".pdf") == "x" * 116 + ".pdf"
     assert display_name("合" * 100 + ".pdf") == "合" * 38 + ".pdf"  # 120 bytes in UTF-8 at most
     assert display_name(".pdf") == "upload.pdf" and display_name("report.\u202epdf") == "report._pdf"

@@ -8,6 +8,7 @@ itself stops as soon as the text has passed the model's context window.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
 import shutil
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_UNSAFE = re.compile(r"[^\w.()+ -]+")  # \w: letters and digits of every script, and _
+_NAME_PUNCTUATION = frozenset("._()+ -")
 _SUFFIX = re.compile(r"[A-Za-z0-9]{1,10}")
 NAME_BYTES = 120
 """The most bytes of a display name in UTF-8 (a file name on disk holds 255)."""
@@ -44,12 +45,19 @@ _FIELDS = tuple(UploadOptions.model_fields)
 _BITS_FIELDS = ("cold_bits", "stored_bits")
 
 
+def _safe_in_a_name(char: str) -> bool:
+    """Letters, marks and digits of every script (a Devanagari or Thai word holds combining marks), and a little
+    punctuation that no file system or shell reads otherwise."""
+    return char in _NAME_PUNCTUATION or unicodedata.category(char)[0] in "LMN"
+
+
 def display_name(raw: str | None) -> str:
     """The client's file name reduced to one safe path component of at most `NAME_BYTES` bytes (only ever shown,
     never trusted), with its suffix kept: the upload is staged under it, and the loader reads a `.pdf` as a PDF
     where it would read another name as text."""
     name = unicodedata.normalize("NFC", (raw or "").replace("\\", "/").rsplit("/", 1)[-1])
-    stem, dot, suffix = _UNSAFE.sub("_", name).rpartition(".")
+    kept = ("".join(run) if safe else "_" for safe, run in itertools.groupby(name, _safe_in_a_name))
+    stem, dot, suffix = "".join(kept).rpartition(".")
     if not dot or not _SUFFIX.fullmatch(suffix):
         stem, suffix = f"{stem}{dot}{suffix}", ""
     suffix = f".{suffix}" if suffix else ""

@@ -110,7 +110,7 @@ async def upload_document(request: Request, response: Response, service: Service
                 await run_in_threadpool(staged.discard)
     except QueueFull as exc:
         raise exc.refusal(retry_after=10) from exc
-    response.headers["Location"] = f"/v1/documents/{record.id}"
+    response.headers["Location"] = f"{request.scope.get('root_path', '')}/v1/documents/{record.id}"  # under a prefix
     return document_info(record)
 
 
