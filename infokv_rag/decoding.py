@@ -41,11 +41,18 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
         room = options.max_cache_tokens - protected - document.cache.beside_tokens(summaries=False)
         budget = max(0, min(budget, room - options.eviction_slack))
     # The answer reads the summaries exactly when it recalls nothing (`working_session`), so they count then.
-    protected += document.cache.beside_tokens(summaries=not budget)
-    if options.max_cache_tokens is not None and options.max_cache_tokens < protected + options.eviction_slack:
+    beside = document.cache.beside_tokens(summaries=not budget)
+    least = protected + beside + options.eviction_slack
+    # An answer that fits whole under the cap never evicts, whatever eviction would have to keep.
+    whole = document.cache.document_tokens + beside + budget + len(suffix) + options.max_new_tokens
+    if options.max_cache_tokens is not None and options.max_cache_tokens < min(least, whole):
         raise ConfigError(
-            f"max_cache_tokens={options.max_cache_tokens} is too small: the sinks, the question "
-            f"({len(suffix)} tokens), the recent window and the summaries need {protected + options.eviction_slack}"
+            f"max_cache_tokens={options.max_cache_tokens} is too small: per (layer, KV head) an answer keeps the "
+            f"sinks, the question ({len(suffix)} tokens) and the recent window ({protected} in all), what the heads "
+            f"keep beside their layer's own entries and the summaries ({beside}: eviction does not cut a head's "
+            "extras, which per-head budgets keep; settings={'layer_budgets': 'uniform'} keeps none) and "
+            f"{options.eviction_slack} tokens of eviction slack: at least {least}, or {whole}, where the whole answer "
+            "fits"
         )
     usage = Usage(prompt_tokens=len(suffix), cached_tokens=document.cache.document_tokens)
     assembler = TextAssembler(engine.tokenizer, options.stop)

@@ -269,7 +269,7 @@ def document_from_text(text: str, source: str | None = None) -> Document:
     """Wrap in-memory text as a one-page Document; line endings are normalised to LF."""
     _check_text(text, source or "The text")
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    body = _normalize_newlines(text.removeprefix("\ufeff"))
+    body = text_as_read(text)
     if is_blank(body):
         where = source or "The text"
         raise EmptyDocumentError(
@@ -277,6 +277,11 @@ def document_from_text(text: str, source: str | None = None) -> Document:
             "there is nothing to answer questions from. Pass the document's text."
         )
     return Document(text=body, pages=(Page(1, body),), source=source, sha256=sha)
+
+
+def text_as_read(text: str) -> str:
+    """In-memory text as `document_from_text` reads it: without a byte-order mark, its line endings LF."""
+    return _normalize_newlines(text.removeprefix("\ufeff"))
 
 
 def page_has_text(text: str) -> bool:

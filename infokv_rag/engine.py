@@ -18,7 +18,7 @@ from . import store
 from .architectures import check_loaded_model, check_tokenizer, load_checked, load_weights
 from .config import CompressionConfig
 from .document import CompressedDocument
-from .documents import Document, document_from_text, load_document
+from .documents import Document, document_from_text, load_document, text_as_read
 from .errors import ConfigError, ContextLengthError
 from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
@@ -207,8 +207,10 @@ class InfoKVEngine:
         text, never all of a huge one (a text file of megabytes takes a minute and gigabytes to tokenize whole).
 
         Pieces are cut at whitespace, where a cut changes the count by a couple of tokens at most; counting stops
-        only once the sum passes `limit` by more than the cuts could explain.
+        only once the sum passes `limit` by more than the cuts could explain. `text` is counted as `ingest_text`
+        reads it (`text_as_read`: CRLF line endings as LF, no byte-order mark).
         """
+        text = text_as_read(text)
         past = self._count_past(text, self.max_document_tokens if limit is None else limit)
         return past if past is not None else len(self.prompt.document_ids(text))  # the exact count
 

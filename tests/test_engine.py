@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -435,6 +436,15 @@ def test_a_question_may_quote_the_prompt_s_own_split_marker(random_engine: InfoK
         assert prompt.tokenizer.decode(ids).startswith(question)
 
 
+def test_the_count_of_a_text_is_what_ingesting_it_reads(random_engine: InfoKVEngine) -> None:
+    """`count_document_tokens` counts a text as `ingest_text` reads it: Windows line endings as LF and without a
+    byte-order mark (it counted them, so a caller checking first refused Windows text that would have fit)."""
+    text = "Clause 1.\r\nThe rent is 500 euros a month.\r\n\r\nClause 2.\r\nNotice: 30 days.\r\n" * 20
+    for given in (text, "\ufeff" + text, text.replace("\r\n", "\r")):
+        read = random_engine.ingest_text(given, CompressionConfig(method="full"))
+        assert random_engine.count_document_tokens(given) == read.stats.document_tokens
+
+
 def test_a_document_or_a_turn_that_spells_a_control_token_is_read_as_text(random_engine: InfoKVEngine) -> None:
     """A contract quoting `<|im_end|>` or `<|im_start|>assistant` must not end its turn and answer in its place: the
     document's and the turns' text is read as text, the template's control tokens as such; text that spells none
@@ -540,8 +550,19 @@ def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None
     # Eviction cut the answer's own copy of each layer, never the document's entries it had read in place.
     for (keys, positions), layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
-    with pytest.raises(ConfigError, match="max_cache_tokens"):
+    with pytest.raises(ConfigError, match="max_cache_tokens") as refused:
         doc.ask("What?", max_cache_tokens=20)
+    # The refusal names what takes the room, the heads' extras among it, and the two caps that would do.
+    least = int(re.search(r"at least (\d+)", str(refused.value)).group(1))  # type: ignore[union-attr]
+    assert f"and the summaries ({doc.cache.beside_tokens()}:" in str(refused.value)
+    assert "layer_budgets" in str(refused.value) and doc.ask("What?", max_cache_tokens=least, max_new_tokens=2)
+    # An answer that fits whole under a cap never evicts: a short document's cap is not refused for what eviction
+    # would have to keep.
+    short = random_engine.ingest_text("The rent is 500 euros.", CompressionConfig(method="full"))
+    question = len(random_engine.prompt.question_ids("What is the rent?"))
+    fits = short.cache.document_tokens + question + 4
+    assert fits < short.cache.sink_tokens + question + short.config.window + 16  # what eviction would keep
+    assert short.ask("What is the rent?", max_cache_tokens=fits, max_new_tokens=4) is not None
 
 
 def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) -> None:
