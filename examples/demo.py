@@ -7,7 +7,8 @@ agreement.pdf: an order form with the deal's figures, then standard terms), so n
 the questions and the text a right answer contains come from examples/sample/maintenance-agreement-questions.md.
 The compressed cache goes into the cache store ($INFOKV_CACHE_DIR/documents, default
 ~/.cache/infokv-rag/documents), so a second run (and `infokv-rag ask examples/sample/maintenance-agreement.pdf
---recall 0.1 -q ...`, with the demo's --keep and --recall: they are part of the cache's key) reuses it instead
+--recall 0.1 -q ...`, with the demo's --keep, and any recall above 0: the keep and whether a cold tier is kept are
+part of the cache's key, not how much each question recalls) reuses it instead
 of reading the document again.
 
 What it prints: each answer, from the compressed cache alone and with recall from its cold tier (`--recall`,

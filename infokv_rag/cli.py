@@ -119,7 +119,8 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
         type=ratio_or_count("--keep", parse_keep),
         default=None,
         help=f"ratio (default {CompressionConfig.keep}; 1.0: every token) or token count per layer and KV head (512; "
-        f"at least the {ALWAYS_KEPT} sinks and window are always kept)",
+        f"the sinks, at least the prompt's head, and the {CompressionConfig.window}-token window are always kept: "
+        f"{ALWAYS_KEPT} and more)",
     )
     parser.add_argument(
         "--recall",
@@ -221,7 +222,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         "--root-path",
         type=_root_path,
         default="",
-        help="the path prefix the service is reached under behind a proxy, like /kb (as uvicorn's --root-path)",
+        help="the path prefix the service is reached under behind a proxy that strips it, like /kb (as uvicorn's "
+        "--root-path)",
     )
     _add_model_options(serve)
     serve.set_defaults(model=None)  # unset: INFOKV_MODEL, else the default (the settings decide, as for device)

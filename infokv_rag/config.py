@@ -64,7 +64,8 @@ def parse_keep(raw: str, name: str) -> float | int:
     if keep == 1 and isinstance(keep, int):
         raise ConfigError(
             f"{name} 1 is a count of one token per layer and KV head, not the whole document: write 1.0 to keep "
-            f"every token, or a count above the {ALWAYS_KEPT} always kept (sinks and window)"
+            f"every token, or a count above the {ALWAYS_KEPT} and more always kept (the sinks, at least the prompt's "
+            "head, and the window)"
         )
     return keep
 
@@ -319,4 +320,5 @@ class CompressionConfig:
 
 
 ALWAYS_KEPT = CompressionConfig.sink_tokens + CompressionConfig.window
-"""Tokens per layer and KV head that every compression keeps by default, whatever `keep` says (sinks and window)."""
+"""Tokens per layer and KV head that every compression keeps by default at least, whatever `keep` says (the sinks
+and the window; with `protect_prompt`, the default, the sinks are the prompt's head where it is longer)."""

@@ -237,8 +237,8 @@ def _check_replaceable(target: Path, owned: bool) -> None:
         # The save renames the directory aside and removes it: the process would stand in a deleted directory,
         # where `.` names nothing, and the cache it saved lies at the absolute path only.
         raise CacheStoreError(
-            f"{target} is the working directory, which a save replaces: save the cache to a path outside it "
-            "(e.g. ./cache)"
+            f"{target} is the working directory, which a save replaces: save the cache to a directory below it "
+            "(e.g. ./cache) or elsewhere"
         )
     names = {entry.name for entry in target.iterdir()}
     others = sorted(names - CACHE_FILES)

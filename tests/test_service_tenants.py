@@ -818,7 +818,10 @@ def test_refuses_to_start_on_a_data_directory_it_cannot_use(random_engine: Any, 
     assert str(read_only_dir) in str(failure.value)
     assert re.search(r"Permission denied|Operation not permitted|Read-only", str(failure.value)), failure.value
 
-    with running(random_engine, tmp_path / "shared"), pytest.raises(ConfigError, match="another server process"):
+    with (
+        running(random_engine, tmp_path / "shared"),
+        pytest.raises(ConfigError, match="another server process is using it\\); stop that server"),
+    ):
         create_app(settings_for(tmp_path / "shared"), engine=random_engine)
     with running(random_engine, tmp_path / "shared") as client:  # the lock is released at shutdown
         assert client.get("/healthz").status_code == 200

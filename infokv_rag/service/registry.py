@@ -335,12 +335,12 @@ class Registry:
                 raise
         except OSError as exc:
             if step == "lock" and exc.errno in (errno.EAGAIN, errno.EACCES):
-                reason = "another server process is using it"
+                reason, remedy = "another server process is using it", "stop that server"
             else:
-                reason = exc.strerror or str(exc)
+                reason, remedy = exc.strerror or str(exc), "fix its permissions or free space"
             raise ConfigError(
                 f"the data directory {self.data_dir} is not usable: cannot {step} {path} ({reason}); "
-                "fix its permissions or free space, or choose another with --data-dir / INFOKV_DATA_DIR"
+                f"{remedy}, or choose another with --data-dir / INFOKV_DATA_DIR"
             ) from None
         self._lock_file = handle
 
