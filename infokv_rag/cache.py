@@ -341,11 +341,6 @@ class DocumentCache(ResidentCache):
         return keys.shape[0], keys.shape[2], keys.dtype, keys.device
 
 
-def summary_tokens(summaries: Sequence[EvictedSummary | SideEntries] | None) -> int:
-    """The most summary entries any layer has (per KV head); 0 without summaries."""
-    return max((summary.length for summary in summaries or []), default=0)
-
-
 def gather_tokens(tensor: Tensor, indices: Tensor) -> Tensor:
     """Picks tokens per head: tensor (kv_heads, length, ...) and indices (kv_heads, k) -> (kv_heads, k, ...)."""
     index = indices.reshape(*indices.shape, *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
@@ -500,9 +495,10 @@ class KVCache:
             layer.materialise()
 
     @property
-    def summary_tokens(self) -> int:
-        """The most summary entries a layer attends to beside its own (per KV head)."""
-        return summary_tokens(self.summaries)
+    def attended(self) -> list[int]:
+        """Entries each layer attends (per KV head): its own (`lengths`) and those beside it (`summaries`)."""
+        beside = [summary.length for summary in self.summaries] if self.summaries else [0] * len(self.layers)
+        return [length + side for length, side in zip(self.lengths, beside, strict=True)]
 
     @property
     def resident_tokens(self) -> int:

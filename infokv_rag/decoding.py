@@ -132,7 +132,7 @@ def _decode(
             logits = runner.logits(hidden[-1])
         if recall is not None:
             usage.recalled_tokens, recall = sum(recall.recalled), None
-        usage.max_resident_tokens = max(usage.max_resident_tokens, max(session.lengths) + session.summary_tokens)
+        usage.max_resident_tokens = max(usage.max_resident_tokens, *session.attended)
         usage.peak_cache_bytes = max(usage.peak_cache_bytes, session.nbytes)
         position += len(pending)
         token = sampler(logits)
@@ -164,13 +164,14 @@ def _evict(
     incoming: int,
     question_end: int,
 ) -> None:
-    """Evicts the lowest-scored tokens of each layer so that `incoming` more fit under the cap."""
+    """Evicts the lowest-scored tokens of each layer so that `incoming` more fit under the cap, which counts what
+    the layer attends beside its own entries (its own: another layer may hold more beside it)."""
     assert options.max_cache_tokens is not None
-    cap = options.max_cache_tokens - session.summary_tokens
-    if max(session.lengths) + incoming <= cap:
+    if max(session.attended) + incoming <= options.max_cache_tokens:
         return
-    target = max(cap - incoming - options.eviction_slack + 1, 0)
-    for layer in session.layers:
+    for layer, attended in zip(session.layers, session.attended, strict=True):
+        cap = options.max_cache_tokens - (attended - layer.total_length)
+        target = max(cap - incoming - options.eviction_slack + 1, 0)
         if layer.total_length <= target:
             continue
         layer.materialise()  # eviction cuts the document's entries too: this answer's own copy of them

@@ -255,7 +255,7 @@ def test_a_cap_with_no_room_to_recall_counts_the_summaries_it_reads(random_engin
     suffix = random_engine.prompt.conversation_ids(turns)
     slack = GenerationOptions().eviction_slack
     floor = doc.cache.sink_tokens + len(suffix) + doc.config.window + slack
-    with pytest.raises(ConfigError, match="summaries need"):
+    with pytest.raises(ConfigError, match=f"and the summaries \\({doc.cache.beside_tokens()}:"):
         doc.generate(turns, GenerationOptions(max_new_tokens=8, max_cache_tokens=floor))
     cap = floor + doc.cache.beside_tokens()
     generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=cap))

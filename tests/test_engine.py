@@ -543,10 +543,24 @@ def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None
     assert doc.cache.beside_tokens() == 16 + extras, "the cap counts the summaries and the per-head extras too"
     cap = max(doc.stats.kept_tokens_per_layer) + 60
     before = [(layer.keys.clone(), layer.positions.clone()) for layer in cache.layers]
-    generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
-    generation.text()
+    peak = [0]
+    forward = random_engine.runner.forward
+
+    def watched(ids: Any, positions: Any, session: Any, *args: Any, **kwargs: Any) -> Any:
+        out = forward(ids, positions, session, *args, **kwargs)
+        peak[0] = max(peak[0], *session.attended)
+        return out
+
+    random_engine.runner.forward = watched  # type: ignore[method-assign,assignment]
+    try:
+        generation = doc.generate([("user", "Summarise.")], _options(max_new_tokens=2 * cap, max_cache_tokens=cap))
+        generation.text()
+    finally:
+        del random_engine.runner.forward
     assert generation.usage.completion_tokens == 2 * cap
-    assert generation.usage.max_resident_tokens <= cap
+    # Usage says what a layer really attended, and a layer is cut to the cap less what it holds beside itself, not
+    # less the most any layer holds (which cut the others further than the cap asks).
+    assert generation.usage.max_resident_tokens == peak[0] == cap
     # Eviction cut the answer's own copy of each layer, never the document's entries it had read in place.
     for (keys, positions), layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(positions, layer.positions)
