@@ -4,7 +4,6 @@ typed, actionable errors."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import errno
 import hashlib
 import io
@@ -859,6 +858,13 @@ def ends_as_pdf(data: bytes) -> bool:
     return last >= 0 and _REVISION_START.match(tail, last + len(b"%%EOF")) is None
 
 
+def opens_with(reader: PdfReader, password: str | None) -> bool:
+    """Whether an encrypted PDF opens as `load_document` opens it: with `password`, else with the empty user password.
+    An owner-password-only file opens so, as in a viewer, whatever password a batch passes to every file: a wrong
+    one only matters to a file that needs one. pypdf's errors (a missing crypto library, damage) are the caller's."""
+    return any(reader.decrypt(each) != PasswordType.NOT_DECRYPTED for each in dict.fromkeys((password or "", "")))
+
+
 def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
     if not ends_as_pdf(data):
         raise CorruptPDFError(
@@ -884,8 +890,7 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
     if not encrypted:
         return reader
     try:
-        # Owner-password-only files open with the empty user password, as they do in viewers.
-        result = reader.decrypt(password if password is not None else "")
+        opened = opens_with(reader, password)
     except DependencyError as exc:
         raise _missing_crypto(name, exc) from exc
     except NotImplementedError as exc:
@@ -898,12 +903,7 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
         raise CorruptPDFError(
             f"{name} is encrypted and its encryption data is damaged ({pypdf_detail(exc)}). " + _repair_hint(name)
         ) from exc
-    if result == PasswordType.NOT_DECRYPTED and password is not None:
-        # A file that opens without a password is opened so, whatever password a batch passes to every file, as in
-        # a viewer: a wrong one only matters to a file that needs one.
-        with contextlib.suppress(Exception):
-            result = reader.decrypt("")
-    if result == PasswordType.NOT_DECRYPTED:
+    if not opened:
         if password is None:
             raise _needs_password(name)
         raise EncryptedPDFError(

@@ -23,10 +23,10 @@ from typing import Any, ClassVar, NoReturn, Protocol, Union
 
 import torch
 from pydantic import BaseModel, SecretStr
-from pypdf import PasswordType, PdfReader
+from pypdf import PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, reads_as_pdf
+from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, opens_with, reads_as_pdf
 from infokv_rag.errors import CacheStoreError, ConfigError, ContextLengthError, InfoKVError, ModelError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
@@ -394,8 +394,7 @@ def _check_password(path: Path, mtime_ns: int, size: int, password: str | None) 
         return
     try:
         with path.open("rb") as handle:
-            # Owner-password-only files open with the empty user password, as load_document opens them.
-            if PdfReader(handle, strict=False).decrypt(password or "") != PasswordType.NOT_DECRYPTED:
+            if opens_with(PdfReader(handle, strict=False), password):  # as load_document opens it
                 return
     except Exception:
         pass  # whatever went wrong, the core says it below

@@ -285,19 +285,16 @@ def _pdf_page_count(path: Path, password: str | None) -> int | None:
     """Pages of a PDF, counted before any text is extracted (None when unknown: `load_document` then reports what
     stops it being read, such as damage or an encryption that `password` does not open)."""
     try:
-        from pypdf import PasswordType, PdfReader
+        from pypdf import PdfReader
 
-        from ..documents import PDF_HEADER_WINDOW, ends_as_pdf, reads_as_pdf
+        from ..documents import PDF_HEADER_WINDOW, ends_as_pdf, opens_with, reads_as_pdf
 
         data = path.read_bytes()
         # Told apart as `load_document` tells them: whatever it reads as a PDF is counted first.
         if not reads_as_pdf(data[:PDF_HEADER_WINDOW], path.name) or not ends_as_pdf(data):
             return None  # text, or truncated: load_document says so
         reader = PdfReader(io.BytesIO(data), strict=False)
-        # Opened as `load_document` opens it: an owner-password-only file with the empty user password, whatever
-        # password was sent.
-        tried = dict.fromkeys((password or "", ""))
-        if reader.is_encrypted and all(reader.decrypt(each) == PasswordType.NOT_DECRYPTED for each in tried):
+        if reader.is_encrypted and not opens_with(reader, password):  # as `load_document` opens it
             return None
         return len(reader.pages)
     except Exception:  # noqa: BLE001 - load_document reports damage properly
