@@ -119,7 +119,7 @@ def _ranked(scores: Tensor, protected: Tensor) -> Tensor:
 def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int]:
     """Splits `total` tokens over layers: more where the score distribution is flat (many similar tokens).
 
-    scores: per layer (kv_heads, length_l), values >= 0. The flatness of a layer is the normalised
+    scores: per layer (kv_heads, length_l), values >= 0 (a NaN counts as 0). The flatness of a layer is the normalised
     entropy of its scores seen as a distribution, averaged over heads. Each layer gets at least
     `minimum` and at most its length; the sum is exactly `min(total, sum of lengths)`.
     """
@@ -128,7 +128,7 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
     floors = [min(minimum, length) for length in lengths]
     flatness = []
     for layer in scores:
-        weights = layer.float().clamp_min(0) + 1e-8
+        weights = layer.float().nan_to_num(nan=0.0).clamp_min(0) + 1e-8  # NaN ranks lowest, as in `_ranked`
         probs = weights / weights.sum(dim=1, keepdim=True)
         entropy = -(probs * probs.log()).sum(dim=1) / math.log(max(layer.shape[1], 2))
         flatness.append(float(entropy.mean()))

@@ -22,6 +22,8 @@ from torch import Tensor
 
 from .dispatch import triton_interpreter_active
 
+_FLOAT32_MIN = tl.constexpr(torch.finfo(torch.float32).min)
+
 # Triton's interpreter multiplies bf16/fp16 tl.dot operands as their raw integer bit patterns, so
 # interpreted runs upcast tiles to float32 before tl.dot (see _triton_entropy.py).
 _UPCAST_DOT_OPERANDS = triton_interpreter_active()
@@ -85,8 +87,9 @@ def _lse_kernel(
     positions = n - q_len + qi
     q = _load_queries(q_ptr, head, qi, dims, q_len, head_dim, stride_qh, stride_qi, stride_qd, UPCAST)
 
-    # Key 0 is visible to every row (padding rows included), so m is finite after the first tile.
-    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    # m starts finite: a tile whose logits all overflowed to -inf would otherwise leave m at -inf, and
+    # exp2(m - m_new) = exp2(-inf + inf) would be NaN (the dense softmax gives those keys 0).
+    m = tl.full((BLOCK_Q,), _FLOAT32_MIN, tl.float32)
     total = tl.zeros((BLOCK_Q,), tl.float32)
     horizon = tl.minimum(n - q_len + tl.program_id(1) * BLOCK_Q + BLOCK_Q, n)
     for k0 in range(0, horizon, BLOCK_K):

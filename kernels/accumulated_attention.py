@@ -27,6 +27,8 @@ TRITON_MAX_HEAD_DIM = 256
 _QUERY_BLOCK = 128
 _KEY_BLOCK = 4096
 
+_FLOAT32_MIN = torch.finfo(torch.float32).min
+
 
 def _check_inputs(queries: Tensor, keys: Tensor) -> None:
     """Validate (H, q, dh) queries against (Hkv, n, dh) keys; raise ValueError with the reason."""
@@ -105,9 +107,9 @@ def accumulated_attention_reference(
             horizon = offset + q1  # the block's last query sees keys [0, horizon)
             key_g = keys[g]
 
-            # Pass 1: each query's log-sum-exp. Key 0 is visible to every query, so the running
-            # max is finite after the first tile and exp(m - m_new) never sees inf - inf.
-            m = torch.full((rows.shape[0],), float("-inf"), dtype=torch.float32, device=keys.device)
+            # Pass 1: each query's log-sum-exp. The running max starts finite, so exp(m - m_new) never sees
+            # inf - inf, even after a tile whose logits all overflowed to -inf (as the Triton kernel does).
+            m = torch.full((rows.shape[0],), _FLOAT32_MIN, dtype=torch.float32, device=keys.device)
             total = torch.zeros(rows.shape[0], dtype=torch.float32, device=keys.device)
             for k0 in range(0, horizon, key_block):
                 logits, _ = _masked_logits(rows, key_g, positions, k0, min(k0 + key_block, horizon), scaling)

@@ -557,6 +557,32 @@ def test_attention_triton_keeps_a_nan_query_to_the_keys_it_sees() -> None:
     torch.testing.assert_close(window, expected / 3, equal_nan=True)
 
 
+def attention_after_overflowed_keys() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One query (1, 1, 2) over 70 keys whose first 64 (a whole tile) give it logits that overflow float32 to -inf,
+    and the dense column sums: 0 for those keys, a finite softmax over the other 6."""
+    keys = torch.zeros(1, 70, 2)
+    keys[0, :64, 0] = -3e38
+    keys[0, 64:, 1] = torch.linspace(-1, 1, 6)
+    queries = torch.tensor([[[10.0, 1.0]]])
+    expected = dense_column_attention(queries.to(DEVICE), keys.to(DEVICE), 1.0)
+    assert expected.isfinite().all() and expected[0, :64].eq(0).all()
+    return queries.to(DEVICE), keys.to(DEVICE), expected
+
+
+@pytest.mark.parametrize("tiles", [{}, {"key_block": 16}], ids=["default-tiles", "tiny-tiles"])
+def test_attention_reference_gives_keys_whose_logits_overflowed_zero(tiles: dict[str, int]) -> None:
+    """A tile whose logits all overflowed to -inf made the running max -inf and every later probability NaN."""
+    queries, keys, expected = attention_after_overflowed_keys()
+    torch.testing.assert_close(accumulated_attention_reference(queries, keys, 1.0, **tiles), expected)
+
+
+@runs_triton
+def test_attention_triton_gives_keys_whose_logits_overflowed_zero() -> None:
+    queries, keys, expected = attention_after_overflowed_keys()
+    with kernel_backend("triton"):
+        torch.testing.assert_close(accumulated_attention(queries, keys, 1.0), expected)
+
+
 def test_attention_rejects_bad_inputs() -> None:
     queries, keys = make_qk(6, 4, 3, 10, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple of KV heads"):

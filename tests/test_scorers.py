@@ -21,7 +21,7 @@ from infokv_rag.config import SETTINGS_ADDED, described, matches
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer, average_ranks, normalize
 from infokv_rag.scorers.infokv import InfoKVScorer, InfoKVSettings
-from infokv_rag.selection import protected_mask, select_per_head, select_tokens
+from infokv_rag.selection import adaptive_budgets, protected_mask, select_per_head, select_tokens
 from infokv_rag.signals import (
     ACCUMULATED_ATTENTION,
     EVOLUTION,
@@ -540,3 +540,18 @@ def test_rank_normalisation_gives_tied_scores_their_average_rank() -> None:
     assert torch.equal(average_ranks(distinct), distinct.argsort(dim=-1).argsort(dim=-1).float())
     one = torch.tensor([[0.3], [0.7]])  # one token per head: rank 0, as minmax gives 0
     assert torch.equal(normalize(one, "rank"), torch.zeros(2, 1)) and torch.equal(normalize(one), torch.zeros(2, 1))
+
+
+def test_a_nan_score_normalises_lowest_and_leaves_its_head_alone() -> None:
+    """A NaN score (a NaN query's attention) is ranked lowest, as selection ranks it: rank normalisation sorted it
+    highest (kept first) and minmax turned its whole head to NaN; adaptive budgets failed on it."""
+    scores = torch.tensor([[0.1, float("nan"), 0.5, 0.3], [0.2, 0.4, 0.6, 0.8]])
+    torch.testing.assert_close(
+        normalize(scores, "rank"), torch.tensor([[1.0, 0.0, 3.0, 2.0], [0.0, 1.0, 2.0, 3.0]]) / 3
+    )
+    torch.testing.assert_close(normalize(scores), torch.tensor([[0.0, 0.0, 1.0, 0.5], [0.0, 1 / 3, 2 / 3, 1.0]]))
+    nothing = torch.full((1, 3), float("nan"))  # as a constant head: tied
+    assert torch.equal(normalize(nothing), torch.zeros(1, 3))
+    assert torch.equal(normalize(nothing, "rank"), torch.full((1, 3), 0.5))
+    budgets = adaptive_budgets([normalize(scores), scores], total=5, minimum=1)
+    assert sum(budgets) == 5 and all(1 <= budget <= 4 for budget in budgets)

@@ -122,13 +122,15 @@ def check_pooling_kernel(kernel: int) -> None:
 
 def normalize(scores: Tensor, mode: Literal["minmax", "rank"] = "minmax") -> Tensor:
     """Normalises (kv_heads, length) scores to [0, 1] within each head ("rank": tied values share their
-    average rank)."""
+    average rank). A NaN score (a NaN query's attention) is the lowest, as selection ranks it, without touching the
+    rest of its head: minmax gives it 0, "rank" the lowest rank (NaNs tie among themselves)."""
     scores = scores.float()
+    missing = scores.isnan()
     if mode == "rank":
-        return average_ranks(scores) / max(scores.shape[-1] - 1, 1)
-    low = scores.amin(dim=-1, keepdim=True)
-    span = scores.amax(dim=-1, keepdim=True) - low
-    return (scores - low) / span.clamp_min(1e-12)
+        return average_ranks(scores.masked_fill(missing, float("-inf"))) / max(scores.shape[-1] - 1, 1)
+    low = scores.masked_fill(missing, float("inf")).amin(dim=-1, keepdim=True)
+    span = scores.masked_fill(missing, float("-inf")).amax(dim=-1, keepdim=True) - low
+    return ((scores - low) / span.clamp_min(1e-12)).masked_fill_(missing, 0.0)
 
 
 def average_ranks(scores: Tensor) -> Tensor:
