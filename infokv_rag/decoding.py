@@ -33,24 +33,32 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
     """Answers a conversation about `document`; raises before any model work when it cannot fit."""
     engine = document.engine
     suffix = engine.check_question_fits(document.cache.document_tokens, turns, options.max_new_tokens)
-    budget = recall_budget(document, options.recall)
-    check_cold_source(document, budget)
+    wanted = recall_budget(document, options.recall)
+    check_cold_source(document, wanted)
     protected = document.cache.sink_tokens + len(suffix) + document.config.window
+    extras = document.cache.beside_tokens(summaries=False)
+    budget = wanted
     if options.max_cache_tokens is not None:
         # No more than fits beside what eviction must keep, and the heads' extras, which every answer reads.
-        room = options.max_cache_tokens - protected - document.cache.beside_tokens(summaries=False)
-        budget = max(0, min(budget, room - options.eviction_slack))
+        budget = max(0, min(wanted, options.max_cache_tokens - protected - extras - options.eviction_slack))
     # The answer reads the summaries exactly when it recalls nothing (`working_session`), so they count then.
     beside = document.cache.beside_tokens(summaries=not budget)
-    least = protected + beside + options.eviction_slack
+    summaries = document.cache.beside_tokens() - extras
+    # The least cap: room for one recalled entry in place of the summaries, when the answer may recall.
+    least = protected + extras + options.eviction_slack + (min(1, summaries) if wanted else summaries)
     # An answer that fits whole under the cap never evicts, whatever eviction would have to keep.
     whole = document.cache.document_tokens + beside + budget + len(suffix) + options.max_new_tokens
     if options.max_cache_tokens is not None and options.max_cache_tokens < min(least, whole):
+        instead = (
+            f"one recalled entry (with no room to recall, the answer reads the {summaries} summaries instead)"
+            if wanted
+            else f"the summaries ({summaries})"
+        )
         raise ConfigError(
             f"max_cache_tokens={options.max_cache_tokens} is too small: per (layer, KV head) an answer keeps the "
             f"sinks, the question ({len(suffix)} tokens) and the recent window ({protected} in all), what the heads "
-            f"keep beside their layer's own entries and the summaries ({beside}: eviction does not cut a head's "
-            "extras, which per-head budgets keep; settings={'layer_budgets': 'uniform'} keeps none) and "
+            f"keep beside their layer's own entries ({extras}: eviction does not cut a head's extras, which per-head "
+            f"budgets keep; settings={{'layer_budgets': 'uniform'}} keeps none), {instead} and "
             f"{options.eviction_slack} tokens of eviction slack: at least {least}, or {whole}, where the whole answer "
             "fits"
         )

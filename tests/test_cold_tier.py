@@ -248,19 +248,29 @@ def test_recall_holds_the_decode_cap(random_engine: InfoKVEngine, keep: float, r
 
 
 def test_a_cap_with_no_room_to_recall_counts_the_summaries_it_reads(random_engine: InfoKVEngine) -> None:
-    """A recall clamped to nothing by `max_cache_tokens` reads the summaries instead, so they must fit too."""
+    """An answer that recalls nothing reads the summaries instead, so under `max_cache_tokens` they must fit; one
+    that may recall needs room for one recalled entry only, and the refusal says that least cap (it said the one
+    with the summaries, refusing caps just under it that answer, recalling less)."""
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.2))
-    assert doc.cache.beside_tokens() > 0
+    extras = doc.cache.beside_tokens(summaries=False)
+    summaries = doc.cache.beside_tokens() - extras
+    assert summaries > 1
     turns = [("user", "Summarise.")]
     suffix = random_engine.prompt.conversation_ids(turns)
     slack = GenerationOptions().eviction_slack
-    floor = doc.cache.sink_tokens + len(suffix) + doc.config.window + slack
-    with pytest.raises(ConfigError, match=f"and the summaries \\({doc.cache.beside_tokens()}:"):
+    floor = doc.cache.sink_tokens + len(suffix) + doc.config.window + extras + slack
+    with pytest.raises(
+        ConfigError, match=f"one recalled entry .* the {summaries} summaries instead.* at least {floor + 1},"
+    ):
         doc.generate(turns, GenerationOptions(max_new_tokens=8, max_cache_tokens=floor))
-    cap = floor + doc.cache.beside_tokens()
-    generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=cap))
+    generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=floor + 1))
     generation.text()
-    assert generation.usage.max_resident_tokens <= cap
+    assert generation.usage.recalled_tokens > 0 and generation.usage.max_resident_tokens <= floor + 1
+    with pytest.raises(ConfigError, match=f"the summaries \\({summaries}\\) .* at least {floor + summaries},"):
+        doc.generate(turns, GenerationOptions(max_new_tokens=8, max_cache_tokens=floor + 1, recall=0))
+    generation = doc.generate(turns, GenerationOptions(max_new_tokens=40, max_cache_tokens=floor + summaries, recall=0))
+    generation.text()
+    assert generation.usage.recalled_tokens == 0 and generation.usage.max_resident_tokens <= floor + summaries
 
 
 def test_recall_options_are_checked(random_engine: InfoKVEngine) -> None:

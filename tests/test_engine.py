@@ -568,7 +568,9 @@ def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None
         doc.ask("What?", max_cache_tokens=20)
     # The refusal names what takes the room, the heads' extras among it, and the two caps that would do.
     least = int(re.search(r"at least (\d+)", str(refused.value)).group(1))  # type: ignore[union-attr]
-    assert f"and the summaries ({doc.cache.beside_tokens()}:" in str(refused.value)
+    extras = doc.cache.beside_tokens(summaries=False)
+    assert f"own entries ({extras}:" in str(refused.value)
+    assert f"the summaries ({doc.cache.beside_tokens() - extras}) and" in str(refused.value)
     assert "layer_budgets" in str(refused.value) and doc.ask("What?", max_cache_tokens=least, max_new_tokens=2)
     # An answer that fits whole under a cap never evicts: a short document's cap is not refused for what eviction
     # would have to keep.
