@@ -9,6 +9,7 @@ characters, and a single character is too common to tell pages apart).
 
 from __future__ import annotations
 
+import bisect
 import math
 from functools import partial
 
@@ -35,18 +36,27 @@ def _terms(words: str) -> set[str]:
 
 
 def _verbatim_pages(pages: list[str], needle: str) -> set[int]:
-    """Indices of the pages that hold `needle` as whole words, both pages of a pair that hold it across the page
-    break between them. `pages` and `needle` are normalised (`_normalised`: words joined by single spaces)."""
-    found = {index for index, page in enumerate(pages) if f" {needle} " in f" {page} "}
-    for index in range(len(pages) - 1):
-        joined = f" {pages[index]} {pages[index + 1]} "
-        boundary = len(pages[index]) + 1  # the space between the two pages
-        start = joined.find(f" {needle} ")
-        while start != -1:
-            if start < boundary < start + len(needle) + 1:  # the break falls inside the answer
-                found.update((index, index + 1))
-                break
-            start = joined.find(f" {needle} ", start + 1)
+    """Indices of the pages that hold `needle` as whole words, and of every page an occurrence runs across (an answer
+    over two page breaks cites all three pages). `pages` and `needle` are normalised (`_normalised`: words joined by
+    single spaces); an empty page is passed over, as a page break is."""
+    offsets, indices, parts = [], [], []
+    offset = 1  # joined's leading space
+    for index, page in enumerate(pages):
+        if page:
+            offsets.append(offset)
+            indices.append(index)
+            parts.append(page)
+            offset += len(page) + 1
+    joined = f" {' '.join(parts)} "
+    found: set[int] = set()
+    start = joined.find(f" {needle} ")
+    while start != -1:
+        begin, end = start + 1, start + 1 + len(needle)
+        part = bisect.bisect_right(offsets, begin) - 1
+        while part < len(offsets) and offsets[part] < end:
+            found.add(indices[part])
+            part += 1
+        start = joined.find(f" {needle} ", start + 1)
     return found
 
 
@@ -55,7 +65,7 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     a page number: pages gathered from several files may share numbers).
 
     A page holding the whole answer verbatim, as whole words (`_normalised`'s: "ten" is not in "tenant",
-    nor "50%" in "150%"), scores highest, and so do both pages of an answer split across a page break; otherwise
+    nor "50%" in "150%"), scores highest, and so does every page of an answer split across page breaks; otherwise
     pages are ranked by the rarity-weighted share of the answer's words they contain (the question's words count
     half).
     """

@@ -135,6 +135,24 @@ def test_an_answer_across_a_page_break_cites_both_pages() -> None:
     assert sorted(index for index, _ in cited) == [0, 1] and all(score > 1 for _, score in cited)
 
 
+def test_an_answer_across_two_page_breaks_cites_all_three_pages() -> None:
+    """Only pairs of neighbouring pages were joined: an answer that a short page holds the middle of cited the
+    last page alone. An empty page between two is passed over as a page break is."""
+    document = document_from_pages(
+        [
+            (1, "Schedule of fees. The total fee payable under this order form is"),
+            (2, "USD 312,000"),
+            (3, "per year, invoiced quarterly in advance.\nOther terms follow."),
+            (4, "Notes."),
+        ]
+    )
+    answer = "The total fee payable under this order form is USD 312,000 per year"
+    cited = supporting_pages(document, answer, "What is the total fee?")
+    assert sorted(index for index, _ in cited) == [0, 1, 2] and all(score > 1 for _, score in cited), cited
+    spaced = document_from_pages([(1, "The fee is"), (2, "\u200b"), (3, "USD 9 per year.")])
+    assert sorted(index for index, _ in supporting_pages(spaced, "The fee is USD 9")) == [0, 1]
+
+
 def test_from_documents_cites_each_files_own_page_labels() -> None:
     manual = {"file_name": "m.pdf"}
     documents = [
