@@ -150,8 +150,8 @@ class _StoredFiles:
     def where(self) -> str:
         return self.url
 
-    def read(self, name: str) -> bytes:
-        return bytes(self.fs.cat_file(posixpath.join(self.path, name)))
+    def read(self, name: str, most: int) -> bytes:
+        return bytes(self.fs.cat_file(posixpath.join(self.path, name), start=0, end=most + 1))
 
 
 def _version_name() -> str:
@@ -284,7 +284,7 @@ class FsspecBackend(CacheBackend):
             raise CacheStoreError(f"{where}/{CURRENT} is damaged ({exc!r}); ingest the document again") from exc
         files = _StoredFiles(self.fs, self._path(key, CACHE, version), f"{where}/{version}")
         try:
-            manifest = files.read(store.MANIFEST)
+            manifest = files.read(store.MANIFEST, store.MAX_MANIFEST_BYTES)
         except OSError as exc:
             raise CacheStoreError(f"{files.where} has no readable manifest ({exc}); ingest again") from exc
         if hashlib.sha256(manifest).hexdigest() != manifest_sha256:

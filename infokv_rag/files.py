@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -108,13 +109,14 @@ def fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
-TEMPORARY_SUFFIX = re.compile("[0-9a-f]{16}")
+TEMPORARY_DIGITS = 16
+TEMPORARY_SUFFIX = re.compile(f"[0-9a-f]{{{TEMPORARY_DIGITS}}}")
 """What follows the prefix in the name of a directory `make_temporary_directory` makes."""
 
 
 def make_temporary_directory(parent: Path, prefix: str) -> Path:
     """A new private directory in `parent` named `prefix` and 16 random hex digits (`is_temporary_name`)."""
-    directory = parent / f"{prefix}{secrets.token_hex(8)}"
+    directory = parent / f"{prefix}{secrets.token_hex(TEMPORARY_DIGITS // 2)}"
     directory.mkdir(mode=0o700)
     return directory
 
@@ -143,19 +145,22 @@ def replace_directory(staging: Path, target: Path) -> None:
     fresh empty `retired_prefix` directory beside it, then removed; one a crash leaves is a leftover to sweep).
 
     Between retiring the old directory and renaming the new one, `target` does not exist: a crash there
-    leaves none, never a mix of two. Another process may install the same target concurrently; the last
-    rename wins (both are complete).
+    leaves none, never a mix of two; a rename that fails there, or an interruption (Ctrl-C), puts the old one
+    back. Another process may install the same target concurrently; the last rename wins (both are complete).
     """
     for attempt in range(5):
         retired = None
+        installed = False
         try:
             if target.exists():
                 retired = make_temporary_directory(target.parent, retired_prefix(target))
                 try:
                     os.replace(target, retired)
                 except FileNotFoundError:
-                    pass  # another process retired it first
+                    retired.rmdir()  # another process retired it first: nothing of ours to put back
+                    retired = None
             os.replace(staging, target)
+            installed = True
             return
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 4:
@@ -163,6 +168,11 @@ def replace_directory(staging: Path, target: Path) -> None:
             # another save installed its cache between our retire and rename: retire that one too
         finally:
             if retired is not None:
+                if not installed:
+                    # A save that failed (or was interrupted) between the renames loses nothing: the earlier
+                    # directory goes back, unless another save's took its place meanwhile.
+                    with contextlib.suppress(OSError):
+                        os.rename(retired, target)
                 shutil.rmtree(retired, ignore_errors=True)
 
 

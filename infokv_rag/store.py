@@ -60,6 +60,7 @@ from .config import CompressionConfig
 from .documents import Document
 from .errors import CacheStoreError, ConfigError, InfoKVError
 from .files import (
+    TEMPORARY_DIGITS,
     FileStamp,
     fsync_dir,
     is_temporary_name,
@@ -283,6 +284,18 @@ def _check_can_make(target: Path) -> None:
         raise CacheStoreError(f"cannot make {target}: {existing} is not a directory; save the cache to another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise CacheStoreError(f"cannot write into {existing}: save the cache to another path")
+    # A save writes beside the target into a directory named after it and longer (`_staging_prefix`).
+    longest = len(os.fsencode(_staging_prefix(target))) + TEMPORARY_DIGITS
+    try:
+        most = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    if longest > most:
+        raise CacheStoreError(
+            f"cannot save a cache to {target}: a save writes it first into a directory beside it named "
+            f"{_staging_prefix(target)}<{TEMPORARY_DIGITS} hex digits>, {longest} bytes, and a name here holds at "
+            f"most {most}; name the cache directory {longest - most} bytes shorter"
+        )
 
 
 def save_document(document: CompressedDocument, directory: str | os.PathLike[str], *, owned: bool = False) -> Path:
@@ -365,8 +378,10 @@ class CacheFiles(Protocol):
         """Names the cache in messages (a path or a URL)."""
         ...
 
-    def read(self, name: str) -> bytes:
-        """The file's bytes; FileNotFoundError when it is absent, OSError when it cannot be read."""
+    def read(self, name: str, most: int) -> bytes:
+        """The file's bytes, at most `most` + 1 of them (a file longer than its caller takes shows as longer without
+        being read whole: a damaged one may be of any size); FileNotFoundError when it is absent, OSError when it
+        cannot be read."""
         ...
 
 
@@ -408,8 +423,8 @@ class DirectoryFiles:
         handle.seek(0)
         return handle
 
-    def read(self, name: str) -> bytes:
-        return self._open(name).read()
+    def read(self, name: str, most: int) -> bytes:
+        return self._open(name).read(most + 1)
 
     def map(self, name: str) -> tuple[mmap.mmap | bytearray, FileStamp]:
         """The file's bytes, memory-mapped copy-on-write (writable, so tensors can view them; an empty file,
@@ -476,7 +491,7 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
     path = files.where
     manifest_path = f"{path}/{MANIFEST}"
     try:
-        raw = files.read(MANIFEST)
+        raw = files.read(MANIFEST, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise CacheStoreError(
             f"{path} is not a saved document cache (no {MANIFEST}): check the path, or ingest the document "
@@ -486,8 +501,8 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
         raise CacheStoreError(f"cannot read {manifest_path} ({exc}); check the store and try again") from exc
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheStoreError(
-            f"{manifest_path} is damaged ({len(raw)} bytes, a manifest holds at most {MAX_MANIFEST_BYTES}); delete "
-            "the cache and ingest again"
+            f"{manifest_path} is damaged (over {MAX_MANIFEST_BYTES} bytes, the most a manifest holds); delete the "
+            "cache and ingest again"
         )
     try:
         manifest = json.loads(raw.decode("utf-8"))
@@ -523,12 +538,14 @@ Buffer = TypeVar("Buffer", bound="bytes | bytearray | mmap.mmap")
 
 
 def _read_verified(files: CacheFiles, name: str, record: dict[str, Any]) -> bytes:
-    return _verified(files, name, record, lambda: files.read(name))
+    return _verified(files, name, record, lambda: files.read(name, record["bytes"]))
 
 
 def _verified(files: CacheFiles, name: str, record: dict[str, Any], read: Callable[[], Buffer]) -> Buffer:
     """What `read` returns of file `name`, refused unless its size and sha256 are the manifest's `record`."""
     path = files.where
+    if not isinstance(record, dict) or type(record.get("bytes")) is not int or record["bytes"] < 0:
+        raise CacheStoreError(f"{path} holds a malformed manifest (the record of {name}); ingest the document again")
     try:
         data = read()
     except FileNotFoundError as exc:
@@ -644,7 +661,13 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     try:
         config = _config(manifest["config"], manifest["format_version"])
     except (ConfigError, TypeError) as exc:
-        raise CacheStoreError(f"{path} holds an invalid compression config: {exc}") from exc
+        from . import __version__
+
+        # A later release's method or setting reads as invalid here: say which release saved it.
+        raise CacheStoreError(
+            f"{path} holds a compression config this release ({__version__}) cannot use ({exc}); it was saved by "
+            f"infokv-rag {manifest.get('library_version')!s}: load it with that release, or ingest the document again"
+        ) from exc
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
     if information is not None and information.dim() != 1:
@@ -869,7 +892,7 @@ def _read_cold_tensors(
 
     def read() -> mmap.mmap | bytearray:
         if not isinstance(files, DirectoryFiles):
-            return bytearray(files.read(COLD))
+            return bytearray(files.read(COLD, record["bytes"]))
         buffer, stamp = files.map(COLD)
         stamps.append(stamp)
         return buffer

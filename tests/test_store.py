@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from infokv_rag.store import (
     StoreWriteWarning,
     _manifest_checksum,
     _sha256,
+    check_save_target,
     describe,
 )
 
@@ -278,6 +280,13 @@ DAMAGE = {
         lambda d: _edit_manifest(d, lambda m: m.update(format_version="2.0", checksum="blake3:..."), False),
         r"uses cache format '2\.0'",
     ),
+    # A later release's method, saved under this format number: which release saved it, not "choose one of".
+    "method-of-a-later-release": (
+        lambda d: _edit_manifest(
+            d, lambda m: m.update(library_version="9.9.9") or m["config"].update(method="v3"), True
+        ),
+        r"a compression config this release \(\S+\) cannot use \(unknown method 'v3'.*saved by infokv-rag 9\.9\.9",
+    ),
     # The tensors file is what is wrong, not the manifest.
     "positions-float": (
         lambda d: resign(d, {**(t := load_file(d / TENSORS)), "positions.0": t["positions.0"].float()}),
@@ -333,6 +342,22 @@ def test_a_manifest_nested_too_deep_or_too_large_is_damaged_for_load_info_and_a_
                 read(copy)
         with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
             doc_a.save(copy)
+
+
+@pytest.mark.parametrize(
+    ("name", "refusal"),
+    [(TEXT, "fails its sha256 check"), (TENSORS, "fails its sha256 check"), (MANIFEST, "is damaged")],
+)
+def test_a_file_grown_far_past_its_record_is_refused_without_being_read(
+    name: str, refusal: str, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
+) -> None:
+    """A damaged file of 40 GiB (sparse: it takes no disk) was read whole before its size was compared: a bare
+    MemoryError (a traceback from `infokv-rag info`). A read takes one byte more than the manifest records."""
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    os.truncate(copy / name, 40 << 30)
+    for read in (describe, random_engine.load):
+        with pytest.raises(CacheStoreError, match=re.escape(f"{name} {refusal}")):
+            read(copy)
 
 
 @pytest.mark.parametrize("name", ["../outside.txt", "absolute", "notes.txt"])
@@ -750,6 +775,33 @@ def test_a_retire_that_fails_leaves_no_retired_directory(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "staging"]
 
 
+@pytest.mark.parametrize("failure", [OSError(5, "Input/output error"), KeyboardInterrupt()], ids=["EIO", "Ctrl-C"])
+def test_a_save_that_fails_between_its_renames_puts_the_earlier_cache_back(
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: BaseException,
+) -> None:
+    """The earlier cache was retired, the new one's rename failed (or Ctrl-C came between the two), and the retired
+    directory was removed anyway: both caches were lost."""
+    target = doc_a.save(tmp_path / "c")
+    other = random_engine.ingest_text("Another text entirely, to be saved over the first.", CompressionConfig())
+    real_replace = os.replace
+
+    def fail_the_install(source: Path, destination: Path) -> None:
+        if Path(source).name.startswith(".c.saving-"):
+            raise failure
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", fail_the_install)
+    with pytest.raises((CacheStoreError, KeyboardInterrupt)):
+        other.save(target)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert_same_document(random_engine.load(target), doc_a)
+
+
 def test_the_sweep_removes_only_what_a_save_left(doc_a: CompressedDocument, tmp_path: Path) -> None:
     """A directory beside the target is swept only when a save named it (its prefix and 16 random hex digits, or
     8 characters of `tempfile.mkdtemp` as releases before format 9 did) and it holds nothing but a cache's files (or,
@@ -795,7 +847,14 @@ def test_a_path_that_cannot_be_resolved_or_named_is_refused_clearly(doc_a: Compr
             doc_a.save(path)
     with pytest.raises(CacheStoreError, match="cannot save a cache to .*File name too long.*another path"):
         doc_a.save(tmp_path / ("x" * 300))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+    # A name that fits, but not in the name of the directory a save writes into first: refused before anything is
+    # written (it failed once the document was read and its cache encoded), and the CLI's check says so too.
+    with pytest.raises(CacheStoreError, match=r"\.x{240}\.saving-<16 hex digits>, 265 bytes.* 10 bytes shorter"):
+        doc_a.save(tmp_path / ("x" * 240))
+    with pytest.raises(CacheStoreError, match="10 bytes shorter"):
+        check_save_target(tmp_path / ("x" * 240))
+    doc_a.save(tmp_path / ("x" * 230))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "x" * 230]
 
 
 def test_a_path_no_file_system_takes_is_refused_clearly(
