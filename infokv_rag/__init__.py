@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import CompressionConfig
 from .errors import (
+    AnswerRoomError,
     CacheStoreError,
     ConfigError,
     ContextLengthError,
@@ -56,6 +57,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AnswerRoomError",
     "CacheStore",
     "CacheStoreError",
     "CompressedDocument",

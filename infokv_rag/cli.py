@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import ALWAYS_KEPT, COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_keep, parse_ratio_or_count
-from .errors import ConfigError, InfoKVError
+from .errors import AnswerRoomError, ConfigError, InfoKVError
 from .placement import dtype_name
 from .scorers import method as scoring_method
 from .scorers import method_names
@@ -481,7 +481,15 @@ def _check_questions_fit(engine: Any, text: str, questions: Sequence[list[Turn]]
     if document_tokens > engine.max_document_tokens:
         return
     for index, turns in enumerate(questions):
-        _naming_question(index, len(questions), engine.check_question_fits, document_tokens, turns, max_new_tokens)
+        _naming_question(index, len(questions), _question_fits, engine, document_tokens, turns, max_new_tokens)
+
+
+def _question_fits(engine: Any, document_tokens: int, turns: list[Turn], max_new_tokens: int) -> None:
+    """`engine.check_question_fits`, its refusal naming the flag (--max-new-tokens) where the core names its field."""
+    try:
+        engine.check_question_fits(document_tokens, turns, max_new_tokens)
+    except AnswerRoomError as error:
+        raise error.worded("--max-new-tokens") from None
 
 
 def _naming_question(index: int, count: int, check: Callable[..., Any], *args: Any) -> Any:

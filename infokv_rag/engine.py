@@ -19,7 +19,7 @@ from .architectures import check_loaded_model, check_tokenizer, load_checked, lo
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document, text_as_read
-from .errors import ConfigError, ContextLengthError
+from .errors import AnswerRoom, AnswerRoomError, ConfigError, ContextLengthError
 from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
@@ -233,17 +233,12 @@ class InfoKVEngine:
         return None
 
     def check_question_fits(self, document_tokens: int, turns: Sequence[Turn], max_new_tokens: int) -> list[int]:
-        """The token ids of a conversation asked after a document of `document_tokens` tokens; `ContextLengthError`
+        """The token ids of a conversation asked after a document of `document_tokens` tokens; `AnswerRoomError`
         when they and `max_new_tokens` would not fit the context window beside it (as an answer would refuse them:
         a caller checks its questions this way before it reads the document)."""
         suffix = self.prompt.conversation_ids(turns)
-        needed = document_tokens + len(suffix) + max_new_tokens
-        if needed > self.context_window:
-            raise ContextLengthError(
-                f"the document ({document_tokens} tokens) plus the question ({len(suffix)} tokens) plus "
-                f"max_new_tokens ({max_new_tokens}) is {needed} tokens, more than the model's context window of "
-                f"{self.context_window}; shorten the question or lower max_new_tokens"
-            )
+        if document_tokens + len(suffix) + max_new_tokens > self.context_window:
+            raise AnswerRoomError.of(AnswerRoom(document_tokens, len(suffix), max_new_tokens, self.context_window))
         return suffix
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class InfoKVError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -22,6 +24,43 @@ class ModelError(InfoKVError):
 
 class ContextLengthError(InfoKVError, ValueError):
     """A document or question does not fit the model's context window."""
+
+
+@dataclass(frozen=True)
+class AnswerRoom:
+    """What a conversation asked after a document needs of the context window, in tokens."""
+
+    document_tokens: int
+    question_tokens: int
+    answer_tokens: int
+    context_window: int
+
+    def refusal(self, answer_option: str) -> str:
+        """Why it does not fit, naming the caller's option for the answer's length (`answer_option`)."""
+        needed = self.document_tokens + self.question_tokens + self.answer_tokens
+        return (
+            f"the document ({self.document_tokens} tokens) plus the question ({self.question_tokens} tokens) plus "
+            f"{answer_option} ({self.answer_tokens}) is {needed} tokens, more than the model's context window of "
+            f"{self.context_window}; shorten the question or lower {answer_option}"
+        )
+
+
+class AnswerRoomError(ContextLengthError):
+    """A conversation and the tokens its answer may take do not fit the context window beside the document. It keeps
+    the counts (`room`) so that a caller whose option for the answer's length has another name than the core's
+    `max_new_tokens` (an adapter's `max_tokens`, the CLI's `--max-new-tokens`) says it in its own terms (`worded`)."""
+
+    def __init__(self, message: str, room: AnswerRoom | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+
+    @classmethod
+    def of(cls, room: AnswerRoom, answer_option: str = "max_new_tokens") -> AnswerRoomError:
+        return cls(room.refusal(answer_option), room)
+
+    def worded(self, answer_option: str) -> AnswerRoomError:
+        """The same refusal naming `answer_option` (itself when it holds no counts: one re-raised with other words)."""
+        return self if self.room is None else self.of(self.room, answer_option)
 
 
 class DocumentError(InfoKVError):

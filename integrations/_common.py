@@ -8,7 +8,6 @@ between its framework's types and `CompressedDocument.generate`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import functools
@@ -26,8 +25,9 @@ from pydantic import BaseModel, SecretStr
 from pypdf import PdfReader
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
+from infokv_rag.config import check_count
 from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, opens_with, reads_as_pdf
-from infokv_rag.errors import CacheStoreError, ConfigError, ContextLengthError, InfoKVError, ModelError
+from infokv_rag.errors import AnswerRoomError, CacheStoreError, ConfigError, InfoKVError, ModelError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name, resolve_placement
@@ -621,34 +621,25 @@ def call_options(
     options = {name: kwargs.get(name, getattr(adapter, name)) for name in CALL_OPTIONS}
     if stop is None:
         stop = kwargs.get("stop", adapter.stop)
-    with _in_adapter_terms():
-        return GenerationOptions.build(
-            max_new_tokens=options["max_tokens"],
-            temperature=options["temperature"],
-            top_p=options["top_p"],
-            stop=[s for s in ([stop] if isinstance(stop, str) else stop or ()) if s],  # a string is one sequence
-            seed=options["seed"],
-            max_cache_tokens=options["max_cache_tokens"],
-            recall=options["recall"],
-        )
+    check_count("max_tokens", options["max_tokens"], 1)
+    return GenerationOptions.build(
+        max_new_tokens=options["max_tokens"],
+        temperature=options["temperature"],
+        top_p=options["top_p"],
+        stop=[s for s in ([stop] if isinstance(stop, str) else stop or ()) if s],  # a string is one sequence
+        seed=options["seed"],
+        max_cache_tokens=options["max_cache_tokens"],
+        recall=options["recall"],
+    )
 
 
 def start_generation(document: CompressedDocument, turns: list[Turn], options: GenerationOptions) -> Generation:
-    """`document.generate`, its refusals in the adapters' terms (`_in_adapter_terms`)."""
-    with _in_adapter_terms():
-        return document.generate(turns, options)
-
-
-@contextlib.contextmanager
-def _in_adapter_terms() -> Iterator[None]:
-    """The core's refusals worded with the adapters' option names: they take `max_tokens` where the core takes
-    `max_new_tokens`, which a call that follows the advice would be refused for."""
+    """`document.generate`, its refusal of an answer's length in the adapters' terms: they take `max_tokens` where
+    the core takes `max_new_tokens`, which a call that followed the advice would be refused for."""
     try:
-        yield
-    except (ConfigError, ContextLengthError) as exc:
-        if "max_new_tokens" not in str(exc):
-            raise
-        raise type(exc)(str(exc).replace("max_new_tokens", "max_tokens")) from exc
+        return document.generate(turns, options)
+    except AnswerRoomError as exc:
+        raise exc.worded("max_tokens") from exc
 
 
 _DONE = object()

@@ -368,14 +368,16 @@ def test_questions_that_cannot_fit_are_refused_before_the_prefill(tmp_path: Path
     common = ("ask", str(doc), "--model", str(random_model_dir), "--store", str(store), "--json", "--verbose")
     for extra, phrase in (
         (("-q", "What is the notice period?", "-q", "why? " * 3000), "question 2 of 2 (-q): the document"),
-        (("-q", "What is the notice period?", "--max-new-tokens", "100000"), "max_new_tokens (100000)"),
+        (("-q", "What is the notice period?", "--max-new-tokens", "100000"), "--max-new-tokens (100000)"),
     ):
         result = run_cli(*common, *extra, cache_dir=tmp_path / "cache")
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert "loaded in" in result.stderr and "stored the cache" not in result.stderr and "tok/s" not in result.stderr
         error = json.loads(result.stdout)["error"]
-        assert error["type"] == "ContextLengthError" and phrase in error["message"], error
+        assert error["type"] == "AnswerRoomError" and phrase in error["message"], error
         assert "context window of 4096" in error["message"]
+        # The advice names the flag, not the core's field.
+        assert "lower --max-new-tokens" in error["message"] and "max_new_tokens" not in error["message"]
         assert not list(store.iterdir()), "nothing is prefilled or stored"
 
 

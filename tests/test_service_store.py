@@ -423,6 +423,28 @@ def replica(tmp_path: Path, name: str, lease_seconds: float = 30) -> StoreRegist
     return StoreRegistry(store, tmp_path / name, loaded_documents=2, lease_seconds=lease_seconds)
 
 
+def test_staging_directories_of_killed_processes_are_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    """Each process stages uploads in its own directory: one a killed process left (an upload half received in it)
+    stayed for ever, and a clean stop left its empty directory; a live process's is never removed."""
+    live = replica(tmp_path, "staging-live")
+    live.check_writable()
+    live.open()
+    (live.uploads_dir / "receiving.pdf").write_bytes(b"%PDF-1.4 half")
+    killed = tmp_path / "staging-killed" / "uploads" / "upload-1"
+    killed.mkdir(parents=True)
+    (killed / "big.pdf").write_bytes(b"%PDF-1.4 half")
+    users = tmp_path / "notes"  # not a staging directory: never looked at
+    users.mkdir()
+    starting = replica(tmp_path, "staging-new")
+    starting.check_writable()
+    starting.open()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "staging-live", "staging-new", "store"]
+    assert (live.uploads_dir / "receiving.pdf").exists()
+    starting.close()
+    live.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "store"]
+
+
 def new_record(status: Literal["queued", "ready"]) -> DocumentRecord:
     now = time.time()
     return DocumentRecord(new_document_id(), "memo.txt", status, "tenantA", "snapkv", 0.5, now, now)

@@ -550,6 +550,38 @@ def test_chat_refusals_about_one_field_name_it_in_param(random_engine: Any, tmp_
         assert error["param"] == "recall", error
         error = assert_error(ask(client, A1, doc, question=over_window), 400, "context_length_exceeded")
         assert error["param"] == "question", error
+        # The advice names the field that held the answer's length (not the core's max_new_tokens).
+        assert "lower max_tokens" in error["message"] and "max_new_tokens" not in error["message"], error
+        too_long = {**chat, "messages": [{"role": "user", "content": over_window}], "max_completion_tokens": 5}
+        error = assert_error(
+            client.post("/v1/chat/completions", json=too_long, headers=A1), 400, "context_length_exceeded"
+        )
+        assert "lower max_completion_tokens" in error["message"] and "max_new_tokens" not in error["message"], error
+
+
+def test_the_default_answer_length_is_cut_to_the_room_a_long_document_leaves(
+    random_engine: Any, tmp_path: Path
+) -> None:
+    """An operator's default length above the library's (which the upload check reserves) refused every question
+    that named no length about a long document, telling the client to lower a max_tokens it never sent."""
+    text = "w " * 2000
+    while random_engine.count_document_tokens(text) < random_engine.max_document_tokens - 20:
+        text += "w " * 20
+    with running(random_engine, tmp_path / "data", max_new_tokens=1024, default_max_tokens=1024) as client:
+        doc = upload_ready(client, A1, "long.txt", text.encode())
+        tokens = random_engine.count_document_tokens(text)
+        chat = {"model": "random", "messages": [{"role": "user", "content": "What?"}], "document_id": doc}
+        room = random_engine.context_window - tokens - len(random_engine.prompt.conversation_ids([("user", "What?")]))
+        assert 1 <= room < 1024
+        for response in (
+            client.post("/v1/chat/completions", json=chat, headers=A1),
+            ask(client, A1, doc, max_tokens=None),
+        ):
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] <= room
+        # A length the request names is its own: refused when it does not fit, naming it.
+        error = assert_error(ask(client, A1, doc, max_tokens=1024), 400, "context_length_exceeded")
+        assert "lower max_tokens" in error["message"], error
 
 
 def test_the_chat_route_schema_lists_the_statuses_it_answers(client: TestClient) -> None:
@@ -837,6 +869,27 @@ def test_write_failures_are_507_and_keep_nothing(client: TestClient, tmp_path: P
     assert ids(client, A1) == set() and list(documents.iterdir()) == []
     assert list((tmp_path / "data" / "uploads").iterdir()) == []
     assert upload_ready(client, A1, "memo.txt", SECRET)  # and it works again once the disk does
+
+
+def test_a_ready_status_the_disk_refuses_says_the_cache_was_saved(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache was saved, then its ready status could not be: the document failed saying "nothing was kept"."""
+    from infokv_rag.service.registry import Registry
+
+    write_meta = Registry._write_meta
+
+    def full_at_ready(registry: Registry, record: Any) -> None:
+        if record.status == "ready":
+            raise OSError(28, "No space left on device")
+        write_meta(registry, record)
+
+    monkeypatch.setattr(Registry, "_write_meta", full_at_ready)
+    doc = upload(client, A1, "memo.txt", SECRET).json()["id"]
+    settled = wait_settled(client, doc, A1)
+    assert (settled["status"], settled["reason_code"]) == ("failed", "storage_error"), settled
+    assert "its cache was saved but cannot be marked ready" in settled["reason"]
+    assert "nothing was kept" not in settled["reason"]
 
 
 def test_a_status_the_disk_refuses_is_not_shown_either(random_engine: Any, tmp_path: Path) -> None:

@@ -79,6 +79,14 @@ def test_tenant_shares_default_to_half_of_each_queue_and_never_exceed_it() -> No
         Settings(max_queued_uploads_per_tenant=0)
     with pytest.raises(ConfigError, match="INFOKV_MAX_GENERATIONS_PER_TENANT must be an integer"):
         Settings.from_env({"INFOKV_MAX_GENERATIONS_PER_TENANT": "half"})
+    # Upload defaults that make no compression were accepted, then refused every upload as the client's 422 (and
+    # failed for good a document read again after a restart).
+    for variable, value, refusal in (
+        ("INFOKV_INGEST_CHUNK_SIZE", "16", r"chunk_size \(16\) must be at least the window"),
+        ("INFOKV_DEFAULT_METHOD", "nosuchmethod", "unknown method 'nosuchmethod'"),
+    ):
+        with pytest.raises(ConfigError, match=f"make no compression an upload can use: {refusal}"):
+            Settings.from_env({variable: value, "INFOKV_ALLOW_ANONYMOUS": "1"})
 
 
 def test_create_app_refuses_to_start_unprotected(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -12,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import CacheStoreError, ConfigError, ContextLengthError, EmptyQuestionError, InfoKVError
+from ..errors import (
+    AnswerRoomError,
+    CacheStoreError,
+    ConfigError,
+    ContextLengthError,
+    EmptyQuestionError,
+    InfoKVError,
+)
 from ..generation import GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
@@ -148,13 +156,21 @@ async def start_answer(
     options: GenerationOptions,
     *,
     conversation_param: str,
+    max_tokens_param: str = "max_tokens",
+    length_given: bool = True,
 ) -> GenerationJob:
     """Tokenises and checks the conversation, then queues it with the model worker as the caller's tenant's (the
     one that asks holds a share of the answers, whoever owns the document: an admin asks as its own tenant).
-    `conversation_param` is the request field that holds the conversation, which a refusal of it names."""
+    `conversation_param` is the request field that holds the conversation and `max_tokens_param` the one that holds
+    the answer's length, which a refusal of them names; without `length_given` (the server's default length) the
+    length is cut to the room the context window has left."""
     assert service.worker is not None
+    if not length_given:
+        options = _within_the_window(document, turns, options)
     try:
         generation = await run_in_threadpool(document.generate, turns, options)
+    except AnswerRoomError as exc:
+        raise from_core(exc.worded(max_tokens_param), param=conversation_param) from exc
     # The routes refuse an empty question before the document loads; this is the core's word.
     except (EmptyQuestionError, ContextLengthError) as exc:
         raise from_core(exc, param=conversation_param) from exc
@@ -168,6 +184,19 @@ async def start_answer(
         return service.worker.submit_generation(generation, asyncio.get_running_loop(), record, caller.tenant)
     except QueueFull as exc:
         raise exc.refusal(retry_after=2) from exc
+
+
+def _within_the_window(
+    document: CompressedDocument, turns: list[Turn], options: GenerationOptions
+) -> GenerationOptions:
+    """`options` with the server's default answer length cut to what the context window holds beside the document
+    and the conversation: a long document leaves less than a default the operator raised (the upload check reserves
+    only the library's default), and a request that named no length must not be told to lower it."""
+    engine = document.engine
+    room = engine.context_window - document.cache.document_tokens - len(engine.prompt.conversation_ids(turns))
+    if 0 < room < options.max_new_tokens:
+        return dataclasses.replace(options, max_new_tokens=room)
+    return options
 
 
 def event_error(job: GenerationJob, event: Event) -> ServiceError:

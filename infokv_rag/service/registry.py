@@ -370,13 +370,14 @@ class Registry:
     def _write_meta(self, record: DocumentRecord) -> None:
         write_atomic(self.directory(record.id) / META, json.dumps(record.to_meta(), indent=1).encode("utf-8"))
 
-    def _save_status(self, record: DocumentRecord) -> None:
-        """Stamps the record as changed now and writes its meta file; `StorageError` when the disk refuses."""
+    def _save_status(self, record: DocumentRecord, consequence: str | None = None) -> None:
+        """Stamps the record as changed now and writes its meta file; `StorageError` when the disk refuses, saying
+        `consequence` (by default: nothing was kept)."""
         record.updated_at = time.time()
         try:
             self._write_meta(record)
         except OSError as exc:
-            raise StorageError("save the document's status", exc) from exc
+            raise StorageError("save the document's status", exc, consequence) from exc
 
     # Records -------------------------------------------------------------------------------------
 
@@ -537,7 +538,11 @@ class Registry:
             record.compression_ratio = round(stats.compression_ratio, 6)
             record.prefill_seconds = round(stats.prefill_seconds + stats.scoring_seconds + stats.compression_seconds, 3)
             record.progress_done = record.progress_total = stats.document_tokens
-            self._save_status(record)
+            self._save_status(
+                record,
+                "its cache was saved but cannot be marked ready, so the document is failed; delete it and upload it "
+                "again later, or tell the operator",
+            )
             if record.deleted:  # found out by writing the record: the write took the cache away again
                 return False
         self.remember_loaded(record, document, "prefill")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_METHOD, parse_keep
+from ..config import DEFAULT_METHOD, CompressionConfig, parse_keep
 from ..errors import ConfigError
 from ..generation import DEFAULT_MAX_NEW_TOKENS
 from ..placement import dtype_name
@@ -128,6 +128,13 @@ class Settings:
             raise ConfigError("share_caches is not available with a shared store (INFOKV_STORE)")
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError("default_max_tokens must not exceed max_new_tokens")
+        try:  # at start, not as every upload's 422 (nor as a document read again after a restart, failed for good)
+            CompressionConfig(method=self.default_method, keep=self.default_keep, chunk_size=self.ingest_chunk_size)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"default_method {self.default_method!r}, default_keep {self.default_keep} and ingest_chunk_size "
+                f"{self.ingest_chunk_size} make no compression an upload can use: {exc}"
+            ) from exc
 
     @property
     def generations_held(self) -> int:

@@ -9,7 +9,9 @@ Layout in the store (`infokv_rag.cache_backends`):
                                 the deadline of the lease it was last written with
   deleted/<id>/tombstone        written before a delete removes the document, and kept (an empty object per
                                 deleted document; ids are never reused)
-Only the staging of uploads being received stays on the local disk.
+Only the staging of uploads being received stays on the local disk: each process's own `staging-<hex>` directory
+under the data directory, locked while it lives and removed when it stops; one a killed process left is removed by
+the next process that starts there.
 
 Every request reads the document's record from the store, so a document that another process read, failed
 or deleted is seen as such here; when the store cannot be read, a question or a read of one document is refused
@@ -30,8 +32,10 @@ listed). Whichever order the two meet in, a deleted document stays deleted.
 from __future__ import annotations
 
 import builtins
+import fcntl
 import json
 import logging
+import os
 import secrets
 import shutil
 import threading
@@ -61,6 +65,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STAGING_PREFIX = "staging-"
+"""Each process's local directory under the data directory, for the uploads it is receiving (`_claim_staging`)."""
 DOCUMENTS = "documents"
 PENDING = "pending"
 PENDING_MARK = "lease"
@@ -114,9 +120,11 @@ class StoreRegistry(Registry):
     # Start-up ------------------------------------------------------------------------------------
 
     def check_writable(self) -> None:
-        """Refuses (ConfigError naming the store and the reason) a store this process cannot write to."""
+        """Refuses (ConfigError naming the store and the reason) a store this process cannot write to; makes this
+        process's staging directory (`_claim_staging`)."""
         probe = f"{PROBE}/{self.holder}"
         try:
+            self._claim_staging()
             self.uploads_dir.mkdir(parents=True, exist_ok=True)
             self.backend.put(probe, "probe", b"probe")
             self.backend.get(probe, "probe")
@@ -127,12 +135,50 @@ class StoreRegistry(Registry):
                 "(e.g. AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL) and permissions"
             ) from None
 
+    def _claim_staging(self) -> None:
+        """Makes this process's staging directory, locked (flock on the directory, held until `close`) before it
+        takes its name: another process's sweep (`_sweep_staging`) never sees it unlocked while this one lives."""
+        if self._lock_file is not None:
+            return
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        claiming = self.data_dir.with_name(f".{self.data_dir.name}.new")
+        claiming.mkdir(mode=0o700)
+        handle = os.open(claiming, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(claiming, self.data_dir)
+        except OSError:
+            os.close(handle)
+            raise
+        self._lock_file = handle
+
+    def _sweep_staging(self) -> None:
+        """Removes the staging directories beside this one that no live process holds (`_claim_staging`): a
+        process killed with uploads half received left them."""
+        for sibling in self.data_dir.parent.glob(f"{STAGING_PREFIX}*"):
+            if sibling == self.data_dir:
+                continue
+            try:
+                handle = os.open(sibling, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its process lives
+            else:
+                shutil.rmtree(sibling, ignore_errors=True)
+            finally:
+                os.close(handle)
+
     def close(self) -> None:
-        shutil.rmtree(self.uploads_dir, ignore_errors=True)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        super().close()
 
     def open(self) -> list[DocumentRecord]:
         """Reads the store's records. Nothing is returned to read again: `LeaseKeeper` takes over documents
         whose reader died, whichever process that was."""
+        self._sweep_staging()
         shutil.rmtree(self.uploads_dir, ignore_errors=True)
         self.uploads_dir.mkdir(parents=True, exist_ok=True)
         self.list()
@@ -492,5 +538,5 @@ def open_registry(settings: Settings) -> Registry:
     """The local data directory's registry, or a `StoreRegistry` when `settings.store` names a store."""
     if settings.store is None:
         return Registry(settings.data_dir, settings.loaded_documents)
-    staging = settings.data_dir / f"staging-{secrets.token_hex(6)}"
+    staging = settings.data_dir / f"{STAGING_PREFIX}{secrets.token_hex(6)}"
     return StoreRegistry(open_backend(settings.store), staging, settings.loaded_documents, settings.lease_seconds)

@@ -234,7 +234,16 @@ async def ask(
         service, record, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, body.recall
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, caller, record, document, turns, options, conversation_param="question")
+    job = await start_answer(
+        service,
+        caller,
+        record,
+        document,
+        turns,
+        options,
+        conversation_param="question",
+        length_given=body.max_tokens is not None,
+    )
     answer_id = "ans_" + secrets.token_urlsafe(12)
     if not body.stream:
         answer = await collect(job, request)

@@ -196,7 +196,17 @@ async def chat_completions(
         max_tokens_param=max_tokens_param,
     )
     document = await ready_document(service, record)
-    job = await start_answer(service, caller, record, document, turns, options, conversation_param="messages")
+    job = await start_answer(
+        service,
+        caller,
+        record,
+        document,
+        turns,
+        options,
+        conversation_param="messages",
+        max_tokens_param=max_tokens_param,
+        length_given=body.max_completion_tokens is not None or body.max_tokens is not None,
+    )
     completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
     created = int(time.time())
     if not body.stream:
