@@ -63,7 +63,7 @@ lint: $(STAMP)
 	cd $(TYPECHECK_TREE) && $(MYPY) -p infokv_rag -p benchmarks -p tests && MYPYPATH=$(CURDIR)/examples $(MYPY) $(CURDIR)/examples
 
 test: lint models
-	$(PY) -m pytest -q -m "not scale"
+	$(PY) -m pytest -q -m "not scale" --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not tiny and not default and not scale"

@@ -70,12 +70,21 @@ def context_window(config: Any) -> int:
 
 
 def check_tokenizer(tokenizer: Any, source: str) -> None:
-    """Refuses a tokenizer without a chat template: questions are asked as chat turns."""
+    """Refuses a tokenizer without a chat template, or whose template cannot render a question: questions are asked
+    as chat turns."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError(
             f"{source} has no chat template (a base model rather than an instruction-tuned one?): infokv-rag asks "
             "questions as chat turns; use the model's instruct/chat variant, or set tokenizer.chat_template"
         )
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2's errors, and whatever the template raises on purpose
+        reason = " ".join(str(exc).split())
+        raise ModelError(
+            f"{source}: its chat template cannot render a question ({type(exc).__name__}: {reason}); fix the "
+            "template (chat_template.jinja, or chat_template in tokenizer_config.json) or use the model's own files"
+        ) from exc
 
 
 def check_loaded_model(model: Any, source: str) -> None:
@@ -105,15 +114,25 @@ def check_loaded_model(model: Any, source: str) -> None:
 def load_checked(directory: Path, source: str, remedy: str = REPLACE_FILES) -> tuple[Any, Any]:
     """(config, tokenizer) of a model directory, checked before its weights are read (or downloaded).
     `remedy`: what to do when its files are damaged."""
+    from huggingface_hub import errors as hub_errors
     from transformers import AutoConfig, AutoTokenizer
 
+    # transformers 5 checks a config's field types with huggingface_hub's strict dataclasses ("3" for a count).
+    unreadable = (
+        OSError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        TypeError,
+        getattr(hub_errors, "StrictDataclassError", ValueError),
+    )
     try:
         raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
         # The model type first: transformers cannot even parse the config of an architecture it lacks.
         if raw.get("model_type") not in SUPPORTED_ARCHITECTURES:
             check_config(SimpleNamespace(**raw), source)
         config = AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
+    except unreadable as exc:
         raise ModelError(f"{source}: its config.json cannot be read ({exc})") from exc
     check_config(config, source)
     try:
@@ -125,6 +144,12 @@ def load_checked(directory: Path, source: str, remedy: str = REPLACE_FILES) -> t
             f"it needs tokenizer.json (or the tokenizer files of its model) and tokenizer_config.json: {remedy}"
         ) from exc
     check_tokenizer(tokenizer, source)
+    # A token beyond the embedding's rows would fail the first prefill with a bare IndexError (on a GPU, an assert).
+    if len(tokenizer) > int(config.vocab_size):
+        raise ModelError(
+            f"{source}: its tokenizer has {len(tokenizer)} tokens but its weights embed {config.vocab_size}: the "
+            f"tokenizer files are another model's; {remedy}"
+        )
     return config, tokenizer
 
 

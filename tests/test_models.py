@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -400,6 +401,25 @@ def test_from_pretrained_refuses_before_the_weights_load(random_model_dir: Path,
     (other / "config.json").write_text(config)
     with pytest.raises(ModelError, match="is a 'granite' model .*does not support"):
         InfoKVEngine.from_pretrained(str(other), device="cpu")
+    # A field of the wrong type, a template that cannot render, a tokenizer of another model: each named before
+    # the weights load (a traceback, a jinja2 error after the load, an IndexError at the first prefill).
+    typed = Path(shutil.copytree(random_model_dir, tmp_path / "typed"))
+    fields = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps({**fields, "num_hidden_layers": str(fields["num_hidden_layers"])}))
+    broken = Path(shutil.copytree(random_model_dir, tmp_path / "broken"))
+    for template in broken.glob("chat_template*"):
+        template.unlink()
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}}{% endfor %")
+    wider = Path(shutil.copytree(random_model_dir, tmp_path / "wider"))
+    (wider / "config.json").write_text(json.dumps({**fields, "vocab_size": 100}))
+    for model_dir, refusal in (
+        (typed, "its config.json cannot be read"),
+        (broken, "its chat template cannot render a question"),
+        (wider, "its tokenizer has [0-9]+ tokens but its weights embed 100"),
+    ):
+        (model_dir / "model.safetensors").write_bytes(b"never read")
+        with pytest.raises(ModelError, match=refusal):
+            InfoKVEngine.from_pretrained(str(model_dir), device="cpu")
 
 
 def test_a_checkpoint_that_lacks_a_weight_is_refused(random_model_dir: Path, tmp_path: Path) -> None:
@@ -442,6 +462,17 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ModelError, match="bad.gguf is not a GGUF file"):
         InfoKVEngine.from_pretrained(str(tmp_path / "bad.gguf"), device="cpu")
+
+
+def test_a_gguf_cut_in_its_metadata_is_refused_naming_it(tmp_path: Path) -> None:
+    """Five metadata entries announced, the first one's key cut short: the reader's struct.error was a traceback."""
+    from infokv_rag import models
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 5, 40) + b"general.arch")
+    with pytest.raises(ModelError, match="cut.gguf cannot be read as a GGUF model .*download it again"):
+        models.convert_gguf(cut, tmp_path / "converted", "a" * 64)
+    assert not (tmp_path / "converted").exists()
 
 
 @pytest.fixture
@@ -492,6 +523,14 @@ def test_a_damaged_converted_copy_is_refused_and_fetch_converts_it_again(convers
     assert cli.main(["fetch", str(gguf)]) == 0
     assert conversions == [target, target, target]
     assert cli.main(["fetch", str(gguf)]) == 0 and len(conversions) == 3, "a sound copy is not converted again"
+    # A record of the conversion without its fingerprint: named (it was a bare KeyError at the first save), and fetch
+    # converts the copy again (it left it as it was).
+    record = json.loads((target / "infokv_model.json").read_text())
+    (target / "infokv_model.json").write_text(json.dumps({k: v for k, v in record.items() if k != "fingerprint"}))
+    with pytest.raises(ModelError, match="infokv_model.json is damaged .*infokv-rag fetch"):
+        model_fingerprint(target)
+    assert cli.main(["fetch", str(gguf)]) == 0 and len(conversions) == 4
+    assert model_fingerprint(target)
 
 
 def test_concurrent_conversions_of_one_model_take_turns(conversions: list[Path], gguf: Path) -> None:
