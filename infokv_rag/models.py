@@ -394,7 +394,7 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
 
         return _converted(name_or_path, target, repair, convert_packaged)
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf" and not path.is_dir():  # a model directory may be named x.gguf
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
         with open(path, "rb") as handle:

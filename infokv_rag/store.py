@@ -1044,6 +1044,11 @@ class CacheStore:
         try:
             save_document(compressed, path, owned=True)
         except (CacheStoreError, OSError) as error:
+            # What the entry held failed to load, or was another's: unless a user's files are in it, it goes, so
+            # that the store holds nothing for this key (`holds`), not a cache no load takes.
+            with contextlib.suppress(OSError):
+                if path.is_dir() and _holds_only_cache_files(str(path)):
+                    shutil.rmtree(path)
             warnings.warn(
                 f"the cache was not stored ({error}); this run answers from the document it read, and the next one "
                 "reads it again",

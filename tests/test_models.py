@@ -458,10 +458,15 @@ def test_a_damaged_model_directory_is_a_model_error_naming_the_file(
         InfoKVEngine.from_pretrained(str(damaged), device="cpu")
 
 
-def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "bad.gguf").write_bytes(bytes(range(256)) * 4)
-    with pytest.raises(ModelError, match="bad.gguf is not a GGUF file"):
-        InfoKVEngine.from_pretrained(str(tmp_path / "bad.gguf"), device="cpu")
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path, random_model_dir: Path) -> None:
+    (tmp_path / "BAD.GGUF").write_bytes(bytes(range(256)) * 4)  # the suffix in any case
+    with pytest.raises(ModelError, match="BAD.GGUF is not a GGUF file"):
+        InfoKVEngine.from_pretrained(str(tmp_path / "BAD.GGUF"), device="cpu")
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        InfoKVEngine.from_pretrained(str(tmp_path / "missing.gguf"), device="cpu")
+    # A model directory named like a GGUF file is a model directory (it was "GGUF file not found").
+    named = Path(shutil.copytree(random_model_dir, tmp_path / "Mistral-7B.gguf"))
+    assert resolve_model(str(named)).directory == named
 
 
 def test_a_gguf_cut_in_its_metadata_is_refused_naming_it(tmp_path: Path) -> None:

@@ -1057,6 +1057,12 @@ def test_a_store_that_cannot_take_a_cache_costs_the_next_run_a_prefill_not_this_
     assert store.ingest(random_engine, document)[1] is False  # read again, and stored this time
     assert store.holds(random_engine, document)
     assert store.ingest(random_engine, document)[1] is True
+    # A damaged entry that cannot be replaced is not held either (`ask --json` named it as the cache stored).
+    _flip_byte(store.path_for(random_engine, document) / TENSORS, 0.5)
+    monkeypatch.setattr(store_module, "save_document", disk_full)
+    with pytest.warns(StoreWriteWarning):
+        assert store.ingest(random_engine, document)[1] is False
+    assert not store.holds(random_engine, document) and not list(store.root.iterdir())
 
 
 def test_store_reads_a_document_again_once_its_method_keeps_other_tokens(
