@@ -3,9 +3,9 @@
 `ModelRunner` runs the decoder layers itself (embeddings, rotary table, layers, final norm, LM head)
 over a ragged per-layer cache, with its own attention hook. That is exact only for decoders whose
 model-level forward does nothing else: no embedding or logit multipliers, no logit soft-capping, no
-sliding-window layers. The architectures below are the ones tests run through the runner, the hook
-and the ragged cache against the model's own forward (tests/test_models.py); real weights: `llama`
-(the tiny model) and `qwen2` (the default model).
+sliding-window layers. The architectures of `models.SUPPORTED_ARCHITECTURES` are the ones tests run through the
+runner, the hook and the ragged cache against the model's own forward (tests/test_models.py); real weights:
+`llama` (the tiny model) and `qwen2` (the default model).
 """
 
 from __future__ import annotations
@@ -16,22 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .errors import ModelError
-from .models import REPLACE_FILES, check_weight_files
-
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "Llama 2 / 3.x, SmolLM2, the tiny model",
-    "qwen2": "Qwen2, Qwen2.5, the default model",
-    "qwen3": "Qwen3 dense",
-    "mistral": "Mistral v0.2 and later, without a sliding window",
-    "gemma": "Gemma, first generation",
-    "phi3": "Phi-3, Phi-4, without a sliding window",
-    "olmo2": "OLMo 2",
-}
-"""config.model_type -> the model families it covers."""
-
-
-def supported_list() -> str:
-    return "; ".join(f"{name} ({families})" for name, families in SUPPORTED_ARCHITECTURES.items())
+from .models import REPLACE_FILES, SUPPORTED_ARCHITECTURES, check_weight_files, supported_list
 
 
 def check_config(config: Any, source: str, class_name: str | None = None) -> None:

@@ -217,11 +217,46 @@ def _write_fingerprint(directory: Path, weights_sha256: str, source: str) -> Non
     (directory / FINGERPRINT_FILE).write_text(json.dumps(record, indent=2))
 
 
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama 2 / 3.x, SmolLM2, the tiny model",
+    "qwen2": "Qwen2, Qwen2.5, the default model",
+    "qwen3": "Qwen3 dense",
+    "mistral": "Mistral v0.2 and later, without a sliding window",
+    "gemma": "Gemma, first generation",
+    "phi3": "Phi-3, Phi-4, without a sliding window",
+    "olmo2": "OLMo 2",
+}
+"""config.model_type (a GGUF's `general.architecture`) -> the model families it covers: what `architectures` drives."""
+
+
+def supported_list() -> str:
+    return "; ".join(f"{name} ({families})" for name, families in SUPPORTED_ARCHITECTURES.items())
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """The `general.architecture` of a GGUF file's metadata; None where it cannot be read (the conversion then
+    says why)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields.get("general.architecture")
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (ValueError, KeyError, IndexError, TypeError, OSError, struct.error):
+        return None
+
+
 def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
     """Dequantises a GGUF file to float32 safetensors + tokenizer files in `target` (atomically). Called
     under `_conversion_lock(target)`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    architecture = _gguf_architecture(gguf_path)
+    if architecture is not None and architecture not in SUPPORTED_ARCHITECTURES:
+        # Before the conversion, which for a 7B model dequantises tens of GB.
+        raise ModelError(
+            f"{gguf_path} is a {architecture!r} model, which infokv-rag does not support: it drives the decoder "
+            f"layers itself, which is tested only for {supported_list()}"
+        )
     log.info("converting %s (one time, about a minute)", gguf_path.name)
     started = time.perf_counter()
     try:

@@ -469,6 +469,23 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path, random_model_dir: Pa
     assert resolve_model(str(named)).directory == named
 
 
+def test_a_gguf_of_an_unsupported_architecture_is_refused_before_its_conversion(tmp_path: Path) -> None:
+    """It was refused once converted (for a 7B model, tens of GB dequantised first), and the copy stayed behind."""
+    import gguf
+
+    from infokv_rag import models
+
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="mamba.gguf is a 'mamba' model, which infokv-rag does not support"):
+        models.convert_gguf(path, tmp_path / "converted", "a" * 64)
+    assert not (tmp_path / "converted").exists()
+
+
 def test_a_gguf_cut_in_its_metadata_is_refused_naming_it(tmp_path: Path) -> None:
     """Five metadata entries announced, the first one's key cut short: the reader's struct.error was a traceback."""
     from infokv_rag import models
