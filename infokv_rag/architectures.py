@@ -22,6 +22,11 @@ from .models import REPLACE_FILES, SUPPORTED_ARCHITECTURES, check_weight_files, 
 def check_config(config: Any, source: str, class_name: str | None = None) -> None:
     """Refuses an architecture the runner does not drive exactly, naming the reason."""
     model_type = getattr(config, "model_type", None)
+    if not model_type:
+        raise ModelError(
+            f"{source}: its config.json names no model_type, which tells its architecture; infokv-rag drives "
+            f"{supported_list()}"
+        )
     if model_type not in SUPPORTED_ARCHITECTURES:
         names = class_name or ", ".join(getattr(config, "architectures", None) or []) or "class unknown"
         raise ModelError(

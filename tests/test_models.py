@@ -412,7 +412,10 @@ def test_from_pretrained_refuses_before_the_weights_load(random_model_dir: Path,
     (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}}{% endfor %")
     wider = Path(shutil.copytree(random_model_dir, tmp_path / "wider"))
     (wider / "config.json").write_text(json.dumps({**fields, "vocab_size": 100}))
+    untyped = Path(shutil.copytree(random_model_dir, tmp_path / "untyped"))
+    (untyped / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if k != "model_type"}))
     for model_dir, refusal in (
+        (untyped, "its config.json names no model_type"),
         (typed, "its config.json cannot be read"),
         (broken, "its chat template cannot render a question"),
         (wider, "its tokenizer has [0-9]+ tokens but its weights embed 100"),
