@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .errors import ModelError
-from .models import REPLACE_FILES, SUPPORTED_ARCHITECTURES, check_weight_files, supported_list
+from .models import REPLACE_FILES, SUPPORTED_ARCHITECTURES, check_weight_files, missing_weights, supported_list
 
 
 def check_config(config: Any, source: str, class_name: str | None = None) -> None:
@@ -164,11 +164,10 @@ def load_weights(directory: Path, config: Any, dtype: Any, source: str, remedy: 
     except (SafetensorError, RuntimeError, ValueError) as exc:  # e.g. a tensor of another shape than the config's
         raise ModelError(f"{source}: the weights in {directory} cannot be loaded ({exc}): {remedy}") from exc
     model, info = loaded
-    missing = sorted(info.get("missing_keys") or ())
+    missing = missing_weights(info)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelError(
-            f"{source}: the checkpoint in {directory} lacks {len(missing)} weight(s) the model needs ({shown}); "
-            "it is incomplete or for another architecture: replace it with the model's complete weights"
+            f"{source}: the checkpoint in {directory} lacks {missing}; it is incomplete or for another "
+            "architecture: replace it with the model's complete weights"
         )
     return model

@@ -233,6 +233,16 @@ def supported_list() -> str:
     return "; ".join(f"{name} ({families})" for name, families in SUPPORTED_ARCHITECTURES.items())
 
 
+def missing_weights(loading: dict[str, Any]) -> str | None:
+    """The weights that transformers' `output_loading_info` reports missing (it leaves them at random), named: the
+    first five and how many; None when none is."""
+    missing = sorted(loading.get("missing_keys") or ())
+    if not missing:
+        return None
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return f"{len(missing)} weight(s) the model needs ({shown})"
+
+
 def _gguf_architecture(path: Path) -> str | None:
     """The `general.architecture` of a GGUF file's metadata; None where it cannot be read (the conversion then
     says why)."""
@@ -271,12 +281,11 @@ def convert_gguf(gguf_path: Path, target: Path, weights_sha256: str) -> None:
             "supported architecture (download it again if it was cut short)"
         ) from exc
     # A weight the file lacks (or names otherwise) is left at its random initial value: never saved as the model.
-    missing = sorted(loading.get("missing_keys") or ())
+    missing = missing_weights(loading)
     if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ModelError(
-            f"{gguf_path} lacks weights the model needs ({shown}): it is damaged or of another layout; download it "
-            "again, or convert the model with llama.cpp's convert_hf_to_gguf.py"
+            f"{gguf_path} lacks {missing}: it is damaged or of another layout; download it again, or convert the "
+            "model with llama.cpp's convert_hf_to_gguf.py"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))

@@ -489,6 +489,25 @@ def test_a_gguf_of_an_unsupported_architecture_is_refused_before_its_conversion(
     assert not (tmp_path / "converted").exists()
 
 
+def test_a_gguf_conversion_that_lacks_a_weight_saves_nothing(
+    tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers left a weight the GGUF lacks at random and only logged it: the conversion saved that as the model,
+    and every later load found every weight in place."""
+    import transformers
+
+    from infokv_rag import models
+
+    model, tokenizer = _load(random_model_dir)
+    lacking = {"missing_keys": ["model.layers.1.mlp.up_proj.weight"]}
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *_, **__: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *_, **__: (model, lacking))
+    monkeypatch.setattr(models, "_gguf_architecture", lambda _: "llama")
+    with pytest.raises(ModelError, match=r"lacks 1 weight\(s\) the model needs \(model.layers.1.mlp.up_proj.weight\)"):
+        models.convert_gguf(tmp_path / "model.gguf", tmp_path / "converted", "a" * 64)
+    assert not (tmp_path / "converted").exists()
+
+
 def test_a_gguf_cut_in_its_metadata_is_refused_naming_it(tmp_path: Path) -> None:
     """Five metadata entries announced, the first one's key cut short: the reader's struct.error was a traceback."""
     from infokv_rag import models
