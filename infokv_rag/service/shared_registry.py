@@ -149,6 +149,7 @@ class StoreRegistry(Registry):
             os.rename(claiming, self.data_dir)
         except OSError:
             os.close(handle)
+            shutil.rmtree(claiming, ignore_errors=True)
             raise
         self._lock_file = handle
 
