@@ -445,12 +445,24 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
             if handle.read(4) != b"GGUF":
                 raise ModelError(f"{path} is not a GGUF file (it lacks the GGUF magic bytes): pass a .gguf model file")
         weights_sha256 = _sha256_file(path).hexdigest()
-        target = cache_root() / "models" / f"{path.stem}-{weights_sha256[:16]}"
+        target = _conversion_of(weights_sha256) or cache_root() / "models" / f"{path.stem}-{weights_sha256[:16]}"
         return _converted(name_or_path, target, repair, lambda: convert_gguf(path.resolve(), target, weights_sha256))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a directory without config.json: not a Hugging Face model directory")
         return ModelSource(name_or_path, path)
+    return None
+
+
+def _conversion_of(weights_sha256: str) -> Path | None:
+    """A converted copy of the GGUF content `weights_sha256` already in the cache, whatever the file's name was
+    (a copy or a link of a GGUF under another name was converted again: minutes and gigabytes each)."""
+    for directory in sorted((cache_root() / "models").glob(f"*-{weights_sha256[:16]}")):
+        try:
+            if json.loads((directory / FINGERPRINT_FILE).read_text()).get("weights_sha256") == weights_sha256:
+                return directory
+        except (OSError, ValueError, AttributeError):
+            continue  # not a conversion, or a damaged one: never reused in place of a new name's
     return None
 
 

@@ -588,6 +588,20 @@ def test_concurrent_conversions_of_one_model_take_turns(conversions: list[Path],
     )
 
 
+def test_a_gguf_under_another_name_uses_the_conversion_of_its_content(
+    conversions: list[Path], gguf: Path, tmp_path: Path
+) -> None:
+    """A copy or a link of a GGUF under another name was converted again (minutes and gigabytes each)."""
+    target = resolve_model(str(gguf)).directory
+    renamed = Path(shutil.copy(gguf, tmp_path / "renamed.gguf"))
+    linked = tmp_path / "linked.gguf"
+    linked.symlink_to(gguf)
+    assert resolve_model(str(renamed)).directory == resolve_model(str(linked)).directory == target
+    assert conversions == [target]
+    renamed.write_bytes(gguf.read_bytes() + b"other content")
+    assert resolve_model(str(renamed)).directory != target and len(conversions) == 2
+
+
 def test_a_conversion_removes_what_killed_conversions_left(conversions: list[Path], gguf: Path) -> None:
     target = resolve_model(str(gguf)).directory
     leftover = target.parent / f"{target.name}.k1ll3d"  # the staging directory of a conversion killed mid-way
