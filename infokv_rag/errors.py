@@ -35,6 +35,11 @@ class AnswerRoom:
     answer_tokens: int
     context_window: int
 
+    @property
+    def spare(self) -> int:
+        """The most tokens an answer may take beside the document and the question (0 or less: none)."""
+        return self.context_window - self.document_tokens - self.question_tokens
+
     def refusal(self, answer_option: str) -> str:
         """Why it does not fit, naming the caller's option for the answer's length (`answer_option`)."""
         needed = self.document_tokens + self.question_tokens + self.answer_tokens

@@ -21,7 +21,7 @@ from ..errors import (
     EmptyQuestionError,
     InfoKVError,
 )
-from ..generation import GenerationOptions
+from ..generation import Generation, GenerationOptions
 from .dependencies import Service, document_not_found
 from .errors import ServiceError, from_core
 from .registry import DocumentRecord
@@ -165,10 +165,8 @@ async def start_answer(
     the answer's length, which a refusal of them names; without `length_given` (the server's default length) the
     length is cut to the room the context window has left."""
     assert service.worker is not None
-    if not length_given:
-        options = _within_the_window(document, turns, options)
     try:
-        generation = await run_in_threadpool(document.generate, turns, options)
+        generation = await run_in_threadpool(_generate, document, turns, options, length_given)
     except AnswerRoomError as exc:
         raise from_core(exc.worded(max_tokens_param), param=conversation_param) from exc
     # The routes refuse an empty question before the document loads; this is the core's word.
@@ -186,17 +184,19 @@ async def start_answer(
         raise exc.refusal(retry_after=2) from exc
 
 
-def _within_the_window(
-    document: CompressedDocument, turns: list[Turn], options: GenerationOptions
-) -> GenerationOptions:
-    """`options` with the server's default answer length cut to what the context window holds beside the document
-    and the conversation: a long document leaves less than a default the operator raised (the upload check reserves
-    only the library's default), and a request that named no length must not be told to lower it."""
-    engine = document.engine
-    room = engine.context_window - document.cache.document_tokens - len(engine.prompt.conversation_ids(turns))
-    if 0 < room < options.max_new_tokens:
-        return dataclasses.replace(options, max_new_tokens=room)
-    return options
+def _generate(
+    document: CompressedDocument, turns: list[Turn], options: GenerationOptions, length_given: bool
+) -> Generation:
+    """`document.generate`; where the server's default answer length (not `length_given`) does not fit, the length the
+    context window has left beside the document and the conversation: a long document leaves less than a default the
+    operator raised (the upload check reserves only the library's default), and a request that named no length must
+    not be told to lower it."""
+    try:
+        return document.generate(turns, options)
+    except AnswerRoomError as exc:
+        if length_given or exc.room is None or exc.room.spare < 1:
+            raise
+        return document.generate(turns, dataclasses.replace(options, max_new_tokens=exc.room.spare))
 
 
 def event_error(job: GenerationJob, event: Event) -> ServiceError:
