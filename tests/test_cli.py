@@ -1,13 +1,15 @@
 """The `infokv-rag` command line, run as a user runs it: a subprocess, its exit code, stdout and stderr.
 
-Bad documents are rejected before any model loads (the CLI reads the document first), so those cases
-are fast. The cases that answer use the random 3-layer model from conftest, never a real one.
+Bad documents and options are rejected before any model loads (the CLI reads the document first): those cases run
+`cli.main` in this process (`cli_in_process`: the same exit code, stdout and stderr), where a subprocess would spend
+seconds on imports per case. The cases that answer use the random 3-layer model from conftest, never a real one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -50,6 +52,28 @@ def run_cli(
         return subprocess.run(command, stdout=writer, stderr=subprocess.PIPE, text=True, env=env, timeout=timeout)
     finally:
         os.close(writer)
+
+
+CliRunner = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRunner:
+    """`run_cli`'s signature and result, for runs that end before any model loads, through `cli.main` here."""
+    from infokv_rag import cli
+
+    def run(*args: str, cache_dir: Path) -> subprocess.CompletedProcess[str]:
+        monkeypatch.setenv("INFOKV_CACHE_DIR", str(cache_dir))
+        capsys.readouterr()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            assert isinstance(exit_.code, int), exit_.code
+            code = exit_.code
+        output = capsys.readouterr()
+        return subprocess.CompletedProcess(["infokv-rag", *args], code, output.out, output.err)
+
+    return run
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess[str], *phrases: str) -> None:
@@ -120,10 +144,12 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_document_exits_2_with_actionable_message(case: str, tmp_path: Path, random_model_dir: Path) -> None:
+def test_bad_document_exits_2_with_actionable_message(
+    case: str, tmp_path: Path, random_model_dir: Path, cli_in_process: CliRunner
+) -> None:
     build, extra, phrases = BAD_INPUTS[case]
     path = build(tmp_path)
-    result = run_cli(
+    result = cli_in_process(
         "ask",
         str(path),
         "-q",
@@ -146,14 +172,14 @@ def test_json_mode_reports_errors_as_json(tmp_path: Path) -> None:
     assert error["type"] == "FileNotFoundError" and "missing.pdf" in error["message"]
 
 
-def test_bad_options_and_model_exit_2(tmp_path: Path) -> None:
+def test_bad_options_and_model_exit_2(tmp_path: Path, cli_in_process: CliRunner) -> None:
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
-    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--keep", "0", cache_dir=tmp_path), "keep")
+    assert_clean_failure(cli_in_process("ask", str(doc), "-q", "Q?", "--keep", "0", cache_dir=tmp_path), "keep")
     assert_clean_failure(
-        run_cli("ask", str(doc), "-q", "Q?", "--max-new-tokens", "0", cache_dir=tmp_path), "max-new-tokens"
+        cli_in_process("ask", str(doc), "-q", "Q?", "--max-new-tokens", "0", cache_dir=tmp_path), "max-new-tokens"
     )
-    assert_clean_failure(run_cli("info", str(tmp_path), cache_dir=tmp_path), "not a saved document cache")
-    # The model resolves after the document loads: an unknown model is refused, with the choices.
+    assert_clean_failure(cli_in_process("info", str(tmp_path), cache_dir=tmp_path), "not a saved document cache")
+    # The model resolves after the document loads: an unknown model is refused, with the choices; as a process too.
     assert_clean_failure(
         run_cli("ask", str(doc), "-q", "Q?", "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path),
         "cannot resolve model",
@@ -331,11 +357,11 @@ def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
     assert port.returncode == 2 and "a port is from 0 to 65535, not 99999" in port.stderr
 
 
-def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path, cli_in_process: CliRunner) -> None:
     doc = _write(tmp_path / "doc.txt", TEXT.encode())
-    assert_clean_failure(run_cli("ask", str(doc), "-q", "Q?", "--recall", "1.5", cache_dir=tmp_path), "recall")
+    assert_clean_failure(cli_in_process("ask", str(doc), "-q", "Q?", "--recall", "1.5", cache_dir=tmp_path), "recall")
     assert_clean_failure(
-        run_cli(
+        cli_in_process(
             "ingest", str(doc), "--out", str(tmp_path / "out"), "--method", "full", "--recall", "64", cache_dir=tmp_path
         ),
         "recall",
@@ -343,7 +369,7 @@ def test_bad_recall_options_exit_2_before_the_model_loads(tmp_path: Path) -> Non
     )
 
 
-def test_bad_questions_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+def test_bad_questions_exit_2_before_the_model_loads(tmp_path: Path, cli_in_process: CliRunner) -> None:
     """An empty question, or one that is not text (a byte that argv cannot decode), is refused with the options: an
     unknown --model would fail on loading, so the question's error must come first. Every -q is checked before any
     is answered, and a refusal names which one it is when there are several."""
@@ -356,7 +382,7 @@ def test_bad_questions_exit_2_before_the_model_loads(tmp_path: Path) -> None:
         (("fee\udcff?",), ("the byte 0xFF at character 3", "cannot decode: set a UTF-8 locale")),
     ):
         args = [arg for question in questions for arg in ("-q", question)]
-        assert_clean_failure(run_cli("ask", str(doc), *args, *nope, cache_dir=tmp_path), *phrases)
+        assert_clean_failure(cli_in_process("ask", str(doc), *args, *nope, cache_dir=tmp_path), *phrases)
 
 
 def test_questions_that_cannot_fit_are_refused_before_the_prefill(tmp_path: Path, random_model_dir: Path) -> None:
@@ -647,28 +673,57 @@ def run_example_script(script: str, *args: str, cache_dir: Path) -> subprocess.C
     )
 
 
+def run_example_in_process(
+    script: str, *args: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """The example run as `python examples/SCRIPT ARGS` runs it (`__main__`, its exit code, stdout and stderr), in
+    this process: a subprocess costs each example's imports again (torch, langchain, llama-index), ten seconds or
+    more, for checks that end before any model loads."""
+    path = EXAMPLES / script
+    with monkeypatch.context() as patched:
+        patched.syspath_prepend(str(EXAMPLES))  # as Python puts a script's own directory first
+        patched.setattr(sys, "argv", [str(path), *args])
+        capsys.readouterr()
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+            code: int | str | None = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    output = capsys.readouterr()
+    assert isinstance(code, int), code
+    return subprocess.CompletedProcess([str(path), *args], code, output.out, output.err)
+
+
 @pytest.mark.parametrize("script", ["demo.py", "langchain_chain.py", "llamaindex_query_engine.py"])
-def test_examples_refuse_bad_options_before_the_model_loads(script: str, tmp_path: Path) -> None:
+def test_examples_refuse_bad_options_before_the_model_loads(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path))
+
+    def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_example_in_process(script, *args, monkeypatch=monkeypatch, capsys=capsys)
+
     for keep, message in (
         ("0", "keep token count must be positive"),
         ("2.5", "keep ratio must be in (0, 1]"),
         ("1", "write 1.0 to keep every token"),
     ):
         # --model nope would fail on loading: the option error must come first.
-        result = run_example_script(script, "--keep", keep, "--model", "nope", cache_dir=tmp_path)
+        result = run_example("--keep", keep, "--model", "nope")
         assert result.returncode == 2 and message in result.stderr, result.stderr[-800:]
         assert "Traceback" not in result.stderr
     if script != "demo.py":
-        missing = run_example_script(script, "--document", str(tmp_path / "nope.pdf"), cache_dir=tmp_path)
+        missing = run_example("--document", str(tmp_path / "nope.pdf"))
         assert missing.returncode == 2 and "no such file" in missing.stderr.lower(), missing.stderr[-800:]
         assert missing.stderr.startswith(f"{script}: error: ") and missing.stderr.count("\n") == 1
+    usage = run_example("--help")
+    assert usage.returncode == 0 and "exit codes: 0 done;" in usage.stdout
+    assert ("1 with --strict" in usage.stdout) == (script == "demo.py")
     # An error after the options (here a model that cannot load) is one line and exit 2 too, as the CLI reports it;
-    # --help lists the codes (the demo's --strict has its own).
+    # run as a user runs the script, so its imports, `__main__` and exit code are the real ones.
     unknown = run_example_script(script, "--model", str(tmp_path / "no-such-model"), cache_dir=tmp_path)
     assert unknown.returncode == 2, unknown.stderr[-800:]
     assert unknown.stderr.startswith(f"{script}: error: cannot resolve model") and unknown.stderr.count("\n") == 1
-    usage = run_example_script(script, "--help", cache_dir=tmp_path).stdout
-    assert "exit codes: 0 done;" in usage and ("1 with --strict" in usage) == (script == "demo.py")
 
 
 def test_examples_take_keep_as_a_token_count(tmp_path: Path, random_model_dir: Path) -> None:
