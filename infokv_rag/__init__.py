@@ -18,6 +18,7 @@ from .errors import (
     InfoKVError,
     ModelError,
     NoExtractableTextError,
+    PDFContentLimitError,
     UnsupportedFormatError,
 )
 
@@ -75,5 +76,6 @@ __all__ = [
     "InfoKVError",
     "ModelError",
     "NoExtractableTextError",
+    "PDFContentLimitError",
     "UnsupportedFormatError",
 ]

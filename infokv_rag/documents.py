@@ -29,6 +29,7 @@ from .errors import (
     EmptyDocumentError,
     EncryptedPDFError,
     NoExtractableTextError,
+    PDFContentLimitError,
     UnsupportedFormatError,
 )
 from .files import open_regular
@@ -43,6 +44,7 @@ from .pdf_damage import (
     unreadable_text,
 )
 from .pdf_forms import draws_images, draws_nothing, page_text
+from .pdf_limits import ContentMeter
 
 __all__ = [
     "Document",
@@ -963,14 +965,16 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         damaged: dict[int, str] = {}
         first_error: BaseException | None = None
         checked: dict[tuple[int, int], tuple[bool, str] | None] = {}
+        meter = ContentMeter(name)
         for index in range(page_count):
             seen = len(reports.records)
             page: PageObject | None = None
             error: BaseException | None = None
             try:
                 page = reader.pages[index]
+                meter.charge(page, index + 1)
                 raw = page_text(page)
-            except MemoryError:
+            except (MemoryError, PDFContentLimitError):
                 raise
             except Exception as exc:
                 error = exc

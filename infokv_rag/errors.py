@@ -92,5 +92,10 @@ class CorruptPDFError(DocumentError):
     """The PDF is damaged or truncated: it cannot be parsed, or pages it lists are missing or do not decode."""
 
 
+class PDFContentLimitError(DocumentError):
+    """The PDF draws more content than the reader parses (`pdf_limits.CONTENT_LIMIT`): pages or forms drawing the
+    same large content many times, a bomb of a few kilobytes that would take hours to read."""
+
+
 class CacheStoreError(InfoKVError):
     """A saved cache cannot be written, or is refused on load (corrupt, foreign, unknown format)."""

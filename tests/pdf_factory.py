@@ -290,3 +290,32 @@ def add_free_text(
     with path.open("wb") as fh:
         writer.write(fh)
     return path
+
+
+def heavy_content_pdf(path: Path, pages: int, padding: int, *, form_draws: int = 0) -> Path:
+    """A PDF of `pages` pages whose text is followed by `padding` bytes of spaces in one compressed stream that every
+    page shares as its content (a bomb of a few kilobytes: each page parses it again); with `form_draws`, the stream
+    is a form that one page draws that many times instead."""
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(text_pdf_bytes(["The notice period is thirty days."]))))
+    template = writer.pages[0]
+    text = cast(Any, template.get_contents()).get_data()
+    heavy = DecodedStreamObject()
+    heavy.set_data(text + b" " * padding)
+    if form_draws:
+        heavy.update({NameObject("/Type"): NameObject("/XObject"), NameObject("/Subtype"): NameObject("/Form")})
+        heavy[NameObject("/BBox")] = cast(Any, template.mediabox)
+        heavy[NameObject("/Resources")] = template["/Resources"]
+        resources = cast(DictionaryObject, template["/Resources"].get_object())
+        resources[NameObject("/XObject")] = DictionaryObject({NameObject("/Heavy"): writer._add_object(heavy)})
+        drawing = DecodedStreamObject()
+        drawing.set_data(b"/Heavy Do\n" * form_draws)
+        template[NameObject("/Contents")] = writer._add_object(drawing)
+    else:
+        template[NameObject("/Contents")] = writer._add_object(heavy)
+        for _ in range(pages - 1):
+            writer.add_page(template)
+    for page in writer.pages:
+        page.compress_content_streams()
+    with path.open("wb") as fh:
+        writer.write(fh)
+    return path

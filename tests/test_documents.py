@@ -40,6 +40,7 @@ from infokv_rag.errors import (
     EmptyDocumentError,
     EncryptedPDFError,
     NoExtractableTextError,
+    PDFContentLimitError,
     UnsupportedFormatError,
 )
 
@@ -311,6 +312,23 @@ def test_corrupt_pdf(tmp_path: Path) -> None:
     path = pdfs.corrupt_pdf(tmp_path / "garbage.pdf")
     message = _refusal(CorruptPDFError, path)
     assert "garbage.pdf" in message and "damaged" in message and "qpdf" in message
+
+
+@pytest.mark.parametrize(
+    ("pages", "padding", "form_draws", "where"),
+    [(20, 1_000_000, 0, "page 17"), (1, 100_000, 200, "page 1"), (1, 80_000_000, 0, "pypdf's limit on one stream")],
+)
+def test_content_drawn_past_the_limit_is_refused_before_it_is_parsed(
+    tmp_path: Path, pages: int, padding: int, form_draws: int, where: str
+) -> None:
+    """A few kilobytes of PDF whose pages share one stream of a megabyte (each page parses it again), or one page
+    drawing a form of 100 KB 200 times, came to 20 MB of content to parse: read for seconds here, for hours at a
+    thousand pages of 70 MB. Refused once the pages read pass 16 MiB, before the page that passes it is parsed; a
+    stream inflating past pypdf's own limit is refused as too large, where it was called damaged."""
+    path = pdfs.heavy_content_pdf(tmp_path / "heavy.pdf", pages, padding, form_draws=form_draws)
+    assert path.stat().st_size < 200_000
+    message = _refusal(PDFContentLimitError, path)
+    assert "heavy.pdf" in message and where in message and "split the PDF" in message
 
 
 def test_pdf_without_pages_is_empty(tmp_path: Path) -> None:

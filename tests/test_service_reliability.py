@@ -51,7 +51,14 @@ FAULTS = Path(__file__).resolve().parent / "faults"
 # What a client may be told about an upload it sent, by status.
 TYPED_REFUSALS = {
     400: {"bad_request"},
-    413: {"request_too_large", "file_too_large", "too_many_pages", "too_many_characters", "document_too_long"},
+    413: {
+        "request_too_large",
+        "file_too_large",
+        "too_many_pages",
+        "too_much_content",
+        "too_many_characters",
+        "document_too_long",
+    },
     415: {"unsupported_format"},
     422: {"encrypted_pdf", "no_text", "empty_document", "corrupt_pdf", "unreadable_document", "invalid_option"},
 }

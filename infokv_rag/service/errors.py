@@ -82,6 +82,7 @@ _CORE: list[tuple[type[BaseException], int, str]] = [
     (core.NoExtractableTextError, 422, "no_text"),
     (core.EmptyDocumentError, 422, "empty_document"),
     (core.CorruptPDFError, 422, "corrupt_pdf"),
+    (core.PDFContentLimitError, 413, "too_much_content"),
     (core.DocumentError, 422, "unreadable_document"),
     (core.ContextLengthError, 400, "context_length_exceeded"),
     (core.EmptyQuestionError, 422, "empty_message"),  # 400 on /v1/chat/completions (`status_on`), as "" is there
