@@ -338,6 +338,11 @@ class Ingestion:
         values = self.aligned.get(name)
         return values[layer] if values is not None else None
 
+    def _word_start(self, position: int) -> int:
+        """The position of the first token of the word holding `position` (clamped to the document)."""
+        position = min(max(position, 0), len(self.words) - 1)
+        return int((self.words[: position + 1] == self.words[position]).nonzero()[0])
+
     def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
         evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
         mean_evolution = evolution.mean(dim=0) if evolution is not None else None
@@ -369,10 +374,14 @@ class Ingestion:
             if self.global_budgets:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
-        protected = [
-            protected_mask(layer.live("positions"), tokens_read, self.sinks, self.config.window)
-            for layer in cache.layers
-        ]
+        window = self.config.window
+        if not final and units[0] is not None:
+            # The word this compression's window edge runs through stays whole (where the budget holds it): its
+            # protected tail would outlive its evicted head and rank as a word of its own at the next compression
+            # ("4." of " 96165974.").
+            whole = tokens_read - self._word_start(tokens_read - window)
+            window = whole if self.sinks + whole <= self.budget else window
+        protected = [protected_mask(layer.live("positions"), tokens_read, self.sinks, window) for layer in cache.layers]
         if any(bool(layer_scores.isinf().any()) for layer_scores in comparable):
             # What a scorer counts first in the budgets (+inf: numbers "everywhere") is kept first, and so are the
             # protected tokens: a head's budget counts both, or its protected tokens take the places sized for
@@ -381,7 +390,7 @@ class Ingestion:
                 layer_scores.masked_fill(mask, torch.inf)
                 for layer_scores, mask in zip(comparable, protected, strict=True)
             ]
-        minimum = min(self.sinks + self.config.window, self.budget)
+        minimum = min(self.sinks + window, self.budget)
         head_budgets: list[list[int]] | None = None
         if self.config.heads_differ and final:
             head_budgets = per_head_budgets(comparable, self.budget * len(scores), minimum, self.layer_floor)

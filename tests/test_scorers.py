@@ -345,10 +345,14 @@ def test_a_cut_word_gives_way_to_later_words_that_fill_its_places_exactly() -> N
     assert select_tokens(lifted, protected_ends, 4, number_first)[0].tolist() == [0, 1, 3, 8]
 
 
-@pytest.mark.parametrize("keep", [0.3, 0.5])
-def test_ingestion_keeps_every_number_whole_or_not_at_all(random_engine: InfoKVEngine, keep: float) -> None:
+@pytest.mark.parametrize(("keep", "chunk_size"), [(0.3, 4096), (0.5, 4096), (0.3, 320)])
+def test_ingestion_keeps_every_number_whole_or_not_at_all(
+    random_engine: InfoKVEngine, keep: float, chunk_size: int
+) -> None:
     """Every word outside the sinks and the window, in every (layer, KV head) (a layer at its smallest budget holds
-    no more than those, so a word across their edge may keep only its protected part there)."""
+    no more than those, so a word across their edge may keep only its protected part there). Read in chunks too:
+    each compression but the last protects the word its window's edge runs through whole (it kept the word's tail,
+    protected, and evicted its head)."""
     text = " ".join(
         f"Item {i} costs {i * 37 % 1000},{i * 13 % 1000:03d} EUR on 2024-0{i % 9 + 1}-1{i % 10}." for i in range(30)
     )
@@ -356,7 +360,7 @@ def test_ingestion_keeps_every_number_whole_or_not_at_all(random_engine: InfoKVE
     words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
     sizes = torch.bincount(words)
     for numbers in ("scored", "everywhere"):
-        config = CompressionConfig(method="infokv", keep=keep, settings={"numbers": numbers})
+        config = CompressionConfig(method="infokv", keep=keep, chunk_size=chunk_size, settings={"numbers": numbers})
         cache = random_engine.ingest_text(text, config).cache
         edge = words[[cache.sink_tokens - 1, len(ids) - config.window]]
         for layer in range(len(cache.lengths)):
