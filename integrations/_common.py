@@ -546,6 +546,15 @@ class DocumentHold:
         self._held: tuple[str, CompressedDocument] | None = None
         """(`fields_choice`, the document it chose): replaced whole, so that no thread reads half of it."""
 
+    # A deep copy or a pickle of an adapter (a chain copied, shipped to a worker process) holds no document: it
+    # reads its own on its first call. The document's engine holds locks and tensors, which made an adapter that
+    # had answered once impossible to copy or pickle, where one that had not could be.
+    def __deepcopy__(self, memo: dict[int, Any]) -> DocumentHold:
+        return DocumentHold()
+
+    def __reduce__(self) -> tuple[type[DocumentHold], tuple[()]]:
+        return DocumentHold, ()
+
     def held(self, adapter: AdapterFields) -> CompressedDocument | None:
         """The document the adapter's fields chose and it read already; None before that, or once a field changed."""
         held = self._held

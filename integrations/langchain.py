@@ -336,6 +336,13 @@ class ChatInfoKV(BaseChatModel, _InfoKVFields):
     def _llm_type(self) -> str:
         return "infokv-chat"
 
+    def _start(
+        self, turns: list[Turn], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[InfoKVGeneration, CompressedDocument]:
+        # `stream` is LangChain's own call option (streaming on or off for this call, whatever the callbacks): it
+        # has acted on it already and passes it on with the rest.
+        return super()._start(turns, stop, {name: value for name, value in kwargs.items() if name != "stream"})
+
     def get_token_ids(self, text: str) -> list[int]:
         """By the model's own tokenizer (`get_num_tokens`, `trim_messages`), not LangChain's GPT-2 fallback."""
         return token_ids(self, text)

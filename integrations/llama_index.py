@@ -168,6 +168,9 @@ class InfoKV(CustomLLM):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("class_name") == cls.class_name():
+            # LlamaIndex's dumps name their class (`model_dump`, `to_json`): a dump of this class makes it again.
+            data = {name: value for name, value in data.items() if name != "class_name"}
         return refuse_unknown_fields(cls, data)
 
     @field_validator("compression", mode="before")
@@ -282,8 +285,8 @@ class InfoKV(CustomLLM):
         forms) have prepended it already (`_get_messages`), a direct `chat` call has not."""
         messages = list(messages)
         first = messages[0] if messages else None
-        if first is not None and first.role == MessageRole.SYSTEM and first.content == self.system_prompt:
-            return messages_to_turns(messages)
+        if first is None or (first.role == MessageRole.SYSTEM and first.content == self.system_prompt):
+            return messages_to_turns(messages)  # none: refused as such, not asked as the system prompt alone
         return messages_to_turns(self._extend_messages(messages))
 
     @staticmethod

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
+import pickle
 import re
 import time
 from pathlib import Path
@@ -688,9 +690,29 @@ def test_a_misspelt_option_is_refused_and_the_repr_stays_small(random_model_dir:
     for option in ("max_new_tokens", "max_token", "stop_sequences"):
         with pytest.raises(ConfigError, match=f"unknown option.*{option}"):
             chat.invoke("What is the notice period?", **{option: 2})  # type: ignore[arg-type]
+    # LangChain's own `stream` option (streaming on or off for one call) is LangChain's, not a misspelling.
+    answer = chat.invoke("What is the notice period?").content
+    assert chat.invoke("What is the notice period?", stream=False).content == answer
+    assert chat.invoke("What is the notice period?", stream=True).content == answer
+    assert chat.bind(stream=False).invoke("What is the notice period?").content == answer
+    assert asyncio.run(chat.ainvoke("What is the notice period?", stream=False)).content == answer
     # A model holding a compressed document: its repr goes into every trace, so not the tensors.
     held = ChatInfoKV(document=chat.compressed_document(), max_tokens=2)
     assert len(repr(held)) < 2000 and "CompressedDocument(" in repr(held)
+
+
+def test_an_adapter_that_answered_can_be_copied_and_pickled(random_model_dir: Path) -> None:
+    """A deep copy or a pickle (a chain copied, shipped to a worker process) reads its own document on its first
+    call: the held document's engine holds locks, which made an adapter that had answered once uncopyable."""
+    adapters: list[ChatInfoKV | InfoKVLLM] = [
+        ChatInfoKV(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=3),
+        InfoKVLLM(model=str(random_model_dir), document_text=COLD_TEXT, max_tokens=3),
+    ]
+    for adapter in adapters:
+        first = adapter.invoke("What is the notice period?")
+        for copied in (copy.deepcopy(adapter), adapter.model_copy(deep=True), pickle.loads(pickle.dumps(adapter))):
+            again = copied.invoke("What is the notice period?")
+            assert getattr(again, "content", again) == getattr(first, "content", first), type(adapter).__name__
 
 
 def test_a_password_opens_an_encrypted_pdf_and_is_never_shown(random_model_dir: Path, tmp_path: Path) -> None:

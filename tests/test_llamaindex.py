@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
+import pickle
 import re
 import threading
 from pathlib import Path
@@ -232,6 +234,15 @@ def test_fields_changed_after_use_choose_the_document_again(random_model_dir: Pa
     assert llm.to_payload()["context_window"] == llm.metadata.context_window
 
 
+def test_an_llm_that_answered_can_be_copied_and_pickled(random_model_dir: Path) -> None:
+    """As the LangChain adapters: LlamaIndex dropped the held document from a pickle with a warning, and a deep
+    copy failed on its engine's locks."""
+    llm = InfoKV(model=str(random_model_dir), document_text="The notice period is ninety days.", max_tokens=2)
+    first = llm.complete("What is the notice period?").text
+    for copied in (copy.deepcopy(llm), llm.model_copy(deep=True), pickle.loads(pickle.dumps(llm))):
+        assert copied.complete("What is the notice period?").text == first
+
+
 def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
     llm = InfoKV(model=str(random_model_dir), document_text="The notice period is ninety days.", max_tokens=2)
     for option in ("max_new_tokens", "max_token", "stop_sequences"):
@@ -250,6 +261,10 @@ def test_a_keyword_that_is_no_field_is_refused_when_the_llm_is_made(no_document_
     llm = InfoKV(model="tiny", document_text="The notice period is ninety days.", max_tokens=5, system_prompt="Hi.")
     assert (llm.max_tokens, llm.system_prompt) == (5, "Hi.")  # LlamaIndex's fields are fields too
     assert InfoKV.from_dict(llm.to_dict()).max_tokens == 5  # its dict's class_name is no field: from_dict drops it
+    # Its dumps name the class too: one of this class makes it again; another class's name is no field of it.
+    assert InfoKV(**llm.model_dump()).max_tokens == InfoKV.model_validate_json(llm.model_dump_json()).max_tokens == 5
+    with pytest.raises(TypeError, match="class_name: not a field of InfoKV"):
+        InfoKV(**{**llm.model_dump(), "class_name": "OpenAI"})
 
 
 def test_the_compression_survives_serialisation_with_its_method_settings(no_document_read: None) -> None:
@@ -297,6 +312,9 @@ def test_bad_options_and_questions_are_refused_before_the_document_is_read(no_do
     for kind, message, call in refusals:
         with pytest.raises(kind, match=message):
             call()
+    # No messages at all: refused, the system prompt not asked alone as the question.
+    with pytest.raises(ValueError, match="no messages: ask a question about the document"):
+        llm.chat([])
 
 
 def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
