@@ -14,6 +14,7 @@ import re
 import stat
 import unicodedata
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -860,6 +861,25 @@ def ends_as_pdf(data: bytes) -> bool:
     return last >= 0 and _REVISION_START.match(tail, last + len(b"%%EOF")) is None
 
 
+def _unended(data: bytes, name: str) -> str:
+    """Why `ends_as_pdf` refused `data`: cut short, or bytes appended after a %%EOF further back than viewers look
+    (a mail gateway's banner, a web server's page), which may follow a whole file or the part of one left by a cut."""
+    last = data.rfind(b"%%EOF")
+    end = last + len(b"%%EOF")
+    if last < 0 or _REVISION_START.match(data, end) is not None:
+        return (
+            f"{name} is truncated: it does not end with a %%EOF marker after its last part ({len(data)} bytes), so "
+            "the download or copy was probably cut short. " + _repair_hint(name)
+        )
+    end += 2 if data[end : end + 2] == b"\r\n" else int(data[end : end + 1] in (b"\r", b"\n"))  # its line end
+    return (
+        f"{name} does not end as a PDF: {len(data) - end} bytes that are no part of a PDF follow its last %%EOF "
+        f"marker, more than the {_EOF_WINDOW} that viewers read past (bytes appended to the file, such as a mail "
+        "gateway's banner, or what is left of a file cut short). If the file is whole, remove them "
+        f"(`head -c {end} {name} > trimmed.pdf`) and load the trimmed file; otherwise download or export it again."
+    )
+
+
 def opens_with(reader: PdfReader, password: str | None) -> bool:
     """Whether an encrypted PDF opens as `load_document` opens it: with `password`, else with the empty user password.
     An owner-password-only file opens so, as in a viewer, whatever password a batch passes to every file: a wrong
@@ -869,10 +889,7 @@ def opens_with(reader: PdfReader, password: str | None) -> bool:
 
 def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
     if not ends_as_pdf(data):
-        raise CorruptPDFError(
-            f"{name} is truncated: it does not end with a %%EOF marker after its last part ({len(data)} bytes), so "
-            "the download or copy was probably cut short. " + _repair_hint(name)
-        )
+        raise CorruptPDFError(_unended(data, name))
     try:
         # The password goes to decrypt() below: pypdf refuses one for an unencrypted file.
         reader = PdfReader(io.BytesIO(data), strict=False)
@@ -1062,7 +1079,9 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
 def _page_labels(reader: PdfReader, page_count: int) -> list[str | None]:
     """Each page's `Page.label` from the PDF's /PageLabels ("i", "ii", "1"): None where the label is the page's
     number or empty, and for every page when the label tree cannot be read (labels only name the pages, so a
-    malformed tree costs the document nothing but them)."""
+    malformed tree costs the document nothing but them). Pages that would be cited alike (an unlabelled cover,
+    cited as 1, before a body labelled from 1; chapters each labelled from 1) are told apart by their place in the
+    file: "1 (file page 2)"."""
     try:
         labels = reader.page_labels
     except MemoryError:
@@ -1070,7 +1089,13 @@ def _page_labels(reader: PdfReader, page_count: int) -> list[str | None]:
     except Exception:
         return [None] * page_count
     stripped = (label.strip() for label in labels)
-    return [label if label and label != str(number) else None for number, label in enumerate(stripped, start=1)]
+    own = [label if label and label != str(number) else None for number, label in enumerate(stripped, start=1)]
+    cited = [label if label is not None else str(number) for number, label in enumerate(own, start=1)]
+    shared = {name for name, count in Counter(cited).items() if count > 1}
+    return [
+        f"{name} (file page {number})" if name in shared else label
+        for number, (name, label) in enumerate(zip(cited, own, strict=True), start=1)
+    ]
 
 
 def _ocr_command(name: str, *options: str) -> str:

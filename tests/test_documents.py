@@ -293,6 +293,20 @@ def test_a_whole_pdf_followed_by_padding_is_read(tmp_path: Path) -> None:
     assert "truncated" in _refusal(CorruptPDFError, path)
 
 
+def test_bytes_appended_after_a_whole_pdf_are_named_not_called_a_cut(tmp_path: Path) -> None:
+    """Viewers read past 1 KB after %%EOF, and so does the loader; more (a mail gateway's 2 KB banner) is refused,
+    saying what follows the marker and how to trim it, where it said the download was cut short."""
+    data = pdfs.text_pdf_bytes(PAGES)
+    path = tmp_path / "mailed.pdf"
+    path.write_bytes(data + b"<html>scanned by a gateway</html>\n" * 10)
+    assert _load_quietly(path).text == load_document(pdfs.text_pdf(tmp_path / "plain.pdf", PAGES)).text
+    banner = b"<html>scanned by a gateway</html>\n" * 60
+    path.write_bytes(data + banner)
+    message = _refusal(CorruptPDFError, path)
+    assert f"{len(banner)} bytes that are no part of a PDF follow its last %%EOF" in message
+    assert f"head -c {len(data)} " in message and "truncated" not in message
+
+
 @pytest.mark.parametrize("keep", [0.2, 0.5, 0.9, 0.99])
 def test_pdf_cut_anywhere_is_refused(tmp_path: Path, keep: float) -> None:
     with pytest.raises(CorruptPDFError):
@@ -400,6 +414,26 @@ def test_a_pdfs_page_labels_name_its_pages_in_citations(tmp_path: Path) -> None:
     assert Document.from_layout(doc.text, doc.layout()) == doc
     [(index, _)] = supporting_pages(doc, "ninety days")
     assert doc.pages[index].cited_as == "1"
+
+
+def test_pages_that_would_be_cited_alike_are_told_apart(tmp_path: Path) -> None:
+    """An unlabelled cover (an empty label: cited by its number, 1) before a body labelled from 1, and a second
+    chapter labelled from 1 again: two pages each were cited as "1" (and "2"), so an answer from the cover cited the
+    body's first page."""
+    labels = _page_labels(
+        (0, {"/P": TextStringObject("")}), (1, {"/S": NameObject("/D")}), (3, {"/S": NameObject("/D")})
+    )
+    texts = ["Cover: a five-year term.", "Disconnect power first.", "Then wait.", "Chapter two.", "The end."]
+    doc = _load_quietly(pdfs.page_labelled_pdf(tmp_path / "manual.pdf", texts, labels))
+    assert [p.cited_as for p in doc.pages] == [
+        "1 (file page 1)",
+        "1 (file page 2)",
+        "2 (file page 3)",
+        "1 (file page 4)",
+        "2 (file page 5)",
+    ]
+    [(index, _)] = supporting_pages(doc, "five-year term")
+    assert doc.pages[index].cited_as == "1 (file page 1)"
 
 
 def test_a_malformed_page_label_tree_costs_only_the_labels(tmp_path: Path) -> None:
