@@ -157,7 +157,7 @@ def with_filled_values(text: str, fragments: Sequence[Fragment], values: Sequenc
     for order, value in enumerate(values):
         if _already_drawn(value, fragments):
             continue
-        placed = _place(value, located)
+        placed = _place(value, located, values)
         if placed is None:
             unlabelled.append(f"{value.name}: {value.shown}")
         else:
@@ -193,8 +193,10 @@ def _locate(text: str, fragments: Sequence[Fragment]) -> list[_Located]:
     return located
 
 
-def _place(value: Filled, located: Sequence[_Located]) -> tuple[int, bool] | None:
-    """Where `value` goes in the text: (offset, whether it goes before the text at that offset), or None."""
+def _place(value: Filled, located: Sequence[_Located], values: Sequence[Filled]) -> tuple[int, bool] | None:
+    """Where `value` goes in the text: (offset, whether it goes before the text at that offset), or None. Text to
+    its left labels it only when no other field's box (of `values`) stands between: that text is the other
+    field's label, and this one's may be above its box."""
     x0, y0, x1, y1 = value.box
     row = [item for item in located if y0 - _ROW_TOLERANCE <= item.fragment.y <= y1 + _ROW_TOLERANCE]
     caption = [item for item in row if x0 - _ROW_TOLERANCE <= item.fragment.x < x1]
@@ -205,7 +207,12 @@ def _place(value: Filled, located: Sequence[_Located]) -> tuple[int, bool] | Non
         right = [item for item in row if item.fragment.x >= x1 - _ROW_TOLERANCE]
         if right:
             return min(right, key=lambda item: item.fragment.x).start, True
-    left = [item for item in row if item.fragment.x < x0]
+    between = [
+        other.box
+        for other in values
+        if other is not value and other.box[2] <= x0 and other.box[1] <= y1 and y0 <= other.box[3]
+    ]
+    left = [item for item in row if item.fragment.x < x0 and not any(item.fragment.x < box[0] for box in between)]
     if left:
         return max(left, key=lambda item: item.fragment.x).end, False
     above = [

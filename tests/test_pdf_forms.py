@@ -131,6 +131,20 @@ def test_a_boxed_forms_values_follow_their_own_captions() -> None:
     assert with_filled_values("Last name First name", fragments, values) == "Last name Whitcombe First name Dana"
 
 
+def test_the_label_left_of_another_field_is_not_this_ones() -> None:
+    """A row of two fields: "Customer:" left of the first, "Start date" just above the second. The text nearest on
+    the second's left is the first field's label: the start date went after the customer's name, its own label
+    left empty."""
+    fragments = [Fragment("Customer:", 72, 700), Fragment("Start date", 340, 718)]
+    values = [
+        Filled("Northwind Traders Ltd", (140, 695, 300, 713), "customer"),
+        Filled("1 March 2026", (340, 695, 460, 713), "start"),
+    ]
+    assert with_filled_values("Customer:\nStart date", fragments, values) == (
+        "Customer: Northwind Traders Ltd\nStart date 1 March 2026"
+    )
+
+
 def test_a_value_the_content_also_draws_in_its_box_is_not_repeated() -> None:
     """A form flattened but kept: the content draws each value in the value's box, line by line or word by word,
     perhaps under a caption in the top of the box."""
