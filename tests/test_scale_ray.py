@@ -279,6 +279,11 @@ def test_the_ingress_reads_no_body_of_a_caller_without_a_valid_key() -> None:
             status, response_headers, error, read = through_ingress(ingress, "POST", path, body, headers)
             assert (status, error, read) == (401, code, 0), path
             assert response_headers["www-authenticate"].startswith("Bearer")
+        # Any method that sends a body: a DELETE or GET with one was read whole and forwarded.
+        for method, path in (("DELETE", "/v1/documents/doc_x"), ("GET", "/v1/documents"), ("PUT", "/v1/documents")):
+            for sent in ({"transfer-encoding": "chunked"}, {"content-length": str(len(body))}):
+                status, _, error, read = through_ingress(ingress, method, path, body, {**headers, **sent})
+                assert (status, error, read) == (401, code, 0), (method, sent)
     assert replicas.forwarded == []
     assert through_ingress(ingress, "GET", "/healthz")[0] == 200
     assert through_ingress(ingress, "POST", "/v1/documents", body, A)[0] == 200

@@ -209,6 +209,15 @@ def test_bad_uploads_get_clear_errors(client: httpx.Client, tmp_path: Path) -> N
     no_file = client.post("/v1/documents", data={"method": "infokv"}, files={"other": ("x", b"y")}, headers=AUTH)
     assert_error(no_file, 422, "missing_file")
     assert_error(client.post("/v1/documents", json={"file": "x"}, headers=AUTH), 415, "multipart_required")
+    body, sent_as = httpx.Request("POST", "/", files={"file": ("a.txt", b"Some text.")}), "multipart/form-data"
+    for media_type in ("multipart/form-dataX", "multipart/form-data-v2", "MULTIPART/FORM-DATA;"):
+        headers = {**AUTH, "content-type": body.headers["content-type"].replace(sent_as, media_type, 1)}
+        response = client.post("/v1/documents", content=body.read(), headers=headers)
+        if media_type.startswith("MULTIPART"):  # another case, a parameter list: the same type
+            assert response.status_code == 202, response.text
+            client.delete(f"/v1/documents/{response.json()['id']}", headers=AUTH)
+        else:
+            assert_error(response, 415, "multipart_required")
     # Nothing was kept of any refused upload.
     assert client.get("/v1/documents", headers=AUTH).json()["data"] == []
 

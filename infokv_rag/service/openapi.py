@@ -6,6 +6,7 @@ lower, and a generated client or a schema-driven test must see the same limits t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,14 +25,29 @@ def _bound(properties: Schema, name: str, keyword: str, value: int) -> None:
             alternative[keyword] = value
 
 
+_FASTAPI_VALIDATION_ERROR = "#/components/schemas/HTTPValidationError"
+
+
 def _drop_statuses_not_answered(schema: Schema) -> None:
     """FastAPI lists its own 422 (a validation error) on every route with a body; a route that answers it with
-    another status (`errors.status_on`: OpenAI's answers 400) never answers 422, so its schema must not say so."""
+    another status (`errors.status_on`: OpenAI's answers 400) never answers 422, so its schema must not say so.
+    FastAPI also lists its 422, in its own `{"detail": [...]}` shape, on a route whose only parameters are in the
+    path: those are plain strings the route checks itself (an unknown id is 404), so no such 422 is ever sent (and
+    the service's validation errors are `ErrorResponse`s): dropped, with its schemas once nothing names them."""
     for path, item in schema["paths"].items():
         for operation in item.values():
             responses = operation.get("responses", {})
             for status in [code for code in responses if code.isdigit() and status_on(path, int(code)) != int(code)]:
                 del responses[status]
+            validation = responses.get("422", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            only_path = "requestBody" not in operation and all(
+                parameter["in"] == "path" for parameter in operation.get("parameters", [])
+            )
+            if only_path and validation.get("$ref") == _FASTAPI_VALIDATION_ERROR:
+                del responses["422"]
+    if _FASTAPI_VALIDATION_ERROR not in json.dumps(schema["paths"]):
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(name, None)
 
 
 def apply_limits(schema: Schema, settings: Settings) -> Schema:

@@ -193,7 +193,8 @@ class Ingress:
 
     It holds each request's whole body in memory before forwarding it, so it refuses, with the replica's answer and
     before reading the body, a body over its route's limit (`body_limit`: a JSON body's is far below an upload's)
-    and a POST (every route that takes a body needs a key) whose keys are missing or not valid. Otherwise anyone
+    and a POST, or a request of any method that sends a body (every route that takes one needs a key), whose keys
+    are missing or not valid. Otherwise anyone
     could make it hold an upload's limit for each of the many requests it admits at once.
     """
 
@@ -209,7 +210,9 @@ class Ingress:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        if request.method == "POST":
+        sends_body = declared not in ("", "0") or "transfer-encoding" in request.headers
+        if request.method == "POST" or sends_body:
+            # Any method: a DELETE or GET with a body would be held as long as a POST's.
             required(identify(self.settings, request.headers))
         chunks, size = [], 0
         async for chunk in request.stream():

@@ -263,7 +263,7 @@ class StoreRegistry(Registry):
         """The record as the store has it now; None when it is gone (deleted by any process).
 
         The tombstone is looked up first, for every id: an id that was never stored then costs the store the
-        same two requests as one that is (another tenant's), so the time of a 404 does not tell them apart. What
+        same two requests as one that is (another tenant's); only reading the record found differs. What
         is left of a deleted document is removed: a record, or a cache without one (its reader, which had not
         seen the delete, was killed between publishing the cache and writing the record that would find it)."""
         if self._deleted(doc_id):

@@ -162,7 +162,8 @@ def _malformed_multipart(detail: str) -> ServiceError:
 async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
     """Reads the multipart body (one file, a few small fields) into a private staging directory."""
     content_type = request.headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):  # media types are case-insensitive
+    media_type = content_type.partition(";")[0].strip().lower()  # media types are case-insensitive
+    if media_type != "multipart/form-data":  # not a prefix: "multipart/form-dataX" is another type
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
     form = await _read_form(request)
     try:
