@@ -338,10 +338,19 @@ class Ingestion:
         values = self.aligned.get(name)
         return values[layer] if values is not None else None
 
-    def _word_start(self, position: int) -> int:
-        """The position of the first token of the word holding `position` (clamped to the document)."""
-        position = min(max(position, 0), len(self.words) - 1)
-        return int((self.words[: position + 1] == self.words[position]).nonzero()[0])
+    def protected_window(self, tokens_read: int, final: bool, whole_words: bool) -> int:
+        """How many of the last tokens read a compression protects: `window`, or before the last compression of a
+        method that keeps words whole, back to the start of the word the window's edge runs through: its protected
+        tail would outlive its evicted head and rank as a word of its own at the next compression ("4." of
+        " 96165974."). By at most the window's length again (deep inside a URL or an encoded blob, protecting the
+        whole run would take the budget's places from the scored tokens before it), and only where the budget holds
+        it beside the sinks."""
+        window = self.config.window
+        if final or not whole_words:
+            return window
+        edge = min(max(tokens_read - window, 0), len(self.words) - 1)
+        whole = tokens_read - int((self.words[: edge + 1] == self.words[edge]).nonzero()[0])
+        return whole if whole <= 2 * window and self.sinks + whole <= self.budget else window
 
     def _compress(self, cache: KVCache, capture: SignalCapture, tokens_read: int, final: bool) -> None:
         evolution = self.evolution[:, :tokens_read] if self.evolution is not None else None
@@ -374,13 +383,7 @@ class Ingestion:
             if self.global_budgets:
                 comparable.append(self.scorer.comparable_scores(signals))
         clock = time.perf_counter()
-        window = self.config.window
-        if not final and units[0] is not None:
-            # The word this compression's window edge runs through stays whole (where the budget holds it): its
-            # protected tail would outlive its evicted head and rank as a word of its own at the next compression
-            # ("4." of " 96165974.").
-            whole = tokens_read - self._word_start(tokens_read - window)
-            window = whole if self.sinks + whole <= self.budget else window
+        window = self.protected_window(tokens_read, final, units[0] is not None)
         protected = [protected_mask(layer.live("positions"), tokens_read, self.sinks, window) for layer in cache.layers]
         if any(bool(layer_scores.isinf().any()) for layer_scores in comparable):
             # What a scorer counts first in the budgets (+inf: numbers "everywhere") is kept first, and so are the

@@ -25,46 +25,42 @@ CONTENT_LIMIT = 16 * 2**20
 typeset content (a pdfTeX manual of 36 pages, 278 KB: 1.3 s) and 0.2 us per byte of padding, so the limit is a minute
 or so at worst. Real documents draw far less: 8 KB a page in that manual, 4-5 KB in the real-document benchmark's
 PDFs (52 KB at most, 12 pages), so the limit is some 2,000 pages of such text, far beyond what a model's context
-holds; a document of many large vector drawings with labels is what it refuses first (each of those pages is parsed
-as text)."""
+holds; a document of many large vector drawings is what it refuses first (their pages are parsed too)."""
 
-_FORM_DEPTH = 8  # forms drawing forms: pypdf follows them, so a chain of 9 already draws the same content 9 ways
+_FORM_DEPTH = 64
+"""Forms drawing forms deeper than this are refused: pypdf follows every level (it stops only at a cycle), and no
+producer nests forms a tenth as deep."""
 
 _DELIMITER = rb"\x00\t\n\x0c\r ()<>\[\]{}/%"
 _FORM_DRAWN = re.compile(rb"/([^" + _DELIMITER + rb"]+)[\x00\t\n\x0c\r ]*Do(?![^" + _DELIMITER + rb"])")
 _NAME_ESCAPE = re.compile(rb"#([0-9A-Fa-f]{2})")
-# pypdf parses a stream only when one of these byte pairs or bytes is in it (no visitor asked): text shown, a form
-# drawn. A figure's stream without any is skipped unparsed, so it costs nothing here either.
-_MAY_SHOW_TEXT = re.compile(rb"T[jJ]|Do|['\"]")
 
 
 class ContentMeter:
     """The decoded content bytes read so far (`parsed`) against `limit`, for one document.
 
-    `charge(page, number)` adds what extracting the page's text parses: its content streams, and each form drawn,
-    once per draw (a form's bytes and the forms it draws in turn, up to `_FORM_DEPTH`); a stream is decoded and
-    scanned once per document however many pages draw it."""
+    `charge(page, number)` adds what reading the page parses: its content streams, and each form drawn, once per
+    draw (a form's bytes and the forms it draws in turn). Every stream counts, a figure's without text too: a page
+    that reads as blank is parsed again to tell a scan or a failed extraction from an empty page. A stream is decoded
+    and scanned once per document however many pages draw it."""
 
     def __init__(self, name: str, limit: int = CONTENT_LIMIT) -> None:
         self.name = name
         self.limit = limit
         self.parsed = 0
-        self._costs: dict[tuple[int, int, bool], int] = {}
+        self._costs: dict[tuple[int, int], int] = {}
 
     def charge(self, page: PageObject, number: int) -> None:
-        """Counts page `number`'s content; `PDFContentLimitError` once the document's passes the limit, or when one
-        of its streams inflates past pypdf's own limit. A stream that cannot be decoded counts nothing: damage is
-        judged elsewhere (`pdf_damage.page_problem`)."""
-        # A page with annotations may carry filled form values, which extraction reads through a visitor that
-        # parses every stream, figures too.
-        every_stream = "/Annots" in page
+        """Counts page `number`'s content; `PDFContentLimitError` once the document's passes the limit, when one of
+        its streams inflates past pypdf's own limit, or when its forms nest deeper than `_FORM_DEPTH`. A stream that
+        cannot be decoded counts nothing: damage is judged elsewhere (`pdf_damage.page_problem`)."""
         resources = page.get("/Resources")
         contents = page.raw_get("/Contents") if "/Contents" in page else None
         target = contents.get_object() if isinstance(contents, IndirectObject) else contents
         streams = list(target) if isinstance(target, ArrayObject) else [contents]
         try:
             for stream in streams:
-                self.parsed += self._cost(stream, resources, every_stream, depth=0)
+                self.parsed += self._cost(stream, resources, depth=0, number=number)
         except LimitReachedError as exc:
             raise PDFContentLimitError(
                 f"{self.name}: the content of page {number} inflates past pypdf's limit on one stream ({exc}); "
@@ -78,29 +74,34 @@ class ContentMeter:
                 "it to a new one"
             )
 
-    def _cost(self, reference: Any, resources: Any, every_stream: bool, depth: int) -> int:
-        """Bytes parsed to extract the text of the stream `reference` names (with the forms it draws)."""
-        key = (reference.idnum, reference.generation, every_stream) if isinstance(reference, IndirectObject) else None
+    def _cost(self, reference: Any, resources: Any, depth: int, number: int) -> int:
+        """Bytes parsed to read the stream `reference` names (with the forms it draws)."""
+        if depth > _FORM_DEPTH:
+            raise PDFContentLimitError(
+                f"{self.name}: page {number} draws forms nested more than {_FORM_DEPTH} deep; such a PDF is refused "
+                "rather than followed down: print it to a new PDF"
+            )
+        key = (reference.idnum, reference.generation) if isinstance(reference, IndirectObject) else None
         if key is not None and key in self._costs:
             return self._costs[key]
         if key is not None:
             self._costs[key] = 0  # a form that draws itself: pypdf skips the second draw
         stream = reference.get_object() if isinstance(reference, IndirectObject) else reference
         cost = 0
-        if isinstance(stream, StreamObject) and depth <= _FORM_DEPTH:
+        if isinstance(stream, StreamObject):
             try:
                 data = stream.get_data()
             except LimitReachedError:
                 raise
             except Exception:  # noqa: BLE001 - damage: pdf_damage names it
                 data = b""
-            if isinstance(data, bytes) and (every_stream or _MAY_SHOW_TEXT.search(data)):
-                cost = len(data) + self._forms_cost(data, resources, every_stream, depth)
+            if isinstance(data, bytes):
+                cost = len(data) + self._forms_cost(data, resources, depth, number)
         if key is not None:
             self._costs[key] = cost
         return cost
 
-    def _forms_cost(self, data: bytes, resources: Any, every_stream: bool, depth: int) -> int:
+    def _forms_cost(self, data: bytes, resources: Any, depth: int, number: int) -> int:
         resources = resources.get_object() if isinstance(resources, IndirectObject) else resources
         xobjects = resources.get("/XObject") if isinstance(resources, DictionaryObject) else None
         xobjects = xobjects.get_object() if isinstance(xobjects, IndirectObject) else xobjects
@@ -113,5 +114,5 @@ class ContentMeter:
             form = reference.get_object() if isinstance(reference, IndirectObject) else None
             if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
                 own = form.get("/Resources")
-                cost += draws * self._cost(reference, resources if own is None else own, every_stream, depth + 1)
+                cost += draws * self._cost(reference, resources if own is None else own, depth + 1, number)
         return cost

@@ -319,3 +319,48 @@ def heavy_content_pdf(path: Path, pages: int, padding: int, *, form_draws: int =
     with path.open("wb") as fh:
         writer.write(fh)
     return path
+
+
+def figure_pages_pdf(path: Path, pages: int, size: int) -> Path:
+    """A text page, then `pages` pages sharing one compressed stream of `size` bytes of line drawing (no text)."""
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(text_pdf_bytes(["The notice period is thirty days."]))))
+    line = b"10 10 m 20 20 l S\n"
+    drawing = DecodedStreamObject()
+    drawing.set_data(line * (size // len(line)))
+    shared = writer._add_object(drawing)
+    for _ in range(pages):
+        writer.add_blank_page(612, 792)[NameObject("/Contents")] = shared
+    for page in writer.pages:
+        page.compress_content_streams()
+    with path.open("wb") as fh:
+        writer.write(fh)
+    return path
+
+
+def nested_forms_pdf(path: Path, depth: int, padding: int, direct_draws: int) -> Path:
+    """One page drawing form C1, which draws C2, ... C`depth`, which draws /Heavy (text and `padding` spaces); the
+    page also draws /Heavy itself `direct_draws` times."""
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(text_pdf_bytes(["The notice period is thirty days."]))))
+    page = writer.pages[0]
+    resources = cast(DictionaryObject, page["/Resources"].get_object())
+    xobjects = DictionaryObject()
+    resources[NameObject("/XObject")] = xobjects
+
+    def form(data: bytes) -> Any:
+        stream = DecodedStreamObject()
+        stream.set_data(data)
+        stream.update({NameObject("/Type"): NameObject("/XObject"), NameObject("/Subtype"): NameObject("/Form")})
+        stream[NameObject("/BBox")] = cast(Any, page.mediabox)
+        stream[NameObject("/Resources")] = page.raw_get("/Resources")
+        return writer._add_object(stream)
+
+    xobjects[NameObject("/Heavy")] = form(cast(Any, page.get_contents()).get_data() + b" " * padding)
+    for level in range(depth, 0, -1):
+        drawn = "/Heavy" if level == depth else f"/C{level + 1}"
+        xobjects[NameObject(f"/C{level}")] = form(drawn.encode() + b" Do\n")
+    drawing = DecodedStreamObject()
+    drawing.set_data(b"/C1 Do\n" + b"/Heavy Do\n" * direct_draws)
+    page[NameObject("/Contents")] = writer._add_object(drawing)
+    with path.open("wb") as fh:
+        writer.write(fh)
+    return path

@@ -43,6 +43,7 @@ from infokv_rag.errors import (
     PDFContentLimitError,
     UnsupportedFormatError,
 )
+from infokv_rag.pdf_limits import ContentMeter
 
 from . import pdf_factory as pdfs
 
@@ -343,6 +344,26 @@ def test_content_drawn_past_the_limit_is_refused_before_it_is_parsed(
     assert path.stat().st_size < 200_000
     message = _refusal(PDFContentLimitError, path)
     assert "heavy.pdf" in message and where in message and "split the PDF" in message
+
+
+def test_the_meter_counts_figures_and_forms_drawn_at_any_depth(tmp_path: Path) -> None:
+    """A page without text is parsed too (twice: a page that reads as blank is checked for images and for a failed
+    extraction), and a form reached first below the depth the meter once followed (8) was then counted as nothing
+    wherever else it was drawn: both let a few kilobytes parse for minutes uncounted."""
+    figures = pdfs.figure_pages_pdf(tmp_path / "figures.pdf", 2, 2**20)
+    meter = ContentMeter("figures.pdf", limit=3 * 2**19)
+    reader = pypdf.PdfReader(figures)
+    meter.charge(reader.pages[0], 1)
+    meter.charge(reader.pages[1], 2)
+    assert meter.parsed > 2**20
+    with pytest.raises(PDFContentLimitError, match="page 3 passed it"):
+        meter.charge(reader.pages[2], 3)
+    nested = pypdf.PdfReader(pdfs.nested_forms_pdf(tmp_path / "nested.pdf", 9, 100_000, 20))
+    meter = ContentMeter("nested.pdf")
+    meter.charge(nested.pages[0], 1)
+    assert meter.parsed > 21 * 100_000  # /Heavy once through the chain and 20 times directly
+    deep = pdfs.nested_forms_pdf(tmp_path / "deep.pdf", 70, 10, 0)
+    assert "forms nested more than 64 deep" in _refusal(PDFContentLimitError, deep)
 
 
 def test_pdf_without_pages_is_empty(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from infokv_rag import CompressionConfig, ConfigError, InfoKVEngine
 from infokv_rag.config import SETTINGS_ADDED, described, matches
+from infokv_rag.ingestion import Ingestion
 from infokv_rag.scorers import method, method_names
 from infokv_rag.scorers.base import Scorer, average_ranks, normalize
 from infokv_rag.scorers.infokv import InfoKVScorer, InfoKVSettings
@@ -370,6 +371,31 @@ def test_ingestion_keeps_every_number_whole_or_not_at_all(
                 )
                 split = ((held > 0) & (held < sizes)).nonzero().flatten()
                 assert set(split.tolist()) <= set(edge.tolist()), (numbers, layer, split)
+
+
+def test_a_chunk_edge_protects_a_word_whole_but_not_a_long_run(random_engine: InfoKVEngine) -> None:
+    """Before the last compression the window reaches back to the start of the word its edge runs through, by at
+    most the window's length again (deep inside a URL or an encoded blob, protecting the whole of it took the
+    budget's places from every scored token before it), and not where the method keeps tokens, not words; the last
+    compression keeps its window."""
+    blob = "".join(f"{i * 7919 % 65536:04x}" for i in range(200))  # 800 characters, no space
+    text = " ".join(f"Item {i} costs 96165974 EUR." for i in range(20)) + f" {blob} " + "The end. " * 20
+    ids = torch.tensor(random_engine.prompt.document_ids(text))
+    words = torch.cumsum(random_engine.word_starts[ids].long(), 0)
+    ingestion = Ingestion(random_engine, CompressionConfig(keep=0.9), ids)
+    window = ingestion.config.window
+    starts = [p for p in range(1, len(ids)) if int(words[p]) != int(words[p - 1])]
+    sizes = {int(words[p]): int((words == words[p]).sum()) for p in starts}
+    number = next(p for p in starts if 2 <= sizes[int(words[p])] <= window and p > 100)  # a word of a few tokens
+    inside = number + 1  # the edge one token into that word
+    assert ingestion.protected_window(inside + window, False, True) == window + 1
+    assert ingestion.protected_window(inside + window, True, True) == window
+    assert ingestion.protected_window(inside + window, False, False) == window
+    longest = max(starts, key=lambda p: sizes[int(words[p])])
+    assert sizes[int(words[longest])] > 2 * window  # the blob
+    # Its first tokens are protected as the word's (a few more places); deep inside, none more than the window.
+    assert ingestion.protected_window(longest + 5 + window, False, True) == window + 5
+    assert ingestion.protected_window(longest + 2 * window + window, False, True) == window
 
 
 @pytest.mark.parametrize("units", ["clause", "sentence"])
