@@ -23,9 +23,10 @@ from .errors import PDFContentLimitError
 CONTENT_LIMIT = 16 * 2**20
 """Decoded content bytes that extraction may parse per document. pypdf extracts text at about 4.5 us per byte of
 typeset content (a pdfTeX manual of 36 pages, 278 KB: 1.3 s), 0.2 us per byte of padding, and a page that reads as
-blank is parsed twice more (about 6 us per byte of line drawing), so the limit is a minute or two at worst. Real documents draw far less: 8 KB a page in that manual, 4-5 KB in the real-document benchmark's
-PDFs (52 KB at most, 12 pages), so the limit is some 2,000 pages of such text, far beyond what a model's context
-holds; a document of many large vector drawings is what it refuses first (their pages are parsed too)."""
+blank is parsed twice more (about 6 us per byte of line drawing), so the limit is a minute or two at worst. Real
+documents draw far less: 8 KB a page in that manual, 4-5 KB in the real-document benchmark's PDFs (52 KB at most, 12
+pages), so the limit is some 2,000 pages of such text, far beyond what a model's context holds; a document of many
+large vector drawings is what it refuses first (their pages are parsed too)."""
 
 _FORM_DEPTH = 64
 """Forms drawing forms deeper than this are refused: pypdf follows every level (it stops only at a cycle), and no
