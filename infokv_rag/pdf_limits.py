@@ -19,6 +19,7 @@ from pypdf.errors import LimitReachedError
 from pypdf.generic import ArrayObject, DictionaryObject, IndirectObject, StreamObject
 
 from .errors import PDFContentLimitError
+from .pdf_damage import resolved
 
 CONTENT_LIMIT = 16 * 2**20
 """Decoded content bytes that extraction may parse per document. pypdf extracts text at about 4.5 us per byte of
@@ -57,7 +58,7 @@ class ContentMeter:
         cannot be decoded counts nothing: damage is judged elsewhere (`pdf_damage.page_problem`)."""
         resources = page.get("/Resources")
         contents = page.raw_get("/Contents") if "/Contents" in page else None
-        target = contents.get_object() if isinstance(contents, IndirectObject) else contents
+        target = resolved(contents)
         streams = list(target) if isinstance(target, ArrayObject) else [contents]
         try:
             for stream in streams:
@@ -87,7 +88,7 @@ class ContentMeter:
             return self._costs[key]
         if key is not None:
             self._costs[key] = 0  # a form that draws itself: pypdf skips the second draw
-        stream = reference.get_object() if isinstance(reference, IndirectObject) else reference
+        stream = resolved(reference)
         cost = 0
         if isinstance(stream, StreamObject):
             try:
@@ -103,9 +104,8 @@ class ContentMeter:
         return cost
 
     def _forms_cost(self, data: bytes, resources: Any, depth: int, number: int) -> int:
-        resources = resources.get_object() if isinstance(resources, IndirectObject) else resources
-        xobjects = resources.get("/XObject") if isinstance(resources, DictionaryObject) else None
-        xobjects = xobjects.get_object() if isinstance(xobjects, IndirectObject) else xobjects
+        resources = resolved(resources)
+        xobjects = resolved(resources.get("/XObject")) if isinstance(resources, DictionaryObject) else None
         if not isinstance(xobjects, DictionaryObject):
             return 0
         cost = 0
