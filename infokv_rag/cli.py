@@ -153,6 +153,14 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
     )
     _add_model_options(parser)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
+    parser.add_argument(
+        "--pdf-content-limit",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="decoded page content a PDF may make the reader parse before it is refused (default: 16 MiB, "
+        "pdf_limits.CONTENT_LIMIT, some 2,000 pages of text); raise it for a trusted manual of many large drawings",
+    )
     _add_verbose(parser)
 
 
@@ -349,7 +357,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         questions = _question_turns(args.questions)
-    document = load_document(args.file, password=args.password)
+    limit = {} if args.pdf_content_limit is None else {"content_limit": args.pdf_content_limit}
+    document = load_document(args.file, password=args.password, **limit)
     _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")
     if args.command == "ingest":
         from .store import check_save_target

@@ -25,6 +25,7 @@ from pypdf import PageObject, PasswordType, PdfReader
 from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
 
 from .errors import (
+    ConfigError,
     CorruptPDFError,
     DocumentError,
     EmptyDocumentError,
@@ -45,7 +46,7 @@ from .pdf_damage import (
     unreadable_text,
 )
 from .pdf_forms import draws_images, draws_nothing, page_text
-from .pdf_limits import ContentMeter
+from .pdf_limits import CONTENT_LIMIT, ContentMeter
 
 __all__ = [
     "Document",
@@ -313,13 +314,20 @@ def document_from_pages(
     )
 
 
-def load_document(path: str | os.PathLike[str], password: str | None = None) -> Document:
+def load_document(
+    path: str | os.PathLike[str], password: str | None = None, *, content_limit: int = CONTENT_LIMIT
+) -> Document:
     """Read a PDF or text/markdown file into a Document.
 
     A file starting with `%PDF-` (after whitespace, NULs or a UTF-8 byte-order mark) is a PDF whatever its name;
     any other file that decodes as text is text. `password` opens encrypted PDFs and is ignored otherwise. A UTF-8
     file with a few stray Windows-1252 bytes is read with a `StrayBytesWarning` (see `_MAX_STRAY_BYTES`).
+    `content_limit`: the decoded page content, in bytes, that reading a PDF may parse before it is refused with
+    `PDFContentLimitError` (`pdf_limits.CONTENT_LIMIT`, 16 MiB, by default; raise it for manuals of many large
+    drawings, knowing that pypdf parses about 4.5 us per byte of typeset text).
     """
+    if isinstance(content_limit, bool) or not isinstance(content_limit, int) or content_limit < 1:
+        raise ConfigError(f"content_limit must be a positive number of bytes, got {content_limit!r}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"expected the path of a PDF or text file, got {type(path).__name__}; for a Document already loaded "
@@ -352,7 +360,7 @@ def load_document(path: str | os.PathLike[str], password: str | None = None) -> 
     suffix = p.suffix.lower()
 
     if reads_as_pdf(data, p.name):
-        return _load_pdf(data, name=name, sha=sha, password=password)
+        return _load_pdf(data, name=name, sha=sha, password=password, content_limit=content_limit)
     if suffix in PDF_SUFFIXES:
         raise UnsupportedFormatError(
             f"{name} is named .pdf but is not a PDF (no %PDF- header): it {_describe(data)}. "
@@ -959,7 +967,7 @@ def _missing_crypto(name: str, exc: BaseException) -> EncryptedPDFError:
     )
 
 
-def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Document:
+def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None, content_limit: int) -> Document:
     with pypdf_reports() as reports:
         reader = _open_pdf(data, name, password)
         try:
@@ -982,7 +990,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None) -> Docu
         damaged: dict[int, str] = {}
         first_error: BaseException | None = None
         checked: dict[tuple[int, int], tuple[bool, str] | None] = {}
-        meter = ContentMeter(name)
+        meter = ContentMeter(name, content_limit)
         for index in range(page_count):
             seen = len(reports.records)
             page: PageObject | None = None

@@ -70,10 +70,11 @@ class ContentMeter:
             ) from exc
         if self.parsed > self.limit:
             raise PDFContentLimitError(
-                f"{self.name}: reading its text would parse more than {self.limit // 2**20} MiB of page content "
+                f"{self.name}: reading its text would parse more than {_size(self.limit)} of page content "
                 f"(page {number} passed it): pages or forms that draw the same large content many times, or very "
                 "large drawings. A PDF that heavy is refused rather than read for minutes: split the PDF, or print "
-                "it to a new one"
+                "it to a new one (a trusted one may be read with a higher limit: load_document's content_limit, the "
+                "service's INFOKV_MAX_PDF_CONTENT_BYTES)"
             )
 
     def _cost(self, reference: Any, resources: Any, depth: int, number: int) -> int:
@@ -117,3 +118,7 @@ class ContentMeter:
                 own = form.get("/Resources")
                 cost += draws * self._cost(reference, resources if own is None else own, depth + 1, number)
         return cost
+
+
+def _size(limit: int) -> str:
+    return f"{limit // 2**20} MiB" if limit % 2**20 == 0 else f"{limit:,} bytes"

@@ -125,6 +125,11 @@ BAD_INPUTS: dict[str, tuple[Callable[[Path], Path], tuple[str, ...], tuple[str, 
         (),
         ("archive.txt", "not a supported document", "zip"),
     ),
+    "too-much-content": (
+        lambda d: pdfs.heavy_content_pdf(d / "heavy.pdf", 2, 600_000),
+        ("--pdf-content-limit", "1000000"),
+        ("heavy.pdf", "1,000,000 bytes", "split the pdf"),
+    ),
     "empty-file": (
         lambda d: _write(d / "empty.txt", b""),
         (),

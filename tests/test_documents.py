@@ -35,6 +35,7 @@ from infokv_rag.documents import (
     load_document,
 )
 from infokv_rag.errors import (
+    ConfigError,
     CorruptPDFError,
     DocumentError,
     EmptyDocumentError,
@@ -344,6 +345,19 @@ def test_content_drawn_past_the_limit_is_refused_before_it_is_parsed(
     assert path.stat().st_size < 200_000
     message = _refusal(PDFContentLimitError, path)
     assert "heavy.pdf" in message and where in message and "split the PDF" in message
+
+
+def test_the_content_limit_is_the_callers_to_set(tmp_path: Path) -> None:
+    """A trusted manual of many large drawings can be read past the default limit, and a service can lower it; a
+    limit that is not a positive count of bytes is refused before the file is read."""
+    path = pdfs.heavy_content_pdf(tmp_path / "heavy.pdf", 3, 1_000_000)  # 3 MB of content to parse
+    assert len(load_document(path).pages) == 3
+    message = _refusal(PDFContentLimitError, path, content_limit=1_500_000)
+    assert "1,500,000 bytes" in message and "page 2 passed it" in message and "content_limit" in message
+    assert len(load_document(path, content_limit=3_100_000).pages) == 3
+    for wrong in (0, -5, 2.5, True, "16"):
+        with pytest.raises(ConfigError, match="content_limit must be a positive number of bytes"):
+            load_document(path, content_limit=wrong)  # type: ignore[arg-type]
 
 
 def test_the_meter_counts_figures_and_forms_drawn_at_any_depth(tmp_path: Path) -> None:

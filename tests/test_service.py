@@ -42,6 +42,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = {
     "max_upload_bytes": 200_000,
     "max_pages": 5,
+    "max_pdf_content_bytes": 1_000_000,
     "max_question_chars": 300,
     "max_new_tokens": 64,
     "default_max_tokens": 16,
@@ -230,9 +231,9 @@ def test_upload_limits_are_413(client: httpx.Client, tmp_path: Path) -> None:
     six_pages = pdfs.text_pdf(tmp_path / "long.pdf", [f"Page {i} text." for i in range(6)])
     error = assert_error(upload(client, "long.pdf", six_pages.read_bytes()), 413, "too_many_pages")
     assert "6 pages" in error["message"] and "5" in error["message"]
-    heavy = pdfs.heavy_content_pdf(tmp_path / "heavy.pdf", 2, 9_000_000)  # 2 pages of 9 MB content: 9 KB
+    heavy = pdfs.heavy_content_pdf(tmp_path / "heavy.pdf", 2, 600_000)  # 2 pages of 600 KB content: 2 KB
     error = assert_error(upload(client, "heavy.pdf", heavy.read_bytes()), 413, "too_much_content")
-    assert "16 MiB" in error["message"] and str(tmp_path) not in error["message"]
+    assert "1,000,000 bytes" in error["message"] and str(tmp_path) not in error["message"]
     long_text = make_fact_document(seed=3, target_words=9000).text.encode()[:190_000]  # > 8K tokens
     error = assert_error(upload(client, "novel.txt", long_text), 413, "document_too_long")
     assert "context window" in error["message"]

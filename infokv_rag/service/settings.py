@@ -10,6 +10,7 @@ from typing import Any
 from ..config import DEFAULT_METHOD, CompressionConfig, parse_keep
 from ..errors import ConfigError
 from ..generation import DEFAULT_MAX_NEW_TOKENS
+from ..pdf_limits import CONTENT_LIMIT
 from ..placement import dtype_name
 from .tenants import KeyRing, read_keys_file, split_entries
 
@@ -61,6 +62,8 @@ class Settings:
     max_document_chars: int = 2_000_000
     """Characters of extracted text, checked before any tokenization (the token limit is the context window)."""
     max_pages: int = 1000
+    max_pdf_content_bytes: int = CONTENT_LIMIT
+    """Decoded page content a PDF's text extraction may parse (`load_document`'s `content_limit`)."""
     max_question_chars: int = 4000
     max_new_tokens: int = 1024
     """The largest max_tokens a request may ask for."""
@@ -190,6 +193,7 @@ _INT_FIELDS = (
     "max_upload_bytes",
     "max_document_chars",
     "max_pages",
+    "max_pdf_content_bytes",
     "max_question_chars",
     "max_new_tokens",
     "default_max_tokens",

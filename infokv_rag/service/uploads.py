@@ -318,12 +318,14 @@ class ParsedUpload(NamedTuple):
     for its uploader; without server paths."""
 
 
-def _load(staged: StagedUpload) -> tuple[Document, list[str]]:
+def _load(staged: StagedUpload, settings: Settings) -> tuple[Document, list[str]]:
     """`load_document` of the upload, and what it warned about (pages skipped, stray bytes read as Windows-1252),
     without server paths."""
     from ..documents import load_document
 
-    document = load_document(staged.path, password=staged.options.password)
+    document = load_document(
+        staged.path, password=staged.options.password, content_limit=settings.max_pdf_content_bytes
+    )
     told = [_without_paths(message, staged) for message in document.load_warnings]
     for message in told:
         log.info("upload %s: %s", staged.name, message)
@@ -337,7 +339,7 @@ def parse_upload(staged: StagedUpload, settings: Settings, engine: InfoKVEngine)
     if pages is not None and pages > settings.max_pages:
         raise _too_many_pages(pages, settings)
     try:
-        document, load_warnings = _load(staged)
+        document, load_warnings = _load(staged, settings)
     except DocumentError as exc:
         raise from_core(exc, _client_message(exc, staged)) from exc
     total_pages = len(document.pages) + len(document.skipped_pages)
