@@ -160,6 +160,8 @@ def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:
         assert schema["paths"][path][method].get("summary"), (path, method)
     upload_body = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]["multipart/form-data"]
     assert {"file", "method", "keep"} <= set(upload_body["schema"]["properties"])
+    limits = upload_body["schema"]["properties"]["file"]["description"]
+    assert "200000 bytes, 5 pages, 1000000 bytes of decoded page content" in limits  # this server's own (LIMITS)
     assert {"HTTPBearer", "APIKeyHeader"} <= set(schema["components"]["securitySchemes"])
 
 

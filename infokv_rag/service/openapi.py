@@ -64,7 +64,8 @@ def apply_limits(schema: Schema, settings: Settings) -> Schema:
         _bound(properties, "seed", "maximum", SEED_MAX)
     upload = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     upload["properties"]["file"]["description"] += (
-        f" At most {settings.max_upload_bytes} bytes, {settings.max_pages} pages and "
+        f" At most {settings.max_upload_bytes} bytes, {settings.max_pages} pages, "
+        f"{settings.max_pdf_content_bytes} bytes of decoded page content (a PDF) and "
         f"{settings.max_document_chars} characters of text, and it must fit the model's context window."
     )
     _drop_statuses_not_answered(schema)
