@@ -136,8 +136,13 @@ def adaptive_budgets(scores: list[Tensor], total: int, minimum: int) -> list[int
     remaining = total - sum(budgets)
     active = [i for i in range(len(scores)) if budgets[i] < lengths[i]]
     while remaining > 0 and active:
-        weight_sum = sum(flatness[i] for i in active) or float(len(active))
-        shares = {i: remaining * (flatness[i] or 1.0) / weight_sum for i in active}
+        # Every layer of a flatness 0 (one token, or all mass on one) shares evenly only when all are: weights
+        # and their sum must agree, or the shares pass `remaining`.
+        share_weights = {i: flatness[i] for i in active}
+        if not any(share_weights.values()):
+            share_weights = dict.fromkeys(active, 1.0)
+        weight_sum = sum(share_weights.values())
+        shares = {i: remaining * share_weights[i] / weight_sum for i in active}
         granted = 0
         for i in active:
             extra = min(int(shares[i]), lengths[i] - budgets[i])

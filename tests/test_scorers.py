@@ -585,3 +585,17 @@ def test_a_nan_score_normalises_lowest_and_leaves_its_head_alone() -> None:
     assert torch.equal(normalize(nothing, "rank"), torch.full((1, 3), 0.5))
     budgets = adaptive_budgets([normalize(scores), scores], total=5, minimum=1)
     assert sum(budgets) == 5 and all(1 <= budget <= 4 for budget in budgets)
+
+
+def test_adaptive_budgets_sum_to_the_total_beside_a_one_token_layer() -> None:
+    """A layer of one token has flatness 0: its share was counted as 1 in the numerator and 0 in the sum, so the
+    budgets passed the total (11 of 10)."""
+    generator = torch.Generator().manual_seed(0)
+    one = torch.tensor([[0.7]])
+    cases = (
+        ([one, torch.rand(1, 25, generator=generator)], 10),
+        ([one, one, torch.rand(2, 30, generator=generator)], 12),
+    )
+    for layers, total in cases:
+        budgets = adaptive_budgets(layers, total=total, minimum=0)
+        assert sum(budgets) == total and all(b <= layer.shape[1] for b, layer in zip(budgets, layers, strict=True))
