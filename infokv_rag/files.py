@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
@@ -43,7 +45,7 @@ def open_regular(path: Path, directory: int | None = None) -> BinaryIO:
 
 
 class FileStamp:
-    """The file a memory map reads, held open, with its size and last modification when mapped.
+    """The file a memory map reads, held open, with its size, last modification and status change when mapped.
 
     A copy-on-write map still reads from the file every page it has not copied, so a change made to the file in
     place (a copy or `rsync --inplace` over it, a truncation) would show through after the file was verified,
@@ -62,7 +64,10 @@ class FileStamp:
         self._descriptor = os.dup(handle.fileno())
         weakref.finalize(self, os.close, self._descriptor)
         status = os.fstat(self._descriptor)
-        self.size, self.modified_ns = status.st_size, status.st_mtime_ns
+        self.size, self.modified_ns, self._status_changed_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
+        self.verified_sha256: str | None = None
+        """The content's sha256 once its reader has verified it: a file whose status changed (a chmod, a link, or a
+        write whose modification time was set back, as `touch -r` or `cp -p` over it do) is hashed again."""
 
     def __copy__(self) -> FileStamp:
         return self  # a copy of the descriptor's number would outlive it (closed with the original)
@@ -73,9 +78,26 @@ class FileStamp:
     def changed_in_place(self) -> bool:
         try:
             now = os.fstat(self._descriptor)
+            if (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns):
+                return True
+            # A removed file's status changes as its last name goes, and nothing can open it to write any more.
+            if now.st_ctime_ns == self._status_changed_ns or now.st_nlink == 0:
+                return False
+            if self.verified_sha256 is None or _descriptor_sha256(self._descriptor) != self.verified_sha256:
+                return True
         except OSError:
             return True  # cannot tell: taken as changed
-        return (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns)
+        self._status_changed_ns = now.st_ctime_ns
+        return False
+
+
+def _descriptor_sha256(descriptor: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while block := os.pread(descriptor, 1 << 22, offset):
+        digest.update(block)
+        offset += len(block)
+    return digest.hexdigest()
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -114,10 +136,11 @@ TEMPORARY_SUFFIX = re.compile(f"[0-9a-f]{{{TEMPORARY_DIGITS}}}")
 """What follows the prefix in the name of a directory `make_temporary_directory` makes."""
 
 
-def make_temporary_directory(parent: Path, prefix: str) -> Path:
-    """A new private directory in `parent` named `prefix` and 16 random hex digits (`is_temporary_name`)."""
+def make_temporary_directory(parent: Path, prefix: str, *, private: bool = True) -> Path:
+    """A new directory in `parent` named `prefix` and 16 random hex digits (`is_temporary_name`): private, or (not
+    `private`: one to be installed as a new directory) of the mode the umask gives a new directory."""
     directory = parent / f"{prefix}{secrets.token_hex(TEMPORARY_DIGITS // 2)}"
-    directory.mkdir(mode=0o700)
+    directory.mkdir(mode=0o700 if private else 0o777)
     return directory
 
 
@@ -141,17 +164,23 @@ def retired_prefix(target: Path) -> str:
 
 
 def replace_directory(staging: Path, target: Path) -> None:
-    """Renames the complete `staging` directory to `target`, retiring a directory already there (renamed over a
-    fresh empty `retired_prefix` directory beside it, then removed; one a crash leaves is a leftover to sweep).
+    """Renames the complete `staging` directory to `target`, replacing a directory already there.
 
-    Between retiring the old directory and renaming the new one, `target` does not exist: a crash there
-    leaves none, never a mix of two; a rename that fails there, or an interruption (Ctrl-C), puts the old one
+    Where the system can (Linux 3.15 and later, on most local filesystems), the two are exchanged in one step
+    (`renameat2` with RENAME_EXCHANGE) and the earlier one, now at `staging`, removed: `target` always names a
+    whole directory, the old or the new (a crash before the removal leaves the old at `staging`, a leftover to
+    sweep). Elsewhere the earlier directory is retired first (renamed over a fresh empty `retired_prefix`
+    directory beside it, then removed), and between that and renaming the new one `target` does not exist: a crash
+    there leaves none, never a mix of two; a rename that fails there, or an interruption (Ctrl-C), puts the old one
     back. Another process may install the same target concurrently; the last rename wins (both are complete).
     """
     for attempt in range(5):
         retired = None
         installed = False
         try:
+            if target.exists() and _exchanged(staging, target):
+                shutil.rmtree(staging, ignore_errors=True)
+                return
             if target.exists():
                 retired = make_temporary_directory(target.parent, retired_prefix(target))
                 try:
@@ -174,6 +203,27 @@ def replace_directory(staging: Path, target: Path) -> None:
                     with contextlib.suppress(OSError):
                         os.rename(retired, target)
                 shutil.rmtree(retired, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+try:
+    _renameat2: Any = ctypes.CDLL(None, use_errno=True).renameat2
+except (AttributeError, OSError, TypeError):  # not glibc 2.28+ or musl 1.2.4+: no exchange (macOS, Windows)
+    _renameat2 = None
+
+
+def _exchanged(first: Path, second: Path) -> bool:
+    """Whether `first` and `second` were exchanged in one step; False where the system or filesystem cannot (or
+    `second` went meanwhile: its caller renames then)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOENT):
+        return False
+    raise OSError(error, os.strerror(error), str(second))
 
 
 def safetensors_header(buffer: Any) -> tuple[dict[str, Any], int]:

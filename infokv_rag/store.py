@@ -270,8 +270,23 @@ def is_saved_cache(directory: Path) -> bool:
     try:
         read_manifest(directory)
     except CacheStoreError:
-        return False
+        return read_whole(directory, _of_a_later_format)
     return True
+
+
+def _of_a_later_format(files: CacheFiles) -> bool:
+    """Whether the manifest of `files` is one a later release wrote (this one cannot check it): a JSON object of
+    a format beyond those read here, naming the release."""
+    try:
+        manifest = json.loads(files.read(MANIFEST, MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (
+        isinstance(manifest, dict)
+        and type(manifest.get("format_version")) is int
+        and manifest["format_version"] > max(READABLE_VERSIONS)
+        and isinstance(manifest.get("library_version"), str)
+    )
 
 
 def _check_can_make(target: Path) -> None:
@@ -300,13 +315,15 @@ def _check_can_make(target: Path) -> None:
 
 def save_document(document: CompressedDocument, directory: str | os.PathLike[str], *, owned: bool = False) -> Path:
     """Writes `document` to `directory` atomically, replacing a cache there (`check_save_target` says what may
-    be replaced; a replaced directory keeps its permissions)."""
+    be replaced; a replaced directory keeps its permissions, a new one takes the umask's, or 0700 when `owned`: a
+    cache store's entry)."""
     target = check_save_target(directory, owned=owned)
     files = encode_document(document)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _sweep_leftovers(target)
-        staging = make_temporary_directory(target.parent, _staging_prefix(target))
+        # A store's own entry stays private (README: it holds the text); a user's save takes the umask's mode.
+        staging = make_temporary_directory(target.parent, _staging_prefix(target), private=owned)
     except OSError as exc:
         raise CacheStoreError(f"cannot write a cache into {target.parent}: {exc}") from exc
     try:
@@ -424,7 +441,9 @@ class DirectoryFiles:
         return handle
 
     def read(self, name: str, most: int) -> bytes:
-        return self._open(name).read(most + 1)
+        handle = self._open(name)
+        # Never more than the file holds: `most` comes from a manifest, and read() allocates what it is asked for.
+        return handle.read(min(most, os.fstat(handle.fileno()).st_size) + 1)
 
     def map(self, name: str) -> tuple[mmap.mmap | bytearray, FileStamp]:
         """The file's bytes, memory-mapped copy-on-write (writable, so tensors can view them; an empty file,
@@ -631,6 +650,15 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
             f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
         )
     runner = engine.runner
+    layers_made = len(manifest["tokens"].get("kept_per_layer", [None] * runner.num_layers))
+    if layers_made != runner.num_layers:
+        # The fingerprint leaves the layer count out (it would change every model's), and transformers reads the
+        # same weights under a config.json of fewer layers.
+        raise CacheStoreError(
+            f"{path} was made by a model of {layers_made} layers, and the loaded model {engine.name!r} has "
+            f"{runner.num_layers}: the same weights under another config.json are another model; load it with the "
+            "model that made it or ingest again"
+        )
     n = int(manifest["tokens"]["document"])
     # Before anything of n entries is made: a count beyond the model's context window would ask for any memory.
     if not 0 < n <= engine.context_window:
@@ -898,6 +926,8 @@ def _read_cold_tensors(
         return buffer
 
     buffer = _verified(files, COLD, record, read)
+    for stamp in stamps:
+        stamp.verified_sha256 = record["sha256"]
     try:
         tensors, bound_to = safetensors_views(buffer), _binding_of(buffer)
     except (ValueError, KeyError, struct.error) as exc:

@@ -360,6 +360,31 @@ def test_a_mapped_cold_tier_changed_in_place_after_loading_is_not_read(
         (path / COLD).write_bytes(good)
 
 
+def test_a_cold_tier_written_over_with_its_modification_time_set_back_is_not_read(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """`cp -p`, `touch -r` and `rsync -a --inplace` write a file in place and set its modification time back: with
+    the size unchanged too, the map read the new bytes unnoticed. Its status change time tells (it cannot be set
+    back), and a change of status alone (a chmod, a new hard link) is read again and found the same."""
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
+    answer = doc.ask(QUESTION, max_new_tokens=8)
+    path = doc.save(tmp_path / "doc")
+    good = (path / COLD).read_bytes()
+    loaded = random_engine.load(path)
+    time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
+    (path / COLD).chmod(0o600)
+    os.link(path / COLD, tmp_path / "backup")
+    assert loaded.ask(QUESTION, max_new_tokens=8) == answer
+    status = (path / COLD).stat()
+    with open(path / COLD, "r+b") as handle:
+        handle.seek(len(good) // 2)
+        handle.write(bytes(4096))
+    os.utime(path / COLD, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert (path / COLD).stat().st_mtime_ns == status.st_mtime_ns
+    with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+        loaded.ask(QUESTION, max_new_tokens=8)
+
+
 def test_a_cold_tier_changed_in_place_while_a_question_reads_it_is_refused_before_any_answer(
     random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

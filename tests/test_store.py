@@ -169,6 +169,30 @@ def test_a_cache_with_global_layer_budgets_round_trips(
     assert loaded.ask(QUESTION, max_new_tokens=NEW_TOKENS) == doc.ask(QUESTION, max_new_tokens=NEW_TOKENS)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_a_cache_saved_to_a_new_path_has_the_mode_the_umask_gives(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, mask: int
+) -> None:
+    """Its staging directory was made private (0700) and installed as it was: a cache saved by one user for a
+    service account to load could not be read, where one saved into an empty directory could."""
+    previous = os.umask(mask)
+    try:
+        target = doc_a.save(tmp_path / "new" / "c")
+        store = CacheStore(tmp_path / "store")
+        store.ingest(random_engine, doc_a.document, doc_a.config)
+    finally:
+        os.umask(previous)
+    assert (target.stat().st_mode & 0o777) == 0o777 & ~mask
+    entry = store.path_for(random_engine, doc_a.document, doc_a.config)
+    assert (entry.stat().st_mode & 0o777) == 0o700, "a cache store's entry stays private (it holds the text)"
+
+
 def test_save_replaces_an_existing_cache(
     random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path
 ) -> None:
@@ -205,6 +229,13 @@ def test_save_replaces_an_existing_cache(
         with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
             doc_b.save(refused)
     assert (mine / TEXT).read_text() == "my input" and (target / TENSORS).is_file()
+    # A later release's cache is ours: loading it says to ingest the document again, and saving that is allowed.
+    shutil.rmtree(target)
+    doc_a.save(target)
+    _edit_manifest(target, lambda m: m.update(format_version=FORMAT_VERSION + 1, checksum="of another scheme"), False)
+    with pytest.raises(CacheStoreError, match=f"uses cache format {FORMAT_VERSION + 1}"):
+        random_engine.load(target)
+    assert_same_document(random_engine.load(doc_b.save(target)), doc_b)
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -360,6 +391,19 @@ def test_a_file_grown_far_past_its_record_is_refused_without_being_read(
             read(copy)
 
 
+@pytest.mark.parametrize("recorded", [10**11, 2**63 - 1])
+def test_a_file_record_beyond_memory_is_refused_as_damage(
+    recorded: int, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
+) -> None:
+    """The read took the manifest's byte count as what to allocate: a bare MemoryError, or an OverflowError out of
+    `infokv-rag info`, for a manifest that a broken tool re-signed."""
+    copy = Path(shutil.copytree(saved_a, tmp_path / "copy"))
+    _edit_manifest(copy, lambda m: m["files"][TEXT].update(bytes=recorded), True)
+    for read in (describe, random_engine.load):
+        with pytest.raises(CacheStoreError, match=f"{TEXT} fails its sha256 check"):
+            read(copy)
+
+
 @pytest.mark.parametrize("name", ["../outside.txt", "absolute", "notes.txt"])
 def test_a_manifest_naming_other_files_than_a_caches_own_is_refused_without_reading_them(
     name: str, random_engine: InfoKVEngine, saved_a: Path, tmp_path: Path
@@ -396,6 +440,21 @@ def test_cache_of_another_model_with_the_same_shapes_is_refused(
     with pytest.raises(CacheStoreError, match="was made by model .* not by the loaded model") as refused:
         other_random_engine.load(saved_a)
     assert "ingest again" in str(refused.value)
+
+
+def test_a_cache_of_the_same_weights_under_another_layer_count_is_refused_as_another_models(
+    random_engine: InfoKVEngine, random_model_dir: Path, saved_a: Path, tmp_path: Path
+) -> None:
+    """transformers reads a model's weights under a config.json of fewer layers, and the fingerprint leaves the
+    layer count out: each model's caches were refused by the other as damaged ("ingest the document again")."""
+    pruned_dir = Path(shutil.copytree(random_model_dir, tmp_path / "pruned"))
+    config = json.loads((pruned_dir / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    (pruned_dir / "config.json").write_text(json.dumps(config))
+    pruned = InfoKVEngine.from_pretrained(str(pruned_dir), device="cpu")
+    layers = random_engine.runner.num_layers
+    with pytest.raises(CacheStoreError, match=f"made by a model of {layers} layers, .* has {layers - 1}: the same"):
+        pruned.load(saved_a)
 
 
 @pytest.mark.parametrize("stored_bits", [None, 8])
@@ -748,15 +807,57 @@ def test_a_failed_save_leaves_no_copy_beside_a_cache_of_another_mode(
     monkeypatch.setattr(store, "replace_directory", refuse)
     with pytest.raises(CacheStoreError, match="cannot write the cache"):
         doc_a.save(target)
-    assert staging_modes == [0o700], "the copy keeps its own mode until installed"
+    assert staging_modes == [0o777 & ~_umask()], "the copy keeps a new directory's mode until installed"
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
     monkeypatch.undo()
     assert_same_document(random_engine.load(doc_a.save(target)), doc_a)
     assert (target.stat().st_mode & 0o777) == 0o750, "the installed cache has the replaced one's mode"
 
 
+@pytest.fixture
+def without_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replacing a directory as a system without RENAME_EXCHANGE does: retire the old, then rename the new."""
+    from infokv_rag import files
+
+    monkeypatch.setattr(files, "_renameat2", None)
+
+
+def test_a_save_over_a_cache_exchanges_the_two_so_that_the_path_always_names_one(
+    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save killed between retiring the old cache and installing the new left no cache at the path (both in
+    hidden directories beside it, swept an hour later). Where the system exchanges two paths in one step, the path
+    is never without a cache: no rename retires it."""
+    from infokv_rag import files
+
+    if files._renameat2 is None:
+        pytest.skip("this system's C library has no renameat2")
+    target = doc_a.save(tmp_path / "c")
+    doc_b = random_engine.ingest_text(TEXT_B, CompressionConfig(keep=0.5))
+    real_replace = os.replace
+
+    def no_retire(source: Path, destination: Path) -> None:
+        assert Path(source) != target, "the cache was retired, leaving the path without one"
+        real_replace(source, destination)
+
+    real_rmtree = shutil.rmtree
+    removed: list[str] = []
+
+    def check_before_removing(path: Path, ignore_errors: bool = False) -> None:
+        removed.append((Path(path) / "document.txt").read_text())  # the earlier cache, now at the staging name
+        assert_same_document(random_engine.load(target), doc_b)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(os, "replace", no_retire)
+    monkeypatch.setattr(files.shutil, "rmtree", check_before_removing)
+    doc_b.save(target)
+    monkeypatch.undo()
+    assert removed == [TEXT_A] and [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert_same_document(random_engine.load(target), doc_b)
+
+
 def test_a_retire_that_fails_leaves_no_retired_directory(
-    doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, without_exchange: None
 ) -> None:
     from infokv_rag import files
 
@@ -782,6 +883,7 @@ def test_a_save_that_fails_between_its_renames_puts_the_earlier_cache_back(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     failure: BaseException,
+    without_exchange: None,
 ) -> None:
     """The earlier cache was retired, the new one's rename failed (or Ctrl-C came between the two), and the retired
     directory was removed anyway: both caches were lost."""
@@ -968,7 +1070,11 @@ def test_a_load_whose_directory_a_save_removed_reads_the_new_cache(
 
 
 def test_a_load_in_the_instant_a_save_leaves_no_cache_reads_the_new_one(
-    random_engine: InfoKVEngine, doc_a: CompressedDocument, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    random_engine: InfoKVEngine,
+    doc_a: CompressedDocument,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    without_exchange: None,
 ) -> None:
     """Between retiring the old cache and installing the new one, a save leaves no directory at the target: a load
     then waits for the new one (the retired directory beside the target tells it one is being installed)."""
