@@ -70,6 +70,10 @@ def parse_keep(raw: str, name: str) -> float | int:
     return keep
 
 
+MOST_TOKENS = 2**31 - 1
+"""The largest token count a config may name: far beyond any model's context window."""
+
+
 def check_count(name: str, value: object, smallest: int | None) -> None:
     """Refuses (`ConfigError`) a `value` that is not a whole number (a bool or a float is not), or is below
     `smallest` (None: any)."""
@@ -187,6 +191,9 @@ class CompressionConfig:
             raise ConfigError(f"keep token count must be positive, got {self.keep}")
         for name, smallest in (("sink_tokens", 0), ("window", 0), ("chunk_size", 1), ("summaries", 0)):
             check_count(name, getattr(self, name), smallest)
+            if getattr(self, name) > MOST_TOKENS:
+                # Compared with token positions in int64 tensors: a larger count fails there, mid-ingestion.
+                raise ConfigError(f"{name} must be at most {MOST_TOKENS:,} tokens, got {getattr(self, name)}")
         check_count("seed", self.seed, None)
         if not -(2**63) <= self.seed < 2**63:
             # Seeds derived from it (per layer, per summary) must still fit torch's 64-bit generator seed.

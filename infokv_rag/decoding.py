@@ -46,8 +46,10 @@ def generate(document: CompressedDocument, turns: Sequence[Turn], options: Gener
     summaries = document.cache.beside_tokens() - extras
     # The least cap: room for one recalled entry in place of the summaries, when the answer may recall.
     least = protected + extras + options.eviction_slack + (min(1, summaries) if wanted else summaries)
-    # An answer that fits whole under the cap never evicts, whatever eviction would have to keep.
-    whole = document.cache.document_tokens + beside + budget + len(suffix) + options.max_new_tokens
+    # An answer that fits whole under the cap never evicts, whatever eviction would have to keep: what the layers
+    # hold (not the document's length: a compressed cache holds less), beside them, recalled, asked and answered.
+    held = max(document.cache.lengths, default=0)
+    whole = held + beside + budget + len(suffix) + options.max_new_tokens
     if options.max_cache_tokens is not None and options.max_cache_tokens < min(least, whole):
         instead = (
             f"one recalled entry (with no room to recall, the answer reads the {summaries} summaries instead)"
@@ -119,7 +121,7 @@ def _decode(
         # short of `max_new_tokens` (reserving it all would take that much memory per layer, on a GPU at once).
         answer_room = min(options.max_new_tokens, ANSWER_ROOM)
         session, recall = working_session(document, len(suffix) + answer_room, budget)
-    sampler = TokenSampler(options, runner.device)
+    sampler = TokenSampler(options)
     question_end = n + len(suffix)
     pending = torch.tensor(suffix, device=runner.device)
     pending_scores = torch.ones(len(suffix), device=runner.device)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +47,7 @@ class GenerationOptions:
             check_count("max_cache_tokens", self.max_cache_tokens, 1)
         if self.seed is not None:
             check_count("seed", self.seed, None)
-            if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            if not -(2**63) <= self.seed < 2**64:  # a signed or an unsigned 64-bit integer
                 raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
@@ -88,20 +90,26 @@ def logits_entropy(logits: Tensor, top_k: int) -> Tensor:
 
 
 class TokenSampler:
-    """Greedy or nucleus sampling from float32 logits (vocab,)."""
+    """Greedy or nucleus sampling from float32 logits (vocab,).
 
-    def __init__(self, options: GenerationOptions, device: torch.device) -> None:
+    A sampled token is where the distribution's running sum passes a uniform number drawn from the seed and the
+    step (blake2b of the two): every bit of a seed counts, where torch's CPU generator reads only its low 32 (seeds
+    1 and 2**32 + 1 gave the same answers)."""
+
+    def __init__(self, options: GenerationOptions) -> None:
         self.options = options
-        self.generator = None
-        if options.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if options.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(options.seed)
+        seed = options.seed if options.seed is not None else secrets.randbits(64)
+        self._seed = seed.to_bytes(9, "little", signed=True)
+        self._step = 0
+
+    def _uniform(self) -> float:
+        """The next number of the seed's sequence, in [0, 1) with 53 random bits."""
+        step = self._step.to_bytes(8, "little")
+        self._step += 1
+        return (int.from_bytes(hashlib.blake2b(self._seed + step, digest_size=8).digest(), "little") >> 11) * 2.0**-53
 
     def __call__(self, logits: Tensor) -> int:
-        if self.generator is None:
+        if self.options.temperature <= 0:
             return int(logits.argmax())
         # Shifted and in float64: a temperature near zero underflows float32 (and softmax turns to NaN);
         # then the most likely token alone is left, as the limit of sampling at temperature 0.
@@ -113,7 +121,12 @@ class TokenSampler:
             outside[0] = False
             sorted_probs[outside] = 0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        running = probs.double().cumsum(0)
+        point = torch.tensor([self._uniform() * float(running[-1])], dtype=running.dtype, device=running.device)
+        # The first token whose running sum passes the point has a probability above 0, unless rounding put the
+        # point at the total: then the last token that has one.
+        passed = int(torch.searchsorted(running, point, right=True))
+        return min(passed, int((probs > 0).nonzero()[-1]))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from infokv_rag import CompressionConfig, ConfigError, ContextLengthError, InfoK
 from infokv_rag.documents import is_blank
 from infokv_rag.engine import QUESTION_RESERVE
 from infokv_rag.errors import DocumentError, EmptyQuestionError
-from infokv_rag.generation import GenerationOptions, TextAssembler
+from infokv_rag.generation import GenerationOptions, TextAssembler, TokenSampler
 from infokv_rag.ingestion import chunk_bounds
 from infokv_rag.prompt import DOCUMENT_END, DOCUMENT_INTRO, PromptFormat, check_conversation, question_turns
 from infokv_rag.scorers import method_names
@@ -605,6 +605,15 @@ def test_decode_time_eviction_holds_the_cap(random_engine: InfoKVEngine) -> None
     fits = short.cache.document_tokens + question + 4
     assert fits < short.cache.sink_tokens + question + short.config.window + 16  # what eviction would keep
     assert short.ask("What is the rent?", max_cache_tokens=fits, max_new_tokens=4) is not None
+    # Of a compressed cache, what its layers hold: the document's uncompressed length was counted, refusing caps
+    # the whole answer fits under.
+    compressed = random_engine.ingest_text(" ".join(TEXT.split()[:100]), CompressionConfig(keep=64))
+    held = max(compressed.cache.lengths) + compressed.cache.beside_tokens()
+    assert held < compressed.cache.document_tokens
+    fits = held + question + 4
+    assert compressed.ask("What is the rent?", max_cache_tokens=fits, max_new_tokens=4) == compressed.ask(
+        "What is the rent?", max_new_tokens=4
+    )
 
 
 def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) -> None:
@@ -618,6 +627,24 @@ def test_sampling_is_seeded_and_stop_strings_cut(random_engine: InfoKVEngine) ->
     cut = doc.ask("Pay?", max_new_tokens=16, stop=[stop])
     assert cut == greedy[: greedy.index(stop)]
     assert "".join(doc.stream("Pay?", max_new_tokens=16)) == greedy
+
+
+def test_sampling_draws_from_the_distribution_and_every_bit_of_the_seed_counts() -> None:
+    """torch's CPU generator reads a seed's low 32 bits only: seeds 1 and 2**32 + 1 (and 0, 2**63, -2**63) gave the
+    same answers. Each seed's draws follow the (nucleus-cut) distribution, and a token of probability 0 is never
+    drawn."""
+    logits = torch.tensor([0.2, 0.5, 0.3, 0.0]).log()
+
+    def draws(seed: int, top_p: float = 1.0, steps: int = 1) -> list[int]:
+        sampler = TokenSampler(GenerationOptions(temperature=1.0, top_p=top_p, seed=seed))
+        return [sampler(logits) for _ in range(steps)]
+
+    assert draws(1, steps=24) != draws(2**32 + 1, steps=24)
+    assert len({tuple(draws(seed, steps=24)) for seed in (0, 2**63, -(2**63), 2**64 - 1)}) == 4
+    assert draws(7, steps=24) == draws(7, steps=24)
+    counts = torch.bincount(torch.tensor(draws(3, steps=20_000)), minlength=4).double() / 20_000
+    torch.testing.assert_close(counts, torch.tensor([0.2, 0.5, 0.3, 0.0], dtype=torch.float64), atol=0.015, rtol=0)
+    assert set(draws(5, top_p=0.6, steps=2_000)) == {1, 2}  # 0.5, then 0.3 reaches 0.6: 0.2 is cut
 
 
 def test_a_character_still_arriving_byte_by_byte_completes_no_stop_string() -> None:
@@ -681,6 +708,9 @@ def test_config_validation() -> None:
         {"summaries": True},
         {"protect_prompt": "no"},
         {"adaptive_budget": 1},
+        # Beyond any context: compared with int64 positions mid-ingestion, an OverflowError there.
+        {"sink_tokens": 10**30},
+        {"window": 2**31, "chunk_size": 2**31},
     ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             CompressionConfig(**bad)
