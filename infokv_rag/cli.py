@@ -62,8 +62,9 @@ class ProgressBar:
     On a terminal it redraws one line; otherwise (e.g. `--verbose` into a log) it prints one line per update.
     """
 
-    def __init__(self, label: str, enabled: bool, stream: Any = None) -> None:
+    def __init__(self, label: str, enabled: bool, stream: Any = None, unit: str = "tokens") -> None:
         self.label = label
+        self.unit = unit
         self.enabled = enabled
         self.stream = stream
         self.started = time.perf_counter()
@@ -77,8 +78,13 @@ class ProgressBar:
         rate = done / elapsed
         eta = (total - done) / rate if rate else 0.0
         filled = int(30 * done / max(total, 1))
-        speed = f"{rate:,.0f} tok/s ETA {eta:,.0f}s" if done else "starting"  # no rate before a chunk is in
-        line = f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens {speed}"
+        speed = "starting"  # no rate before a chunk is in
+        if done:
+            # Fewer than one a second (the documents of a fit) as seconds each.
+            short = "tok" if self.unit == "tokens" else self.unit
+            pace = f"{rate:,.0f} {short}/s" if rate >= 1 else f"{1 / rate:,.0f} s each"
+            speed = f"{pace} ETA {eta:,.0f}s"
+        line = f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {self.unit} {speed}"
         if not stream.isatty():
             stream.write(f"{line}\n")
         else:
@@ -101,9 +107,16 @@ def _dtype(value: str) -> str | None:
 MODEL_HELP = "default, tiny, a local HF directory, a .gguf file or a Hugging Face hub id (org/name[@revision])"
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help=MODEL_HELP)
-    parser.add_argument("--device", default=None, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N, mps")
+def _add_model_options(parser: argparse.ArgumentParser, model_from_settings: bool = False) -> None:
+    """--model, --device and --dtype; `model_from_settings`: an unset --model is the service settings' to decide
+    (INFOKV_MODEL, else the default), as --device is."""
+    if model_from_settings:
+        parser.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: $INFOKV_MODEL, else default)")
+    else:
+        parser.add_argument("--model", default="default", help=f"{MODEL_HELP} (default: default)")
+    parser.add_argument(
+        "--device", default=None, help="auto (CUDA when available, else CPU; the default), cpu, cuda, cuda:N, mps"
+    )
     parser.add_argument(
         "--dtype",
         type=_dtype,
@@ -113,7 +126,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_compression_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names())
+    parser.add_argument(
+        "--method",
+        default=DEFAULT_METHOD,
+        choices=method_names(),
+        help=f"compression method (default {DEFAULT_METHOD})",
+    )
     parser.add_argument(
         "--keep",
         type=ratio_or_count("--keep", parse_keep),
@@ -127,7 +145,7 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
         type=ratio_or_count("--recall"),
         default=0,
         help="keep what compression evicts in a cold tier and recall this much of it per question: "
-        "ratio (0.1) or token count (64); 0: no cold tier",
+        "ratio (0.1) or token count (64); 0 (the default): no cold tier",
     )
     parser.add_argument(
         "--cold-bits",
@@ -233,8 +251,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         help="the path prefix the service is reached under behind a proxy that strips it, like /kb (as uvicorn's "
         "--root-path)",
     )
-    _add_model_options(serve)
-    serve.set_defaults(model=None)  # unset: INFOKV_MODEL, else the default (the settings decide, as for device)
+    _add_model_options(serve, model_from_settings=True)
     serve.add_argument(
         "--data-dir",
         default=None,
@@ -246,9 +263,13 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     serve.add_argument(
         "--ray", action="store_true", help="run on Ray Serve: one ingress, --replicas model workers (needs --store)"
     )
-    serve.add_argument("--replicas", type=int, default=2, help="model-worker replicas with --ray")
-    serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica with --ray")
-    serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica with --ray")
+    serve.add_argument("--replicas", type=int, default=2, help="model-worker replicas with --ray (default 2)")
+    serve.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica with --ray (default 1)"
+    )
+    serve.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica with --ray (default 0)"
+    )
     _add_verbose(serve)
     return parser
 
@@ -286,7 +307,7 @@ def _config(args: argparse.Namespace) -> CompressionConfig:
 
 def _calibration_bar(enabled: bool) -> ProgressBar:
     """The progress of fitting a model's reconstruction surrogate, whether asked for (`calibrate`) or on first use."""
-    return ProgressBar("fitting the reconstruction surrogate (once per model): documents", enabled=enabled)
+    return ProgressBar("fitting the reconstruction surrogate (once per model)", enabled=enabled, unit="documents")
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -272,7 +272,7 @@ def test_ask_json_then_again_reuses_the_stored_cache(tmp_path: Path, random_mode
     # --verbose shows the prefill progress bar (tokens/s, ETA) on stderr, never on stdout, and before it the fit
     # of the model's surrogate that infokv's first use makes (minutes on a real model).
     assert "tok/s" in first.stderr and "ETA" in first.stderr and "tok/s" not in first.stdout
-    assert "fitting the reconstruction surrogate (once per model): documents" in first.stderr
+    assert "fitting the reconstruction surrogate (once per model) [" in first.stderr
 
     second = run_cli(*args, cache_dir=tmp_path / "cache")
     assert second.returncode == 0, second.stderr
@@ -586,7 +586,9 @@ def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, 
     cached = Path(report["cached"])
     assert cached.parent == tmp_path / "surrogates" and cached.is_file()
     # A fit made because there is none yet shows its progress as --refit does (it takes minutes on a real model).
-    assert "fitting the reconstruction surrogate" in first.stderr and "3/3" in first.stderr, first.stderr
+    assert "fitting the reconstruction surrogate" in first.stderr and "3/3 documents" in first.stderr, first.stderr
+    fit_lines = [line for line in first.stderr.splitlines() if "surrogate" in line]
+    assert fit_lines and not any("tok" in line for line in fit_lines), "a fit counts documents, not tokens"
     stamp = cached.stat().st_mtime_ns
     again = run_cli("calibrate", "--model", str(random_model_dir), "--device", "cpu", cache_dir=tmp_path)
     assert again.returncode == 0, again.stderr
