@@ -571,6 +571,14 @@ def run_peer(
         ]
         for result in pending
     ]
+    # The job answers only the questions asked (`--questions N`): a record's other answers by another peer stay.
+    stale = {
+        (result.doc.doc_id, row.label)
+        for result in pending
+        for row in rows
+        if result.records[row.label].get("code") != code
+        and set(result.records[row.label]["questions"]) - {question for question, _ in result.questions}
+    }
     progress(f"kvpress peer: {len(pending)} documents, presses {presses} at keeps {keeps} ({bench.elapsed()})")
     job = kvpress_job(bench.engine, tasks, full_answers, presses, keeps, bench.max_new_tokens)
     peer: dict[str, Any] = run_kvpress_peer(python, job, stem)
@@ -591,7 +599,11 @@ def run_peer(
         for row in rows:
             record = result.records[row.label]
             record["peer"] = {"versions": peer["versions"], "timing": timings[result.doc.doc_id]}
-            record["code"] = code
+            if (result.doc.doc_id, row.label) in stale:
+                record["code"] = "mixed"
+                bench.other_code.add(row.label)
+            else:
+                record["code"] = code
             bench.cache.save(record)
 
 

@@ -360,15 +360,20 @@ def test_a_rows_kl_on_another_full_answer_is_reported(tmp_path: Path, monkeypatc
     assert recomputed.other_code == {NO_DOCUMENT, "infokv@0.25"}
 
 
+def fake_peer_python(directory: Path, kvpress: str) -> Path:
+    """A stand-in for the kvpress venv's python that reports the `kvpress` version (what `peer_digest` reads)."""
+    python = directory / f"python-{kvpress}"
+    python.write_text(f'#!/bin/sh\necho \'{{"kvpress": "{kvpress}"}}\'\n')
+    python.chmod(0o755)
+    return python
+
+
 def test_kvpress_rows_by_another_peer_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kvpress rows are stamped with the peer's code and versions (`peer_digest`); rows cached by another
     benchmarks/kvpress_peer.py, another kvpress or on another full answer are reported (review of 2026-12-06)."""
 
     def peer_python(kvpress: str) -> Path:
-        python = tmp_path / f"python-{kvpress}"
-        python.write_text(f'#!/bin/sh\necho \'{{"kvpress": "{kvpress}"}}\'\n')
-        python.chmod(0o755)
-        return python
+        return fake_peer_python(tmp_path, kvpress)
 
     rows = peer_rows(["kvzip"], [parse_row("infokv@0.25")])
 
@@ -395,3 +400,55 @@ def test_kvpress_rows_by_another_peer_are_reported(tmp_path: Path, monkeypatch: 
     (changed / "benchmarks/kvpress_peer.py").write_bytes(peer.read_bytes() + b"\n# changed\n")
     monkeypatch.setattr(realdocs_quality, "ROOT", changed)
     assert realdocs_quality.peer_digest(peer_python("0.5.5")) != current
+
+
+def test_a_kvpress_record_answered_in_part_by_this_peer_is_reported_as_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with `--questions 1` sent a document to the peer (for a new keep) and stamped each of its rows with
+    this peer's code, though the peer answered one question: the older peer's answer to the other was then reported
+    as this one's, unflagged (review of 2026-12-07)."""
+    second = "What is the term?"
+    python = fake_peer_python(tmp_path, "0.5.5")
+    old_rows = [PeerRow("none", 1.0), PeerRow("kvzip", 0.25)]
+
+    def result(questions: int) -> realdocs_quality.DocumentResult:
+        asked = ((QUESTION, ("10",)), (second, ("2 years",)))[:questions]
+        document = document_from_text("The fee is 10 dollars. The term is 2 years.")
+        made = realdocs_quality.DocumentResult(SimpleNamespace(doc_id="d", kind="contract"), document, asked)  # type: ignore[arg-type]
+        made.records[FULL] = {
+            "questions": {QUESTION: {"answer": "10", "ids": [1]}, second: {"answer": "2", "ids": [2]}}
+        }
+        return made
+
+    def bench() -> realdocs_quality.Bench:
+        made = fake_bench(tmp_path / "cache")
+        made.engine.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "10")
+        return made
+
+    older = bench()
+    for row in old_rows:
+        entries = {
+            q: {"answer": "OLD", "ids": [7], "kl": 9.9, "reference": realdocs_quality.reference_digest([i])}
+            for q, i in ((QUESTION, 1), (second, 2))
+        }
+        older.cache.save({"key": older.key(result(2).document, row.identity()), "code": "older", "questions": entries})
+    answered = [("none", 1.0), ("kvzip", 0.25), ("kvzip", 0.5)]
+    monkeypatch.setattr(realdocs_quality, "kvpress_job", lambda *args, **kwargs: {})
+    monkeypatch.setattr(
+        realdocs_quality,
+        "run_kvpress_peer",
+        lambda *args: {
+            "versions": {"kvpress": "0.5.5"},
+            "timings": [{"document": "d"}],
+            "rows": [
+                {"document": "d", "question": 0, "press": p, "keep": k, "ids": [5], "kl": 0.1} for p, k in answered
+            ],
+        },
+    )
+    first = bench()
+    realdocs_quality.run_peer(first, [result(1)], [*old_rows, PeerRow("kvzip", 0.5)], python, tmp_path / "stem")
+    assert first.other_code == {row.label for row in old_rows}, "the new keep's row holds this peer's answers only"
+    again = bench()
+    realdocs_quality.run_peer(again, [result(2)], old_rows, python, tmp_path / "stem")
+    assert again.other_code == {row.label for row in old_rows}
