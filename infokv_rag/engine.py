@@ -25,7 +25,7 @@ from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
 from .models import loaded_model_fingerprint, resolve_model
 from .placement import resolve_placement
-from .prompt import PromptFormat, Turn
+from .prompt import PromptFormat, Turn, conversation_messages
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
 TOKENIZE_PIECE_CHARS = 16_384
@@ -236,6 +236,16 @@ class InfoKVEngine:
         """The token ids of a conversation asked after a document of `document_tokens` tokens; `AnswerRoomError`
         when they and `max_new_tokens` would not fit the context window beside it (as an answer would refuse them:
         a caller checks its questions this way before it reads the document)."""
+        messages = conversation_messages(turns)
+        room = self.context_window - document_tokens - max_new_tokens
+        text = "\n".join(message["content"] for message in messages)
+        # A text of megabytes is counted past the room in pieces, never tokenized whole (seconds and gigabytes);
+        # one of a piece or less is counted exactly, with the template's tokens around it, below.
+        long = len(text) > max(room, TOKENIZE_PIECE_CHARS)
+        past = self._count_past(text, room + self.prompt.head_tokens) if long else None
+        if past is not None:
+            question = past - self.prompt.head_tokens
+            raise AnswerRoomError.of(AnswerRoom(document_tokens, question, max_new_tokens, self.context_window))
         suffix = self.prompt.conversation_ids(turns)
         if document_tokens + len(suffix) + max_new_tokens > self.context_window:
             raise AnswerRoomError.of(AnswerRoom(document_tokens, len(suffix), max_new_tokens, self.context_window))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -284,10 +285,25 @@ def test_a_huge_text_is_refused_without_being_tokenized_whole(
     assert tokenized and sum(tokenized) < len(huge) / 50
 
 
-def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine) -> None:
+def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
     with pytest.raises(ContextLengthError, match="context window of 4096"):
         doc.ask("why? " * 3000)
+    # One of megabytes is refused once its pieces pass the room, never rendered and tokenized whole (an 8 MB
+    # question took 12 s and 1.4 GB of memory to refuse); the document answers as before.
+    answer = doc.ask("What is due?", max_new_tokens=4)
+    rendered: list[int] = []
+    conversation_ids = random_engine.prompt.conversation_ids
+
+    def whole_conversation(turns: Sequence[tuple[str, str]]) -> list[int]:
+        rendered.append(sum(len(content) for _, content in turns))
+        return conversation_ids(turns)
+
+    monkeypatch.setattr(random_engine.prompt, "conversation_ids", whole_conversation)
+    with pytest.raises(ContextLengthError, match=r"the question \(\d+ tokens\).*context window of 4096"):
+        doc.ask("why is the rent so high " * 80_000)
+    assert rendered == []
+    assert doc.ask("What is due?", max_new_tokens=4) == answer and rendered
 
 
 def test_questions_and_options_that_are_not_what_they_claim_are_refused(random_engine: InfoKVEngine) -> None:
