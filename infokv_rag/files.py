@@ -80,8 +80,9 @@ class FileStamp:
             now = os.fstat(self._descriptor)
             if (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns):
                 return True
-            # A removed file's status changes as its last name goes, and nothing can open it to write any more.
-            if now.st_ctime_ns == self._status_changed_ns or now.st_nlink == 0:
+            # A status change (a chmod, a link made or removed, a write whose modification time was set back) is
+            # judged by the content, hashed once: a removed file's last change is its removal.
+            if now.st_ctime_ns == self._status_changed_ns:
                 return False
             if self.verified_sha256 is None or _descriptor_sha256(self._descriptor) != self.verified_sha256:
                 return True

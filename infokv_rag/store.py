@@ -274,18 +274,29 @@ def is_saved_cache(directory: Path) -> bool:
     return True
 
 
-def _of_a_later_format(files: CacheFiles) -> bool:
-    """Whether the manifest of `files` is one a later release wrote (this one cannot check it): a JSON object of
-    a format beyond those read here, naming the release."""
+LATER_MANIFEST_KEYS = frozenset(
+    {"format_version", "library_version", "model", "config", "document", "files", "checksum"}
+)
+"""What every manifest infokv-rag has written holds, whatever its format."""
+
+
+def _of_a_later_format(files: DirectoryFiles) -> bool:
+    """Whether the manifest of `files` is one a later release wrote (this one cannot check its checksum): a JSON
+    object of a format beyond those read here with every key a cache's manifest has, whose `files` name the cache's
+    tensors and text, and exactly the other files of its directory. Another tool's manifest.json beside a user's own
+    document.txt is not one."""
     try:
         manifest = json.loads(files.read(MANIFEST, MAX_MANIFEST_BYTES))
+        present = {entry.name for entry in files.path.iterdir()} - {MANIFEST}
     except (OSError, ValueError, RecursionError):
         return False
     return (
         isinstance(manifest, dict)
-        and type(manifest.get("format_version")) is int
+        and LATER_MANIFEST_KEYS <= set(manifest)
+        and type(manifest["format_version"]) is int
         and manifest["format_version"] > max(READABLE_VERSIONS)
-        and isinstance(manifest.get("library_version"), str)
+        and isinstance(manifest["files"], dict)
+        and {TENSORS, TEXT} <= set(manifest["files"]) == present
     )
 
 

@@ -375,14 +375,21 @@ def test_a_cold_tier_written_over_with_its_modification_time_set_back_is_not_rea
     (path / COLD).chmod(0o600)
     os.link(path / COLD, tmp_path / "backup")
     assert loaded.ask(QUESTION, max_new_tokens=8) == answer
-    status = (path / COLD).stat()
-    with open(path / COLD, "r+b") as handle:
-        handle.seek(len(good) // 2)
-        handle.write(bytes(4096))
-    os.utime(path / COLD, ns=(status.st_atime_ns, status.st_mtime_ns))
-    assert (path / COLD).stat().st_mtime_ns == status.st_mtime_ns
-    with pytest.raises(CacheStoreError, match="written over or truncated in place"):
-        loaded.ask(QUESTION, max_new_tokens=8)
+    (tmp_path / "backup").unlink()
+    for then_removed in (False, True):  # removed: its removal is its last status change, after the write
+        loaded = random_engine.load(path)
+        time.sleep(0.05)
+        status = (path / COLD).stat()
+        with open(path / COLD, "r+b") as handle:
+            handle.seek(len(good) // 2)
+            handle.write(bytes(4096))
+        os.utime(path / COLD, ns=(status.st_atime_ns, status.st_mtime_ns))
+        assert (path / COLD).stat().st_mtime_ns == status.st_mtime_ns
+        if then_removed:
+            (path / COLD).unlink()
+        with pytest.raises(CacheStoreError, match="written over or truncated in place"):
+            loaded.ask(QUESTION, max_new_tokens=8)
+        (path / COLD).write_bytes(good)
 
 
 def test_a_cold_tier_changed_in_place_while_a_question_reads_it_is_refused_before_any_answer(

@@ -229,6 +229,12 @@ def test_save_replaces_an_existing_cache(
         with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
             doc_b.save(refused)
     assert (mine / TEXT).read_text() == "my input" and (target / TENSORS).is_file()
+    # Another tool's manifest.json beside the user's own document.txt is not a later release's cache, whatever
+    # format it claims.
+    (mine / MANIFEST).write_text(json.dumps({"format_version": 11, "library_version": "3.2.0", "files": ["notes"]}))
+    with pytest.raises(CacheStoreError, match="not a cache that infokv-rag saved"):
+        doc_b.save(mine)
+    assert (mine / TEXT).read_text() == "my input"
     # A later release's cache is ours: loading it says to ingest the document again, and saving that is allowed.
     shutil.rmtree(target)
     doc_a.save(target)
