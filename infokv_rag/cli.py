@@ -57,7 +57,8 @@ def _root_path(value: str) -> str:
 
 
 class ProgressBar:
-    """A prefill progress bar on stderr with tokens/s and ETA (called before the first prefill chunk and after each).
+    """A progress bar on stderr with a rate and ETA, of a prefill's tokens (called before the first chunk and after
+    each) or of another `unit` (the documents of a surrogate's fit).
 
     On a terminal it redraws one line; otherwise (e.g. `--verbose` into a log) it prints one line per update.
     """
