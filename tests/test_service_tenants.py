@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 
@@ -25,6 +26,7 @@ from infokv_rag import scorers  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service import uploads  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
+from infokv_rag.service.registry import Registry  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from . import pdf_factory as pdfs  # noqa: E402
@@ -215,6 +217,38 @@ def test_a_token_count_and_a_ratio_of_the_same_number_share_no_cache(
         assert _budgets_read(client, B, ratio) == own
         counters = client.get("/healthz", headers=ADMIN).json()["counters"]
         assert (counters["prefills"], counters["cache_shares"]) == (1, 0)
+
+
+def test_a_copy_that_fails_its_check_in_any_way_leaves_the_upload_to_be_read(
+    random_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the twin's copy can fail otherwise than a damaged cache does (torch's OutOfMemoryError moving its
+    tensors onto a full GPU): the upload stayed "queued" for good, though it had been told 202, and a ready
+    document read again after losing its cache did the same. Sharing only saves a prefill: the upload is read."""
+    load = random_engine.load
+
+    def out_of_memory_on_a_shared_copy(directory: Path) -> Any:
+        if ".cache.sharing-" in str(directory):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return load(directory)
+
+    with running(random_engine, tmp_path / "data", share_caches=True) as client:
+        upload_ready(client, A1, "same.txt", SECRET)
+        monkeypatch.setattr(random_engine, "load", out_of_memory_on_a_shared_copy)
+        twin = upload_ready(client, B, "same.txt", SECRET)
+        counters = client.get("/healthz", headers=ADMIN).json()["counters"]
+        assert (counters["prefills"], counters["cache_shares"]) == (2, 0)
+        assert ask(client, B, twin).status_code == 200
+
+        # Whatever else goes wrong before the prefill settles the upload failed, never left queued.
+        def broken(*args: Any) -> bool:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(Registry, "share", broken)
+        created = upload(client, A1, "same.txt", SECRET)
+        assert created.status_code == 202
+        settled = wait_settled(client, created.json()["id"], A1)
+        assert (settled["status"], settled["reason_code"]) == ("failed", "internal_error")
 
 
 def test_the_same_file_read_into_other_text_by_an_older_release_shares_no_cache(

@@ -597,8 +597,10 @@ class Registry:
                 try:
                     shutil.copytree(self.cache_path(donor.id), staging / CACHE, copy_function=_link_or_copy)
                     _check_belongs(record, engine.load(staging / CACHE))
-                except (OSError, CacheStoreError) as exc:
-                    log.warning("%s cannot share the cache of %s, reading it instead: %s", record.id, donor.id, exc)
+                except Exception as exc:  # noqa: BLE001 - sharing only saves a prefill; reading it decides
+                    # Whatever fails the copy's check (its files, its verification, moving its tensors onto a full
+                    # GPU) leaves the document to be read, which settles it ready or failed.
+                    log.warning("%s cannot share the cache of %s, reading it instead: %r", record.id, donor.id, exc)
                     return False
                 try:
                     replace_directory(staging / CACHE, self.cache_path(record.id))

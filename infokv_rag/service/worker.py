@@ -451,6 +451,9 @@ class ModelWorker:
             self._prefill_and_save(job)
         except StorageError as exc:
             self.registry.fail(record, exc.code, exc.message)
+        except Exception:  # noqa: BLE001 - a document settles ready or failed, never stays queued
+            log.exception("ingestion of %s failed", record.id)
+            self.registry.fail(record, "internal_error", READ_FAILED)
 
     def _prefill_and_save(self, job: IngestJob) -> None:
         record = job.record
@@ -480,12 +483,7 @@ class ModelWorker:
             return
         except Exception:  # noqa: BLE001
             log.exception("ingestion of %s failed", record.id)
-            self.registry.fail(
-                record,
-                "internal_error",
-                "an internal error stopped reading this document; "
-                "upload it again, and tell the operator if it persists",
-            )
+            self.registry.fail(record, "internal_error", READ_FAILED)
             return
         self.counters["prefills"] += 1
         self.counters["prefill_tokens"] += compressed.stats.document_tokens
@@ -502,6 +500,9 @@ class ModelWorker:
                 "storage_error",
                 f"the cache could not be saved ({type(exc).__name__}); check the server's disk and upload again",
             )
+
+
+READ_FAILED = "an internal error stopped reading this document; upload it again, and tell the operator if it persists"
 
 
 def _error_code(exc: BaseException) -> str:
