@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -195,3 +196,23 @@ def read_only(path: Path, already: bool = False) -> Iterator[None]:
         yield
     finally:
         set_read_only(path, False)
+
+
+def send_part_of_an_upload(port: int, key: str, text: bytes) -> socket.socket:
+    """An upload whose body is a third sent, on a connection left open: the server is inside receiving it."""
+    boundary = "infokvboundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.txt"\r\n'
+        "Content-Type: text/plain\r\n\r\n"
+    ).encode()
+    body = head + text + f"\r\n--{boundary}--\r\n".encode()
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.sendall(
+        (
+            f"POST /v1/documents HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body[: len(body) // 3]
+    )
+    return raw

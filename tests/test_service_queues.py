@@ -37,6 +37,7 @@ from .service_helpers import (  # noqa: E402
     assert_error,
     bearer,
     random_model_settings,
+    send_part_of_an_upload,
     upload,
     upload_ready,
     wait_queue,
@@ -53,6 +54,7 @@ SETTINGS = {
     "max_active_generations": 1,
     "max_queued_generations": 2,
     "max_new_tokens": 2048,  # an answer that runs while the test does what it needs
+    "upload_idle_seconds": 2,
     "default_max_tokens": 4,
 }
 LONG_ANSWER = {"question": "Q?", "max_tokens": 2048}
@@ -112,6 +114,26 @@ def in_thread(target: Any) -> threading.Thread:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread
+
+
+def test_an_upload_that_stops_arriving_is_refused_and_gives_its_place_back(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    """A client that sent part of its upload and then nothing, its connection left open, held its queue place for
+    as long as it liked: two such clients of two tenants answered every other upload 503 busy. After
+    `upload_idle_seconds` of silence (2 here) the upload is refused with 408 and its place given back."""
+    with (
+        send_part_of_an_upload(server.port, KEY_A, text(4000, seed=5)) as stalled_a,
+        send_part_of_an_upload(server.port, KEY_B, text(4000, seed=6)),
+    ):
+        wait_queue(client, receiving_uploads=2)
+        assert_error(upload(client, C, "c.txt", text(60, seed=7)), 503, "busy")
+        stalled_a.settimeout(30)
+        answer = stalled_a.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408") and "upload_timeout" in answer, answer
+        created = upload(client, C, "c.txt", text(60, seed=7))
+        assert created.status_code == 202, created.text
+    assert client.get("/v1/documents", headers=A).json()["data"] == []
 
 
 def test_deleted_uploads_free_their_places_and_a_refused_upload_is_never_made(client: httpx.Client) -> None:

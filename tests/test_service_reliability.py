@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,7 +41,15 @@ from infokv_rag.service.launcher import ServerProcess, read_sse  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 
 from .fuzz_corpus import corpus  # noqa: E402
-from .service_helpers import ADMIN_ENTRY, bearer, server_counters, upload, upload_ready, wait_settled  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    ADMIN_ENTRY,
+    bearer,
+    send_part_of_an_upload,
+    server_counters,
+    upload,
+    upload_ready,
+    wait_settled,
+)
 
 KEY_A, KEY_B = "reliability-key-tenant-a", "reliability-key-tenant-b"
 A, B = bearer(KEY_A), bearer(KEY_B)
@@ -288,26 +295,6 @@ def _wait_for(predicate: Any, what: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def _send_part_of_an_upload(port: int, text: bytes) -> socket.socket:
-    """An upload whose body is a third sent: the server is inside receiving it."""
-    boundary = "infokvboundary"
-    head = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.txt"\r\n'
-        "Content-Type: text/plain\r\n\r\n"
-    ).encode()
-    body = head + text + f"\r\n--{boundary}--\r\n".encode()
-    raw = socket.create_connection(("127.0.0.1", port))
-    raw.sendall(
-        (
-            f"POST /v1/documents HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY_A}\r\n"
-            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        + body[: len(body) // 3]
-    )
-    return raw
-
-
 def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
     """Kill 1 lands while an upload is being received, another is being read (prefill) and an answer is
     streaming; kill 2 inside a cache save (held there by tests/faults/sitecustomize.py). After each restart
@@ -350,7 +337,7 @@ def test_sigkill_at_every_stage_then_restart(tmp_path: Path) -> None:
         with client.stream("POST", f"/v1/documents/{base}/ask", json=request, headers=A) as stream:
             events = read_sse(stream.iter_lines())
             assert next(events)[0] == "token"
-            with _send_part_of_an_upload(server.port, long_text):
+            with send_part_of_an_upload(server.port, KEY_A, long_text):
                 time.sleep(0.3)
                 assert client.get(f"/v1/documents/{reading}", headers=A).json()["status"] == "processing"
                 documents = restart()

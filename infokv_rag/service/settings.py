@@ -70,6 +70,9 @@ class Settings:
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_request_bytes: int = 1024 * 1024
     """Body limit of every request but uploads (JSON questions and chats)."""
+    upload_idle_seconds: int = 30
+    """An upload whose body sends nothing for this long is refused (408 `upload_timeout`), giving back its queue
+    place: a client that stalls mid-upload would hold it for as long as it kept its connection open."""
     # Scheduling
     max_active_generations: int = 8
     """Answers decoded in round-robin at once; later ones wait in FIFO order."""
@@ -198,6 +201,7 @@ _INT_FIELDS = (
     "max_new_tokens",
     "default_max_tokens",
     "max_request_bytes",
+    "upload_idle_seconds",
     "max_active_generations",
     "max_queued_generations",
     "max_queued_uploads",

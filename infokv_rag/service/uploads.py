@@ -7,12 +7,14 @@ itself stops as soon as the text has passed the model's context window.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import logging
 import re
 import shutil
 import unicodedata
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,11 +122,30 @@ class _CheckedMultiPartParser(MultiPartParser):
             file.close()
 
 
-async def _read_form(request: Request) -> FormData:
+async def _arriving(body: AsyncGenerator[bytes, None], idle_seconds: int) -> AsyncGenerator[bytes, None]:
+    """The chunks of `body` as they arrive; 408 `upload_timeout` once none has for `idle_seconds`."""
+    async with aclosing(body):
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(body), idle_seconds)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                raise ServiceError(
+                    408,
+                    "upload_timeout",
+                    f"the upload stopped arriving: nothing of its body came for {idle_seconds} s, and nothing of it "
+                    "was kept; send it again",
+                ) from None
+            yield chunk
+
+
+async def _read_form(request: Request, idle_seconds: int) -> FormData:
     """The upload's multipart form (one file, a few small fields), read whole; 400 `bad_request` for a body that
-    is malformed, over the form's limits, or cut before its closing boundary (nothing of it is kept)."""
+    is malformed, over the form's limits, or cut before its closing boundary, 408 `upload_timeout` for one that
+    stops arriving (nothing of it is kept)."""
     limits: dict[str, Any] = {"max_files": 1, "max_fields": len(_FIELDS), "max_part_size": FORM_FIELD_BYTES}
-    async with aclosing(request.stream()) as stream:
+    async with aclosing(_arriving(request.stream(), idle_seconds)) as stream:
         try:
             parser = _CheckedMultiPartParser(request.headers, stream, **limits)
         except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
@@ -134,6 +155,9 @@ async def _read_form(request: Request) -> FormData:
             form = await parser.parse()
         except MultiPartException as exc:
             raise _malformed_multipart(exc.message) from exc
+        except ServiceError:  # stopped arriving: the parts received so far are dropped
+            parser.close_files()
+            raise
     if not parser.complete:
         await form.close()
         parser.close_files()
@@ -165,7 +189,7 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
     media_type = content_type.partition(";")[0].strip().lower()  # media types are case-insensitive
     if media_type != "multipart/form-data":  # not a prefix: "multipart/form-dataX" is another type
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
-    form = await _read_form(request)
+    form = await _read_form(request, settings.upload_idle_seconds)
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):

@@ -218,6 +218,7 @@ class ModelWorker:
                 "active_generations": len(self._active) + (self._stepping is not None),
                 "queued_generations": len(self._pending),
                 "queued_uploads": len(self._waiting_uploads),
+                "receiving_uploads": self._upload_slots.total(),  # places held while a body arrives or is saved
             }
 
     # Answers -------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ _UPLOAD_BODY = {
     status_code=202,
     response_model=DocumentInfo,
     summary="Upload a document (PDF or text); it is read and compressed in the background",
-    responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
+    responses=error_responses(400, 401, 408, 413, 415, 422, 429, 503, 507),
     openapi_extra={"requestBody": _UPLOAD_BODY},
 )
 async def upload_document(request: Request, response: Response, service: ServiceDep, caller: CallerDep) -> DocumentInfo:
