@@ -214,10 +214,11 @@ class InfoKVEngine:
         past = self._count_past(text, self.max_document_tokens if limit is None else limit)
         return past if past is not None else len(self.prompt.document_ids(text))  # the exact count
 
-    def _count_past(self, text: str, limit: int) -> int | None:
+    def _count_past(self, text: str, limit: int, strip: bool = True) -> int | None:
         """A count of `text`'s tokens above `limit`, from pieces of it, as soon as one is certain; None when the
-        pieces never certainly pass it (the whole text is then short enough to tokenize whole)."""
-        body = text.strip()
+        pieces never certainly pass it (the whole text is then short enough to tokenize whole). `strip`: counted
+        as a document reads it, without the whitespace at its ends (a question's is rendered and counted)."""
+        body = text.strip() if strip else text
         counted = self.prompt.head_tokens
         start = pieces = 0
         while start < len(body):
@@ -242,7 +243,7 @@ class InfoKVEngine:
         # A text of megabytes is counted past the room in pieces, never tokenized whole (seconds and gigabytes);
         # one of a piece or less is counted exactly, with the template's tokens around it, below.
         long = len(text) > max(room, TOKENIZE_PIECE_CHARS)
-        past = self._count_past(text, room + self.prompt.head_tokens) if long else None
+        past = self._count_past(text, room + self.prompt.head_tokens, strip=False) if long else None
         if past is not None:
             question = past - self.prompt.head_tokens
             raise AnswerRoomError.of(AnswerRoom(document_tokens, question, max_new_tokens, self.context_window))

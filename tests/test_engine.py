@@ -302,6 +302,11 @@ def test_question_longer_than_context_is_refused(random_engine: InfoKVEngine, mo
     monkeypatch.setattr(random_engine.prompt, "conversation_ids", whole_conversation)
     with pytest.raises(ContextLengthError, match=r"the question \(\d+ tokens\).*context window of 4096"):
         doc.ask("why is the rent so high " * 80_000)
+    # A conversation's turns are rendered as sent (`ask` strips its question; the adapters' messages are not):
+    # whitespace at their ends counts, and stripped first, a padded one was tokenized whole.
+    for huge in ("\n" * 2_000_000 + "Q?", "Q?" + " " * 2_000_000):
+        with pytest.raises(ContextLengthError, match=r"the question \(\d+ tokens\).*context window of 4096"):
+            random_engine.check_question_fits(doc.cache.document_tokens, [("user", huge)], 16)
     assert rendered == []
     assert doc.ask("What is due?", max_new_tokens=4) == answer and rendered
 
