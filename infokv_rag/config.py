@@ -74,13 +74,15 @@ MOST_TOKENS = 2**31 - 1
 """The largest token count a config may name: far beyond any model's context window."""
 
 
-def check_count(name: str, value: object, smallest: int | None) -> None:
+def check_count(name: str, value: object, smallest: int | None, largest: int | None = None) -> None:
     """Refuses (`ConfigError`) a `value` that is not a whole number (a bool or a float is not), or is below
-    `smallest` (None: any)."""
+    `smallest` or above `largest` (None: any)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be a whole number, not {value!r}")
     if smallest is not None and value < smallest:
         raise ConfigError(f"{name} must be >= {smallest}, got {value}")
+    if largest is not None and value > largest:
+        raise ConfigError(f"{name} must be at most {largest:,}, got {value}")
 
 
 def recall_tokens(recall: float | int, document_tokens: int) -> int:
@@ -190,10 +192,8 @@ class CompressionConfig:
         if isinstance(self.keep, int) and self.keep < 1:
             raise ConfigError(f"keep token count must be positive, got {self.keep}")
         for name, smallest in (("sink_tokens", 0), ("window", 0), ("chunk_size", 1), ("summaries", 0)):
-            check_count(name, getattr(self, name), smallest)
-            if getattr(self, name) > MOST_TOKENS:
-                # Compared with token positions in int64 tensors: a larger count fails there, mid-ingestion.
-                raise ConfigError(f"{name} must be at most {MOST_TOKENS:,} tokens, got {getattr(self, name)}")
+            # At most MOST_TOKENS: compared with token positions in int64 tensors, a larger count fails mid-ingestion.
+            check_count(name, getattr(self, name), smallest, MOST_TOKENS)
         check_count("seed", self.seed, None)
         if not -(2**63) <= self.seed < 2**63:
             # Seeds derived from it (per layer, per summary) must still fit torch's 64-bit generator seed.
