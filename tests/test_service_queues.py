@@ -55,6 +55,7 @@ SETTINGS = {
     "max_queued_generations": 2,
     "max_new_tokens": 2048,  # an answer that runs while the test does what it needs
     "upload_idle_seconds": 2,
+    "max_upload_seconds": 6,
     "default_max_tokens": 4,
 }
 LONG_ANSWER = {"question": "Q?", "max_tokens": 2048}
@@ -133,6 +134,26 @@ def test_an_upload_that_stops_arriving_is_refused_and_gives_its_place_back(
         assert answer.startswith("HTTP/1.1 408") and "upload_timeout" in answer, answer
         created = upload(client, C, "c.txt", text(60, seed=7))
         assert created.status_code == 202, created.text
+    assert client.get("/v1/documents", headers=A).json()["data"] == []
+
+
+def test_an_upload_that_trickles_is_refused_after_max_upload_seconds(
+    client: httpx.Client, server: ServerProcess
+) -> None:
+    """A body sending a byte within every idle interval was never cut, holding its queue place for good: after
+    `max_upload_seconds` in all (6 here) it is refused with 408 and its place given back."""
+    with send_part_of_an_upload(server.port, KEY_A, text(4000, seed=8)) as trickling:
+        started = time.monotonic()
+        wait_queue(client, receiving_uploads=1)
+        trickling.settimeout(0.5)
+        answer = b""
+        while not answer:
+            assert time.monotonic() - started < 30, "the trickling upload was never cut"
+            trickling.sendall(b"x")
+            with contextlib.suppress(TimeoutError):
+                answer = trickling.recv(65536)
+        assert 6 <= time.monotonic() - started, "cut before max_upload_seconds"
+        assert answer.startswith(b"HTTP/1.1 408") and b"took longer than 6 s" in answer, answer
     assert client.get("/v1/documents", headers=A).json()["data"] == []
 
 

@@ -66,7 +66,8 @@ def apply_limits(schema: Schema, settings: Settings) -> Schema:
     upload["properties"]["file"]["description"] += (
         f" At most {settings.max_upload_bytes} bytes, {settings.max_pages} pages, "
         f"{settings.max_pdf_content_bytes} bytes of decoded page content (a PDF) and "
-        f"{settings.max_document_chars} characters of text, and it must fit the model's context window."
+        f"{settings.max_document_chars} characters of text, and it must fit the model's context window. The body "
+        f"must arrive within {settings.max_upload_seconds} s, with no pause of {settings.upload_idle_seconds} s."
     )
     _drop_statuses_not_answered(schema)
     return schema

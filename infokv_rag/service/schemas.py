@@ -64,7 +64,8 @@ _ERROR_DESCRIPTIONS = {
     "UTF-8 or not valid JSON, `invalid_json`)",
     401: "Missing, invalid or conflicting API key (every key presented must be valid)",
     404: "No such document",
-    408: "An upload whose body stopped arriving (`upload_timeout`: nothing for `upload_idle_seconds`); nothing kept",
+    408: "An upload whose body stopped arriving (`upload_timeout`: nothing for `upload_idle_seconds`, or not whole "
+    "after `max_upload_seconds`); nothing kept",
     409: "The document is not ready (still being read, or failed)",
     413: "Upload, page count, document or question too large",
     415: "Not a PDF or text file",

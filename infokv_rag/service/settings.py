@@ -73,6 +73,10 @@ class Settings:
     upload_idle_seconds: int = 30
     """An upload whose body sends nothing for this long is refused (408 `upload_timeout`), giving back its queue
     place: a client that stalls mid-upload would hold it for as long as it kept its connection open."""
+    max_upload_seconds: int = 600
+    """An upload whose body takes longer than this to arrive is refused (408 `upload_timeout`), giving back its
+    queue place: a client sending a byte within every idle interval would hold it indefinitely. 600 s is 32 MiB at
+    56 KB/s."""
     # Scheduling
     max_active_generations: int = 8
     """Answers decoded in round-robin at once; later ones wait in FIFO order."""
@@ -202,6 +206,7 @@ _INT_FIELDS = (
     "default_max_tokens",
     "max_request_bytes",
     "upload_idle_seconds",
+    "max_upload_seconds",
     "max_active_generations",
     "max_queued_generations",
     "max_queued_uploads",

@@ -122,30 +122,36 @@ class _CheckedMultiPartParser(MultiPartParser):
             file.close()
 
 
-async def _arriving(body: AsyncGenerator[bytes, None], idle_seconds: int) -> AsyncGenerator[bytes, None]:
-    """The chunks of `body` as they arrive; 408 `upload_timeout` once none has for `idle_seconds`."""
+async def _arriving(body: AsyncGenerator[bytes, None], settings: Settings) -> AsyncGenerator[bytes, None]:
+    """The chunks of `body` as they arrive; 408 `upload_timeout` once none has for `upload_idle_seconds`, or once
+    the body has taken `max_upload_seconds` in all (a byte sent within every idle interval would hold the upload's
+    queue place for good)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.max_upload_seconds
     async with aclosing(body):
         while True:
+            wait = min(settings.upload_idle_seconds, deadline - loop.time())
             try:
-                chunk = await asyncio.wait_for(anext(body), idle_seconds)
+                chunk = await asyncio.wait_for(anext(body), max(wait, 0))
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                if wait < settings.upload_idle_seconds:
+                    why = f"took longer than {settings.max_upload_seconds} s to arrive"
+                else:
+                    why = f"stopped arriving: nothing of its body came for {settings.upload_idle_seconds} s"
                 raise ServiceError(
-                    408,
-                    "upload_timeout",
-                    f"the upload stopped arriving: nothing of its body came for {idle_seconds} s, and nothing of it "
-                    "was kept; send it again",
+                    408, "upload_timeout", f"the upload {why}, and nothing of it was kept; send it again"
                 ) from None
             yield chunk
 
 
-async def _read_form(request: Request, idle_seconds: int) -> FormData:
+async def _read_form(request: Request, settings: Settings) -> FormData:
     """The upload's multipart form (one file, a few small fields), read whole; 400 `bad_request` for a body that
     is malformed, over the form's limits, or cut before its closing boundary, 408 `upload_timeout` for one that
-    stops arriving (nothing of it is kept)."""
+    stops arriving or takes too long (`_arriving`; nothing of it is kept)."""
     limits: dict[str, Any] = {"max_files": 1, "max_fields": len(_FIELDS), "max_part_size": FORM_FIELD_BYTES}
-    async with aclosing(_arriving(request.stream(), idle_seconds)) as stream:
+    async with aclosing(_arriving(request.stream(), settings)) as stream:
         try:
             parser = _CheckedMultiPartParser(request.headers, stream, **limits)
         except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
@@ -189,7 +195,7 @@ async def receive_upload(request: Request, registry: Registry, settings: Setting
     media_type = content_type.partition(";")[0].strip().lower()  # media types are case-insensitive
     if media_type != "multipart/form-data":  # not a prefix: "multipart/form-dataX" is another type
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
-    form = await _read_form(request, settings.upload_idle_seconds)
+    form = await _read_form(request, settings)
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
