@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -149,6 +150,31 @@ def test_documents_from_before_tenants_belong_to_no_tenant(random_engine: Any, t
         assert ask(client, ADMIN, legacy).status_code == 200
         assert client.delete(f"/v1/documents/{legacy}", headers=ADMIN).status_code == 200
     assert not (data / "documents" / legacy).exists()
+
+
+def test_an_open_service_over_tenants_documents_shows_none_of_them(
+    random_engine: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data directory that a service with keys wrote, opened without them (INFOKV_ALLOW_ANONYMOUS, its keys
+    variable lost in a redeploy): anyone could list, ask about and delete every tenant's documents. The open
+    service's caller sees the documents of no tenant only, and the start says the others are there."""
+    data = tmp_path / "data"
+    with running(random_engine, data) as client:
+        secret = upload_ready(client, A1, "vault.txt", SECRET)
+    settings = random_model_settings(data, (), admin_keys=(), allow_anonymous=True)
+    with caplog.at_level(logging.WARNING), TestClient(create_app(settings, engine=random_engine)) as client:
+        assert "the documents of 1 tenant(s) (tenantA)" in caplog.text
+        assert ids(client, {}) == set()
+        for response in (
+            client.get(f"/v1/documents/{secret}"),
+            ask(client, {}, secret),
+            client.delete(f"/v1/documents/{secret}"),
+        ):
+            assert_error(response, 404, "document_not_found")
+        own = upload_ready(client, {}, "open.txt", OTHER)
+        assert ids(client, {}) == {own} and ask(client, {}, own).status_code == 200
+    with running(random_engine, data) as client:
+        assert ids(client, A1) == {secret} and ask(client, A1, secret).status_code == 200
 
 
 def _tensors(data: Path, doc_id: str) -> Path:

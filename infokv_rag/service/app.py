@@ -43,6 +43,7 @@ from .shared_registry import DeleteWatcher, LeaseKeeper, StoreRegistry, open_reg
 
 if TYPE_CHECKING:
     from ..engine import InfoKVEngine
+    from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
             if settings.warmup:
                 await run_in_threadpool(_warm_up, service.engine)
             pending = await run_in_threadpool(service.registry.open)
+            if not settings.auth_required:
+                await run_in_threadpool(_warn_of_tenants_documents, service.registry)
             worker = ModelWorker(service.engine, service.registry, settings)
             worker.start()
             service.worker = worker
@@ -236,6 +239,18 @@ def _warm_up(engine: InfoKVEngine) -> None:
     from ..config import CompressionConfig
 
     engine.ingest_text("Warm-up.", CompressionConfig(method="full")).ask("Ready?", max_new_tokens=1)
+
+
+def _warn_of_tenants_documents(registry: Registry) -> None:
+    """An open service shows no tenant's documents (`Principal.may_see`): say so where it holds some."""
+    tenants = sorted({record.owner for record in registry.list() if record.owner is not None})
+    if tenants:
+        log.warning(
+            "the documents of %d tenant(s) (%s) are kept here; an open service (INFOKV_ALLOW_ANONYMOUS) does not show "
+            "them to anyone: start it with their keys to reach them",
+            len(tenants),
+            ", ".join(tenants[:5]) + (", ..." if len(tenants) > 5 else ""),
+        )
 
 
 def _version() -> str:

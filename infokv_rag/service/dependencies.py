@@ -46,7 +46,8 @@ _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="X-API-Ke
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="infokv-rag"'}
 _ANONYMOUS = Principal(None, admin=True)
-"""An open service (INFOKV_ALLOW_ANONYMOUS) has no tenants: its one caller sees everything."""
+"""An open service (INFOKV_ALLOW_ANONYMOUS) has no tenants: its one caller sees the server's activity and every
+document of no tenant (`Principal.may_see`)."""
 
 
 def _unauthorized(code: str, message: str) -> ServiceError:

@@ -38,8 +38,12 @@ class Principal:
     admin: bool = False
 
     def may_see(self, owner: str | None) -> bool:
+        if self.tenant is None:
+            # An open service's caller: the documents of no tenant. A directory that a service with keys wrote,
+            # opened without them (its keys variable lost), must not hand every tenant's documents to anyone.
+            return owner is None
         # Documents without an owner predate tenants: nobody but an admin can tell whose they are.
-        return self.admin or (owner is not None and owner == self.tenant)
+        return self.admin or owner == self.tenant
 
 
 @dataclass(frozen=True)
