@@ -25,12 +25,10 @@ class LoadOnceCache(Generic[K, V]):
 
     Callers that want the same missing key wait for one load (one lock per key, kept while any of them waits);
     other keys load in parallel. A failed load raises to its own caller; the next caller in line tries again.
-    `on_drop` hears of each key evicted for room, outside the cache's lock.
     """
 
-    def __init__(self, capacity: int, on_drop: Callable[[K], None] | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.on_drop = on_drop
         self._values: OrderedDict[K, V] = OrderedDict()
         self._loading: dict[K, _KeyLoad] = {}
         self._lock = threading.Lock()
@@ -46,12 +44,8 @@ class LoadOnceCache(Generic[K, V]):
         with self._lock:
             self._values[key] = value
             self._values.move_to_end(key)
-            dropped = []
             while len(self._values) > self.capacity:
-                dropped.append(self._values.popitem(last=False)[0])
-        if self.on_drop is not None:
-            for old in dropped:
-                self.on_drop(old)
+                self._values.popitem(last=False)
 
     def pop(self, key: K) -> V | None:
         with self._lock:

@@ -177,6 +177,18 @@ def test_an_open_service_over_tenants_documents_shows_none_of_them(
         assert ids(client, A1) == {secret} and ask(client, A1, secret).status_code == 200
 
 
+def test_a_documents_info_does_not_change_with_other_tenants_documents(random_engine: Any, tmp_path: Path) -> None:
+    """`cache_origin` went to None when the cache left memory for room, which other tenants' uploads and
+    questions decide: a tenant could watch it to learn how much others read (what /healthz hides from them)."""
+    with running(random_engine, tmp_path / "data", loaded_documents=2) as client:
+        doc_b = upload_ready(client, B, "parking.txt", OTHER)
+        before = client.get(f"/v1/documents/{doc_b}", headers=B).json()
+        assert before["cache_origin"] == "prefill"
+        for number in range(3):
+            upload_ready(client, A1, f"memo-{number}.txt", SECRET + str(number).encode())
+        assert client.get(f"/v1/documents/{doc_b}", headers=B).json() == before
+
+
 def _tensors(data: Path, doc_id: str) -> Path:
     return data / "documents" / doc_id / "cache" / "tensors.safetensors"
 

@@ -135,7 +135,8 @@ class DocumentRecord:
     progress_done: int = 0
     progress_total: int = 0
     cache_origin: str | None = None
-    """'prefill' (read in this process) or 'disk' (loaded from the saved cache); None while not loaded."""
+    """'prefill' (read in this process) or 'disk' (loaded from the saved cache): where this process last got the
+    cache from; None before it first held it, and after it dropped it as gone or unusable (`forget_loaded`)."""
     deleted: bool = False
     """Its directory is gone or retired for deletion: nothing may write for it any more."""
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -304,7 +305,7 @@ class Registry:
         self.uploads_dir = self.data_dir / "uploads"
         self._lock = threading.Lock()
         self._records: dict[str, DocumentRecord] = {}
-        self._loaded: LoadOnceCache[str, CompressedDocument] = LoadOnceCache(loaded_documents, self._forget_origin)
+        self._loaded: LoadOnceCache[str, CompressedDocument] = LoadOnceCache(loaded_documents)
         self._lock_file: int | None = None
         self.counters = {"cache_loads": 0, "cache_shares": 0}
 
@@ -684,15 +685,14 @@ class Registry:
         if record.deleted:  # deleted meanwhile: not kept in memory
             self.forget_loaded(record.id)
 
-    def _forget_origin(self, doc_id: str) -> None:
+    def forget_loaded(self, doc_id: str) -> None:
+        """Drops the document's cache from memory and its `cache_origin`: the cache is gone or not to be used. (A
+        cache the LRU drops for room keeps its origin: its change would tell a tenant that others load theirs.)"""
+        self._loaded.pop(doc_id)
         with self._lock:
             record = self._records.get(doc_id)
             if record is not None:
                 record.cache_origin = None
-
-    def forget_loaded(self, doc_id: str) -> None:
-        self._loaded.pop(doc_id)
-        self._forget_origin(doc_id)
 
     def loaded(self, doc_id: str) -> CompressedDocument | None:
         return self._loaded.get(doc_id)

@@ -170,9 +170,10 @@ class DocumentInfo(BaseModel):
     prefill_seconds: float | None = None
     cache_origin: Literal["prefill", "disk", "store"] | None = Field(
         None,
-        description="Where the cache in memory came from: read in this process, or loaded from disk "
-        "(after a restart: no prefill) or from the shared store (another replica read it: no prefill). "
-        "None while not in memory.",
+        description="Where this server process got the document's cache from: read in this process, or loaded "
+        "from disk (after a restart: no prefill) or from the shared store (another replica read it: no prefill). "
+        "None until the process first holds it (after a restart, until a question needs it). It stays when "
+        "the cache leaves memory for room: when it does depends on other tenants' documents.",
     )
 
 

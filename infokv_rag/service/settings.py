@@ -56,7 +56,7 @@ class Settings:
     share_caches: bool = False
     """Serve an upload from an identical ready upload's cache (same file and options: the count `1` is not the
     ratio `1.0`), whichever tenant made it. Off by default: sharing saves a prefill but tells a tenant, by its
-    speed, that someone else uploaded the same file."""
+    speed and its info (`prefill_seconds` 0), that someone else uploaded the same file."""
     # Limits
     max_upload_bytes: int = 32 * 1024 * 1024
     max_document_chars: int = 2_000_000
