@@ -189,6 +189,22 @@ def test_a_documents_info_does_not_change_with_other_tenants_documents(random_en
         assert client.get(f"/v1/documents/{doc_b}", headers=B).json() == before
 
 
+def test_a_tenant_keeps_at_most_its_quota_of_documents(random_engine: Any, tmp_path: Path) -> None:
+    """One tenant could upload until the disk was full, every other tenant's upload failing after its 202. Past
+    `max_documents_per_tenant` (2 here) its uploads are refused before they are received; others' are not."""
+    data = tmp_path / "data"
+    with running(random_engine, data, max_documents_per_tenant=2) as client:
+        first = upload_ready(client, A1, "one.txt", SECRET)
+        upload_ready(client, A2, "two.txt", SECRET + b" Two.")  # another key of the same tenant
+        refused = upload(client, A1, "three.txt", SECRET + b" Three.")
+        assert_error(refused, 507, "document_quota_exceeded")
+        assert "keeps 2 documents" in refused.json()["error"]["message"] and "Retry-After" not in refused.headers
+        assert list((data / "uploads").iterdir()) == [] and len(ids(client, A1)) == 2
+        upload_ready(client, B, "parking.txt", OTHER)
+        assert client.delete(f"/v1/documents/{first}", headers=A1).status_code == 200
+        upload_ready(client, A1, "three.txt", SECRET + b" Three.")
+
+
 def _tensors(data: Path, doc_id: str) -> Path:
     return data / "documents" / doc_id / "cache" / "tensors.safetensors"
 

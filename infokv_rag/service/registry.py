@@ -474,6 +474,10 @@ class Registry:
             records = list(self._records.values())
         return sorted(records, key=lambda r: r.created_at)
 
+    def documents_of(self, tenant: str) -> int:
+        """How many documents `tenant` keeps (every status), as `list` reads them."""
+        return sum(record.owner == tenant for record in self.list())
+
     def counts(self) -> dict[str, int]:
         counts = {"queued": 0, "processing": 0, "ready": 0, "failed": 0}
         for record in self.list():

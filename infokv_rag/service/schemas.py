@@ -72,7 +72,8 @@ _ERROR_DESCRIPTIONS = {
     422: "Invalid field, or a document that cannot be read (encrypted, no text, empty, damaged)",
     429: "The caller's tenant holds its whole share of the queue (`tenant_queue_full`); retry later (see Retry-After)",
     503: "Busy (too many queued requests), or a shared store that cannot be read now; retry later (see Retry-After)",
-    507: "The server's storage refused a write or a removal (`storage_error`); the message says what was kept",
+    507: "The server's storage refused a write or a removal (`storage_error`; the message says what was kept), or "
+    "on an upload, the caller's tenant keeps `max_documents_per_tenant` documents (`document_quota_exceeded`)",
 }
 
 

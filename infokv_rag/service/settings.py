@@ -73,6 +73,9 @@ class Settings:
     upload_idle_seconds: int = 30
     """An upload whose body sends nothing for this long is refused (408 `upload_timeout`), giving back its queue
     place: a client that stalls mid-upload would hold it for as long as it kept its connection open."""
+    max_documents_per_tenant: int = 1000
+    """Documents one tenant may keep (every status, counting uploads being received): one more is refused (507
+    `document_quota_exceeded`) before it is received, so that one tenant cannot fill the disk for every other."""
     max_upload_seconds: int = 600
     """An upload whose body takes longer than this to arrive is refused (408 `upload_timeout`), giving back its
     queue place: a client sending a byte within every idle interval would hold it indefinitely. 600 s is 32 MiB at
@@ -207,6 +210,7 @@ _INT_FIELDS = (
     "max_request_bytes",
     "upload_idle_seconds",
     "max_upload_seconds",
+    "max_documents_per_tenant",
     "max_active_generations",
     "max_queued_generations",
     "max_queued_uploads",

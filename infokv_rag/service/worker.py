@@ -71,6 +71,14 @@ class TenantShareFull(QueueFull):
         )
 
 
+class DocumentQuotaFull(Exception):
+    """The caller's tenant keeps `max_documents_per_tenant` documents already (HTTP 507 `document_quota_exceeded`,
+    RFC 4331's status for a quota): none is freed by waiting, so no Retry-After."""
+
+    def refusal(self) -> ServiceError:
+        return ServiceError(507, "document_quota_exceeded", f"{self}; delete some of them to upload more")
+
+
 class _Cancelled(Exception):
     pass
 
@@ -357,14 +365,22 @@ class ModelWorker:
     # Uploads -------------------------------------------------------------------------------------
 
     @contextmanager
-    def upload_slot(self, tenant: str | None) -> Iterator[None]:
+    def upload_slot(self, tenant: str | None, stored_documents: int = 0) -> Iterator[None]:
         """Holds a place in the upload queue for `tenant` (the uploader's) while an upload is saved, before anyone
-        can see it: `TenantShareFull` when that tenant holds its whole share of the queue, `QueueFull` when none is
-        left. `submit_ingestion` inside takes the place, leaving without it gives the place back."""
+        can see it: `DocumentQuotaFull` when the documents it keeps (`stored_documents`) and those it is sending
+        reach `max_documents_per_tenant`, `TenantShareFull` when that tenant holds its whole share of the queue,
+        `QueueFull` when none is left. `submit_ingestion` inside takes the place, leaving without it gives the
+        place back."""
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if tenant is not None:
+                kept = stored_documents + self._upload_slots[tenant]
+                if kept >= self.settings.max_documents_per_tenant:
+                    raise DocumentQuotaFull(
+                        f"your tenant keeps {kept} documents, counting uploads being received, its whole quota of "
+                        f"{self.settings.max_documents_per_tenant}"
+                    )
                 mine = sum(owner == tenant for owner in self._waiting_uploads.values()) + self._upload_slots[tenant]
                 _check_share(
                     "uploads waiting to be read", mine, self.settings.upload_share, self.settings.max_queued_uploads

@@ -38,7 +38,7 @@ from ..schemas import (
     error_responses,
 )
 from ..uploads import StagedUpload, compression_config, parse_upload, receive_upload
-from ..worker import GenerationJob, IngestJob, QueueFull
+from ..worker import DocumentQuotaFull, GenerationJob, IngestJob, QueueFull
 
 router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(authenticate)])
 
@@ -99,10 +99,12 @@ async def upload_document(request: Request, response: Response, service: Service
 
     The document belongs to the caller's tenant: no other tenant can see, ask about or delete it."""
     assert service.worker is not None
+    tenant = caller.tenant
+    stored = 0 if tenant is None else await run_in_threadpool(service.registry.documents_of, tenant)
     try:
         # The queue's place is taken before the upload is received: a refused upload is neither read from the
         # client nor staged, parsed, saved or listed. Leaving the block on any path gives the place back.
-        with service.worker.upload_slot(caller.tenant):
+        with service.worker.upload_slot(tenant, stored):
             staged = await receive_upload(request, service.registry, service.settings)
             try:
                 record = await _save_upload(service, caller.tenant, staged)
@@ -110,6 +112,8 @@ async def upload_document(request: Request, response: Response, service: Service
                 await run_in_threadpool(staged.discard)
     except QueueFull as exc:
         raise exc.refusal(retry_after=10) from exc
+    except DocumentQuotaFull as exc:
+        raise exc.refusal() from exc
     response.headers["Location"] = f"{request.scope.get('root_path', '')}/v1/documents/{record.id}"  # under a prefix
     return document_info(record)
 
