@@ -14,13 +14,16 @@ attention probabilities recomputed here (about 2.7x a plain prefill on CPU, READ
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .model_runner import ModelRunner
 from .prompt import PromptFormat
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner  # it imports transformers, which reading a saved cache does not need
 
 REPEAT_FIRST = "Repeat the previous context exactly."
 REPEAT_NEXT = "Repeat the part of the previous context exactly, starting with"

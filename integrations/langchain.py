@@ -22,6 +22,11 @@ import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar
 
+try:
+    import langchain_core  # noqa: F401
+except ImportError as exc:
+    raise ImportError("the LangChain adapters need langchain-core: pip install 'infokv-rag[langchain]'") from exc
+
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document as LangChainDocument
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput

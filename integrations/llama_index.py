@@ -19,6 +19,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+try:
+    import llama_index.core  # noqa: F401
+except ImportError as exc:
+    raise ImportError("the LlamaIndex adapters need llama-index-core: pip install 'infokv-rag[llamaindex]'") from exc
+
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.llms.types import (
     ChatMessage,

@@ -1313,3 +1313,11 @@ def test_tiny_cache_is_refused_by_the_default_model(
     shutil.copytree(path, planted)
     _, reused = store.ingest(default_engine, document, CompressionConfig())
     assert reused is False
+
+
+def test_reading_saved_caches_imports_no_transformers() -> None:
+    """`infokv-rag info DIR` took 13 s, 7 of them importing transformers (through the ingestion's types), which
+    reading a manifest and checking files does not use."""
+    code = "import sys, infokv_rag.cli, infokv_rag.store; print(sorted(m for m in sys.modules if 'transformers' in m))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded

@@ -24,12 +24,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
+    # Starlette parses uploads with python_multipart: without it the service would start, then fail every upload.
+    import python_multipart  # noqa: F401
     import uvicorn
     from fastapi import FastAPI
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     from ..errors import ConfigError
 
-    raise ConfigError("the service needs FastAPI and uvicorn: pip install 'infokv-rag[service]'") from exc
+    raise ConfigError(
+        f"the service needs FastAPI, uvicorn and python-multipart ({exc.name} is missing): "
+        "pip install 'infokv-rag[service]'"
+    ) from exc
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
