@@ -66,8 +66,9 @@ class FileStamp:
         status = os.fstat(self._descriptor)
         self.size, self.modified_ns, self._status_changed_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
         self.verified_sha256: str | None = None
-        """The content's sha256 once its reader has verified it: a file whose status changed (a chmod, a link, or a
-        write whose modification time was set back, as `touch -r` or `cp -p` over it do) is hashed again."""
+        """The content's sha256 once its reader has verified it: a file of the same size whose modification or status
+        changed (a `touch`, a chmod, a link, a write, also one whose modification time was set back as `touch -r` or
+        `cp -p` over it do) is hashed again."""
 
     def __copy__(self) -> FileStamp:
         return self  # a copy of the descriptor's number would outlive it (closed with the original)
@@ -78,17 +79,18 @@ class FileStamp:
     def changed_in_place(self) -> bool:
         try:
             now = os.fstat(self._descriptor)
-            if (now.st_size, now.st_mtime_ns) != (self.size, self.modified_ns):
+            if now.st_size != self.size:
                 return True
-            # A status change (a chmod, a link made or removed, a write whose modification time was set back) is
-            # judged by the content, hashed once: a removed file's last change is its removal.
-            if now.st_ctime_ns == self._status_changed_ns:
+            # A write of the same size, or a status change (a chmod, a link made or removed, a `touch`, a write
+            # whose modification time was set back) is judged by the content, hashed once: the same bytes written
+            # again (a `cp` or `rsync --inplace` of the same file) are no change. A removal changes the status.
+            if (now.st_mtime_ns, now.st_ctime_ns) == (self.modified_ns, self._status_changed_ns):
                 return False
             if self.verified_sha256 is None or _descriptor_sha256(self._descriptor) != self.verified_sha256:
                 return True
         except OSError:
             return True  # cannot tell: taken as changed
-        self._status_changed_ns = now.st_ctime_ns
+        self.modified_ns, self._status_changed_ns = now.st_mtime_ns, now.st_ctime_ns
         return False
 
 

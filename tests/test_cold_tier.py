@@ -365,7 +365,8 @@ def test_a_cold_tier_written_over_with_its_modification_time_set_back_is_not_rea
 ) -> None:
     """`cp -p`, `touch -r` and `rsync -a --inplace` write a file in place and set its modification time back: with
     the size unchanged too, the map read the new bytes unnoticed. Its status change time tells (it cannot be set
-    back), and a change of status alone (a chmod, a new hard link) is read again and found the same."""
+    back), and a change of status alone (a chmod, a new hard link) is read again and found the same, as are a
+    `touch` and the same bytes written again in place (each refused for good by a loaded cache before)."""
     doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25, recall=0.1))
     answer = doc.ask(QUESTION, max_new_tokens=8)
     path = doc.save(tmp_path / "doc")
@@ -374,6 +375,13 @@ def test_a_cold_tier_written_over_with_its_modification_time_set_back_is_not_rea
     time.sleep(0.05)  # file times tick coarsely: a change must come after the load's stamp
     (path / COLD).chmod(0o600)
     os.link(path / COLD, tmp_path / "backup")
+    assert loaded.ask(QUESTION, max_new_tokens=8) == answer
+    time.sleep(0.05)
+    os.utime(path / COLD)
+    assert loaded.ask(QUESTION, max_new_tokens=8) == answer
+    time.sleep(0.05)
+    with open(path / COLD, "r+b") as handle:
+        handle.write(good)
     assert loaded.ask(QUESTION, max_new_tokens=8) == answer
     (tmp_path / "backup").unlink()
     for then_removed in (False, True):  # removed: its removal is its last status change, after the write
@@ -404,8 +412,9 @@ def test_a_cold_tier_changed_in_place_while_a_question_reads_it_is_refused_befor
     def written_over_while_read(*args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs.get("recall") is not None:
             data = (path / COLD).read_bytes()
-            with open(path / COLD, "r+b") as handle:  # the same bytes, in place: what the map reads is still whole
-                handle.write(data)
+            with open(path / COLD, "r+b") as handle:  # one byte of the codes changed, in place, the size kept
+                handle.seek(len(data) - 1)
+                handle.write(bytes([data[-1] ^ 1]))
             status = os.stat(path / COLD)
             os.utime(path / COLD, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # file times tick coarsely
         return forward(*args, **kwargs)
