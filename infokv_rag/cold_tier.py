@@ -67,7 +67,7 @@ class ColdTier:
     layers: list[ColdLayer]
     bits: int
     source: FileStamp | None = field(default=None, compare=False, repr=False)
-    """The file its tensors map, when loaded from a directory (`check_source`)."""
+    """The file its tensors map, when loaded (a saved cache's file, or a private copy of a store's: `check_source`)."""
 
     def check_source(self) -> None:
         """Refuses (`CacheStoreError`) to read a mapped cold tier whose file was changed in place since it was

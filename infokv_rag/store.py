@@ -42,6 +42,7 @@ import os
 import shutil
 import stat
 import struct
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -924,15 +925,16 @@ def _summaries(
 def _read_cold_tensors(
     files: CacheFiles, record: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], str | None, FileStamp | None]:
-    """The cold tier's tensors, verified: views of a memory map for a local directory (nothing is read
-    into memory but what the checksum reads through), its binding (None when its metadata holds none) and the
-    mapped file's stamp; else parsed from the bytes read (and no stamp)."""
+    """The cold tier's tensors, verified: views of a memory map (of the file in a local directory, where nothing is
+    read into memory but what the checksum reads through; of a private temporary copy for another store), its
+    binding (None when its metadata holds none) and the mapped file's stamp."""
     stamps: list[FileStamp] = []
 
     def read() -> mmap.mmap | bytearray:
-        if not isinstance(files, DirectoryFiles):
-            return bytearray(files.read(COLD, record["bytes"]))
-        buffer, stamp = files.map(COLD)
+        if isinstance(files, DirectoryFiles):
+            buffer, stamp = files.map(COLD)
+        else:
+            buffer, stamp = _spooled(f"{files.where}/{COLD}", files.read(COLD, record["bytes"]))
         stamps.append(stamp)
         return buffer
 
@@ -946,6 +948,19 @@ def _read_cold_tensors(
             f"{files.where}/{COLD} cannot be read ({exc}); delete {files.where} and ingest again"
         ) from exc
     return tensors, bound_to, (stamps[0] if stamps else None)
+
+
+def _spooled(where: str, data: bytes) -> tuple[mmap.mmap | bytearray, FileStamp]:
+    """`data` written to an unnamed temporary file (in TMPDIR) and memory-mapped copy-on-write: a cold tier read from
+    an object store is most of what its document holds, and held as a file's pages it is not the process's memory
+    for as long as the document stays loaded (the kernel drops the pages and reads them again as it needs)."""
+    with tempfile.TemporaryFile(prefix="infokv-cold-") as handle:
+        handle.write(data)
+        handle.flush()
+        stamp = FileStamp(Path(where), handle)
+        if not data:
+            return bytearray(), stamp
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
 
 
 def _binding_of(buffer: bytes | bytearray | mmap.mmap) -> str | None:
@@ -1084,6 +1099,10 @@ class CacheStore:
         compressed = engine.ingest_document(document, config, progress=progress)
         try:
             save_document(compressed, path, owned=True)
+            if compressed.cold_tier is not None:
+                # Its cold tier mapped from the file saved, not held in memory: most of what such a document holds.
+                compressed = engine.load(path)
+                compressed.config = config
         except (CacheStoreError, OSError) as error:
             # What the entry held failed to load, or was another's: unless a user's files are in it, it goes, so
             # that the store holds nothing for this key (`holds`), not a cache no load takes.

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from infokv_rag import (
     CacheStoreError,
@@ -89,6 +90,21 @@ def test_publish_then_load_gives_the_same_document_and_answer(
     assert loaded.ask(QUESTION, max_new_tokens=6) == doc_a.ask(QUESTION, max_new_tokens=6)
     backend.publish(KEY, doc_b)  # a new publish replaces the cache
     assert_same_document(backend.load(random_engine, KEY), doc_b)
+
+
+def test_a_loaded_cold_tier_is_mapped_from_a_file_from_every_store(
+    backend: CacheBackend, random_engine: InfoKVEngine
+) -> None:
+    """A cold tier read from an object store was held in the process's memory, twice what the README says a
+    recalling document holds resident; it is mapped from a private temporary copy, as a local one is mapped."""
+    document = random_engine.ingest_text(TEXT_A, CompressionConfig(keep=0.25, recall=0.1))
+    backend.publish(KEY, document)
+    loaded = backend.load(random_engine, KEY)
+    assert loaded.cold_tier is not None and loaded.cold_tier.source is not None
+    assert loaded.ask(QUESTION, max_new_tokens=6) == document.ask(QUESTION, max_new_tokens=6)
+    codes = loaded.cold_tier.layers[0].heads[0]
+    mapped = [tensor for tensor in vars(codes).values() if isinstance(tensor, torch.Tensor)]
+    assert mapped and all(not tensor.untyped_storage().resizable() for tensor in mapped)
 
 
 def test_records_beside_the_cache(backend: CacheBackend, doc_a: CompressedDocument) -> None:

@@ -597,6 +597,8 @@ def test_the_store_keeps_one_cache_whatever_the_recall_budget(random_engine: Inf
     document = document_from_text(TEXT)
     first, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=0.1))
     assert not reused and first.config.recall == 0.1
+    # The document just read comes back as saved, its cold tier mapped from the file rather than held in memory.
+    assert first.cold_tier is not None and first.cold_tier.source is not None
     # Another budget reads the same bytes: the stored cache, answering with the budget asked for.
     again, reused = store.ingest(random_engine, document, CompressionConfig(keep=0.25, recall=16))
     assert reused and again.config.recall == 16 and again.cold_tier is not None

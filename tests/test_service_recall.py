@@ -92,6 +92,28 @@ def test_upload_with_recall_then_ask_json_sse_and_chat(client: TestClient) -> No
     assert completion.json()["usage"]["recalled_tokens"] == 4 * LAYERS
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_a_document_just_read_keeps_its_cold_tier_mapped_not_in_memory(
+    random_engine: InfoKVEngine, tmp_path: Path, store: bool
+) -> None:
+    """The document an upload read stayed in memory as read: its cold tier (most of it) held in the process's
+    memory until it left the cache of loaded documents, twice what the README says a recalling document holds. It
+    is kept as the saved copy loaded back, its cold tier mapped from a file (a private copy for a shared store)."""
+    if store:
+        pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
+    options = {"store": f"file://{tmp_path}/store"} if store else {}
+    with running(random_engine, tmp_path / "data", **options) as client:
+        doc_id = upload_ready(client, A, "contract.txt", LONG, recall="0.1")
+        registry = client.app.state.service.registry  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while (loaded := registry.loaded(doc_id)) is None:  # kept in memory just after it reads ready
+            assert time.monotonic() < deadline, "never kept in memory"
+            time.sleep(0.01)
+        assert loaded.cold_tier is not None and loaded.cold_tier.source is not None
+        assert client.get(f"/v1/documents/{doc_id}", headers=A).json()["cache_origin"] == "prefill"
+        assert recalled(ask(client, doc_id)) > 0
+
+
 def test_bad_recall_options_are_4xx(client: TestClient) -> None:
     # cold_bits 8 is a valid width, but without recall there is no cold tier to code.
     bad_fields = ({"recall": "1.5"}, {"recall": "-3"}, {"recall": "lots"}, {"cold_bits": "3"}, {"cold_bits": "x"})
