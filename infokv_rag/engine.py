@@ -19,11 +19,11 @@ from .architectures import check_loaded_model, check_tokenizer, load_checked, lo
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document, text_as_read
-from .errors import AnswerRoom, AnswerRoomError, ConfigError, ContextLengthError
+from .errors import AnswerRoom, AnswerRoomError, ConfigError, ContextLengthError, ModelError
 from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
 from .model_runner import ModelRunner
-from .models import loaded_model_fingerprint, resolve_model
+from .models import files_stamp, loaded_model_fingerprint, resolve_model
 from .placement import resolve_placement
 from .prompt import PromptFormat, Turn, conversation_messages
 from .surrogate import ReconstructionSurrogate, surrogate_for
@@ -61,7 +61,7 @@ class InfoKVEngine:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Identifies the model to saved caches (computed on first save or load: it may hash the weights)."""
+        """Identifies the model to saved caches (a model in memory: computed on first use, hashing its weights)."""
         return self._fingerprint()
 
     @functools.cached_property
@@ -89,9 +89,18 @@ class InfoKVEngine:
         """
         place, precision = resolve_placement(device, dtype)  # a bad option fails before anything downloads
         source = resolve_model(name_or_path, revision)
+        files = [source.directory]
+        before = files_stamp(*files)
         config, tokenizer = load_checked(source.directory, source.name, source.remedy)
-        model = load_weights(source.weights_directory(), config, precision, source.name, source.remedy).to(place)
-        return cls(model, tokenizer, source.name, source.fingerprint, model_dir=source.directory)
+        files.append(source.weights_directory())
+        before += files_stamp(files[-1])
+        # Computed from the files as they are read, not at the first save: caches saved later must not be signed by
+        # weights written over the directory meanwhile (a new checkpoint), which this engine does not hold.
+        fingerprint = source.fingerprint()
+        model = load_weights(files[-1], config, precision, source.name, source.remedy).to(place)
+        if files_stamp(*files) != before:
+            raise ModelError(f"the files of {source.name} ({source.directory}) changed while it loaded; load it again")
+        return cls(model, tokenizer, source.name, lambda: fingerprint, model_dir=source.directory)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, name: str | None = None) -> InfoKVEngine:

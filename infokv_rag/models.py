@@ -22,11 +22,12 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -644,6 +645,20 @@ class ModelSource:
             _config_fingerprint(self.directory),  # the snapshot's config may be edited after download
         ]
         return hashlib.sha256("\n".join(material).encode()).hexdigest()
+
+
+def files_stamp(*directories: Path) -> list[tuple[str, int, int]]:
+    """(path, size, modification time) of each file in `directories` and their chat-template folders (symlinks
+    followed, as a hub snapshot's are): what changes when a model's files are written, without reading them."""
+    stamps = []
+    for directory in directories:
+        for folder in (directory, directory / "additional_chat_templates"):
+            for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+                with suppress(OSError):  # a dangling link: loading reports it
+                    status = path.stat()
+                    if stat.S_ISREG(status.st_mode):
+                        stamps.append((str(path), status.st_size, status.st_mtime_ns))
+    return stamps
 
 
 def _blob_sha256(path: Path) -> str:

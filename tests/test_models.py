@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 import torch
@@ -259,6 +259,39 @@ def test_a_config_edit_that_changes_the_computation_is_another_model(
     model, tokenizer = _load(random_model_dir)
     model.config.rms_norm_eps *= 10
     assert InfoKVEngine.from_model(model, tokenizer).fingerprint != reference
+
+
+def test_an_engine_signs_caches_as_the_weights_it_loaded_not_those_written_over_them_since(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fingerprint was computed from the directory at the first save: weights written over it meanwhile (a new
+    checkpoint) signed the old weights' caches as the new model's, and an engine of the new weights answered from
+    them. It is computed as the weights load, and a directory that changes while they load is refused."""
+    copy = shutil.copytree(random_model_dir, tmp_path / "model")
+    old = InfoKVEngine.from_pretrained(str(copy), device="cpu")
+    model, _ = _load(copy)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    model.save_pretrained(copy)
+    saved = old.ingest_text(TEXT, CompressionConfig(keep=0.5)).save(tmp_path / "cache")
+    new = InfoKVEngine.from_pretrained(str(copy), device="cpu")
+    assert new.fingerprint != old.fingerprint
+    with pytest.raises(CacheStoreError, match="made by model"):
+        new.load(saved)
+
+    import infokv_rag.engine as engine_module
+
+    load_weights = engine_module.load_weights
+
+    def written_over_while_loading(directory: Path, *args: Any) -> PreTrainedModel:
+        loaded = load_weights(directory, *args)
+        (directory / "model.safetensors").touch()
+        return loaded
+
+    monkeypatch.setattr(engine_module, "load_weights", written_over_while_loading)
+    with pytest.raises(ModelError, match="changed while it loaded; load it again"):
+        InfoKVEngine.from_pretrained(str(copy), device="cpu")
 
 
 def test_a_converted_model_edited_since_its_conversion_is_another_model(random_model_dir: Path, tmp_path: Path) -> None:
