@@ -868,3 +868,12 @@ def test_words_run_from_one_whitespace_to_the_next(random_engine: InfoKVEngine) 
         current += piece
     words.append(current)
     assert words == [" Since", " version", " 1.13.22", " the", " pump"]
+
+
+def test_a_documents_repr_counts_kept_tokens_per_layer_not_over_all_of_them(random_engine: InfoKVEngine) -> None:
+    """The repr said kept=17100 beside tokens=2342 (the count over every layer), reading as a cache larger than its
+    document."""
+    document = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    per_layer = round(document.stats.kept_tokens / len(document.stats.kept_tokens_per_layer))
+    assert f"tokens={document.stats.document_tokens}, kept={per_layer} per layer and KV head)" in repr(document)
+    assert 0 < per_layer <= 0.25 * document.stats.document_tokens + 1
