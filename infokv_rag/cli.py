@@ -222,7 +222,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     _add_verbose(calibrate)
 
     ask = commands.add_parser("ask", help="answer questions about a document (reuses its stored cache)")
-    ask.add_argument("file", help="a .pdf, .txt or .md document")
+    ask.add_argument("file", help="a .pdf, .txt or .md document, or a saved cache (ingest --out DIR)")
     ask.add_argument(
         "-q", "--question", action="append", required=True, dest="questions", help="a question (repeat for more)"
     )
@@ -375,10 +375,14 @@ def _run(args: argparse.Namespace) -> int:
     from .documents import load_document
 
     config = _config(args)
+    saved = None
     if args.command == "ask":
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         questions = _question_turns(args.questions)
+        saved = _saved_cache(args)
+    if saved is not None:
+        return _ask_saved(args, saved, questions)
     limit = {} if args.pdf_content_limit is None else {"content_limit": args.pdf_content_limit}
     document = load_document(args.file, password=args.password, **limit)
     _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")
@@ -389,19 +393,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         store_root = _writable_store(args)
 
-    from .engine import InfoKVEngine
-
-    if not args.verbose:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # transformers' weight-loading bars; ours shows the prefill
-    started = time.perf_counter()
-    engine = InfoKVEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    _note(
-        args,
-        f"model {args.model} loaded in {time.perf_counter() - started:.1f} s "
-        f"({engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')})",
-    )
+    engine = _load_engine(args, args.model)
     if args.command == "ask":  # what needs the tokenizer, before the prefill: every question must fit
         _check_questions_fit(engine, document.text, questions, args.max_new_tokens)
     from .surrogate import fit_progress
@@ -425,6 +417,78 @@ def _run(args: argparse.Namespace) -> int:
     cache_path = store.path_for(engine, document, config) if store.holds(engine, document, config) else None
     if cache_path is not None:
         _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
+    return _answer(args, engine, doc, questions, reused, cache_path)
+
+
+def _load_engine(args: argparse.Namespace, model: str) -> Any:
+    from .engine import InfoKVEngine
+
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' weight-loading bars; ours shows the prefill
+    started = time.perf_counter()
+    engine = InfoKVEngine.from_pretrained(model, device=args.device, dtype=args.dtype)
+    _note(
+        args,
+        f"model {model} loaded in {time.perf_counter() - started:.1f} s "
+        f"({engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')})",
+    )
+    return engine
+
+
+SAVED_CACHE_FLAGS = (
+    ("--method", "method", DEFAULT_METHOD),
+    ("--keep", "keep", None),
+    ("--recall", "recall", 0),
+    ("--cold-bits", "cold_bits", None),
+    ("--stored-bits", "stored_bits", None),
+    ("--summaries", "summaries", None),
+    ("--password", "password", None),
+    ("--pdf-content-limit", "pdf_content_limit", None),
+    ("--store", "store", None),
+)
+"""`ask`'s flags about reading and compressing a document, with their defaults: a saved cache takes none of them."""
+
+
+def _saved_cache(args: argparse.Namespace) -> Path | None:
+    """FILE when it is a saved cache (`infokv-rag ingest --out DIR`, `doc.save(DIR)`), else None; a
+    `ConfigError` for a flag about reading and compressing a document, which a saved cache was already."""
+    from .store import MANIFEST
+
+    path = Path(args.file)
+    if not (path / MANIFEST).is_file():
+        return None
+    given = [flag for flag, name, default in SAVED_CACHE_FLAGS if getattr(args, name) != default]
+    if given:
+        raise ConfigError(
+            f"{path} is a saved cache, answered as it was read and compressed: {', '.join(given)} do not apply to it "
+            "(ingest the document again with them)"
+        )
+    return path
+
+
+def _ask_saved(args: argparse.Namespace, path: Path, questions: list[list[Turn]]) -> int:
+    """Answers from the saved cache at `path`, with the model its manifest names unless --model names another."""
+    from .store import saved_model_name
+
+    model = saved_model_name(path) if args.model == "default" else args.model
+    engine = _load_engine(args, model)
+    doc = engine.load(path)
+    _note(args, f"loaded the saved cache {path}")
+    _check_questions_fit(engine, doc.document.text, questions, args.max_new_tokens)
+    return _answer(args, engine, doc, questions, True, path)
+
+
+def _answer(
+    args: argparse.Namespace,
+    engine: Any,
+    doc: Any,
+    questions: list[list[Turn]],
+    reused: bool,
+    cache_path: Path | None,
+) -> int:
+    """Prints the answer of each question (`--json`: the answers, the cache and the stats); the exit code."""
     options = _options(args)
     results: list[dict[str, Any]] = []
     failure: InfoKVError | OSError | KeyboardInterrupt | None = None

@@ -517,6 +517,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return read_whole(directory, verified_manifest)
 
 
+def saved_model_name(directory: str | os.PathLike[str]) -> str:
+    """The name of the model that made the saved cache in `directory`, as its verified manifest records it;
+    `CacheStoreError` for a manifest that is unreadable, damaged or names no model."""
+    recorded = read_manifest(directory).get("model")
+    name = recorded.get("name") if isinstance(recorded, dict) else None
+    if not isinstance(name, str) or not name:
+        raise CacheStoreError(f"{directory}/{MANIFEST} names no model; ingest the document again")
+    return name
+
+
 def verified_manifest(files: CacheFiles) -> dict[str, Any]:
     """The manifest of `files`, format and checksum checked (the other files not yet)."""
     path = files.where

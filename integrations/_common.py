@@ -27,12 +27,12 @@ from pypdf import PdfReader
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.config import check_count
 from infokv_rag.documents import PDF_HEADER_WINDOW, Document, load_document, opens_with, reads_as_pdf
-from infokv_rag.errors import AnswerRoomError, CacheStoreError, ConfigError, InfoKVError, ModelError
+from infokv_rag.errors import AnswerRoomError, ConfigError, InfoKVError, ModelError
 from infokv_rag.generation import Generation, GenerationOptions, Usage
 from infokv_rag.loaded import LoadOnceCache
 from infokv_rag.placement import dtype_name, resolve_placement
 from infokv_rag.prompt import Turn
-from infokv_rag.store import COLD, MANIFEST, TENSORS, TEXT, read_manifest
+from infokv_rag.store import COLD, MANIFEST, TENSORS, TEXT, read_manifest, saved_model_name
 
 DEFAULT_MODEL = "default"
 
@@ -209,11 +209,7 @@ def document_identity(source: DocumentSource | None, text: str | None) -> str | 
 def _manifest_model(directory: str, mtime_ns: int, size: int) -> str:
     """The name of the model that made the saved cache in `directory`, as its manifest (at that modification time
     and size) records it; `CacheStoreError` for a manifest that is unreadable, damaged or names no model."""
-    recorded = read_manifest(directory).get("model")
-    name = recorded.get("name") if isinstance(recorded, dict) else None
-    if not isinstance(name, str) or not name:
-        raise CacheStoreError(f"{directory}/{MANIFEST} names no model; ingest the document again")
-    return name
+    return saved_model_name(directory)
 
 
 def _manifest_stamp(source: Any, text: str | None) -> tuple[str, int, int] | None:

@@ -330,6 +330,27 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     assert_clean_failure(run_cli("info", str(out_dir), cache_dir=tmp_path / "cache"), "sha256", "ingest again")
 
 
+def test_ask_answers_from_a_saved_cache_with_the_model_that_made_it(tmp_path: Path, random_model_dir: Path) -> None:
+    """`ingest --out DIR` then `ask DIR` was refused as a directory that is no PDF or text file: a saved cache is
+    answered as it was saved, by the model its manifest names (unless --model says another)."""
+    document = tmp_path / "contract.txt"
+    document.write_text(TEXT)
+    out_dir = tmp_path / "saved"
+    model = ("--model", str(random_model_dir))
+    ingest = run_cli("ingest", str(document), "--out", str(out_dir), *model, cache_dir=tmp_path / "cache")
+    assert ingest.returncode == 0, ingest.stderr
+    question = ("-q", "What is the notice period?", "--max-new-tokens", "4", "--json")
+    from_file = run_cli("ask", str(document), *question, *model, cache_dir=tmp_path / "cache")
+    from_saved = run_cli("ask", str(out_dir), *question, cache_dir=tmp_path / "cache")
+    assert from_saved.returncode == 0, from_saved.stderr
+    answered = json.loads(from_saved.stdout)
+    assert answered["cache"] == str(out_dir) and answered["reused_cache"]
+    assert answered["model"]["name"] == str(random_model_dir)
+    assert answered["answers"][0]["answer"] == json.loads(from_file.stdout)["answers"][0]["answer"]
+    refused = run_cli("ask", str(out_dir), "-q", "Q?", "--keep", "0.5", cache_dir=tmp_path / "cache")
+    assert_clean_failure(refused, "is a saved cache", "--keep do not apply")
+
+
 def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
     """`--out` names a directory that a save replaces whole: a file, a directory of other files (or of files that
     only share a cache's names) or a path that cannot be made is refused before the model loads (a model that does
