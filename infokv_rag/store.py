@@ -940,15 +940,17 @@ def _read_cold_tensors(
     binding (None when its metadata holds none) and the mapped file's stamp."""
     stamps: list[FileStamp] = []
 
-    def read() -> mmap.mmap | bytearray:
-        if isinstance(files, DirectoryFiles):
-            buffer, stamp = files.map(COLD)
-        else:
-            buffer, stamp = _spooled(f"{files.where}/{COLD}", files.read(COLD, record["bytes"]))
+    def read() -> mmap.mmap | bytearray | bytes:
+        if not isinstance(files, DirectoryFiles):
+            return files.read(COLD, record["bytes"])
+        buffer, stamp = files.map(COLD)
         stamps.append(stamp)
         return buffer
 
     buffer = _verified(files, COLD, record, read)
+    if not stamps:  # copied after its check: a temporary space that refuses it is no damage of the cache
+        buffer, stamp = _spooled(f"{files.where}/{COLD}", buffer)
+        stamps.append(stamp)
     for stamp in stamps:
         stamp.verified_sha256 = record["sha256"]
     try:
@@ -960,17 +962,22 @@ def _read_cold_tensors(
     return tensors, bound_to, (stamps[0] if stamps else None)
 
 
-def _spooled(where: str, data: bytes) -> tuple[mmap.mmap | bytearray, FileStamp]:
+def _spooled(where: str, data: bytes | bytearray | mmap.mmap) -> tuple[mmap.mmap | bytearray, FileStamp]:
     """`data` written to an unnamed temporary file (in TMPDIR) and memory-mapped copy-on-write: a cold tier read from
     an object store is most of what its document holds, and held as a file's pages it is not the process's memory
-    for as long as the document stays loaded (the kernel drops the pages and reads them again as it needs)."""
-    with tempfile.TemporaryFile(prefix="infokv-cold-") as handle:
-        handle.write(data)
-        handle.flush()
-        stamp = FileStamp(Path(where), handle)
-        if not data:
-            return bytearray(), stamp
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
+    for as long as the document stays loaded (the kernel drops the pages and reads them again as it needs). An
+    OSError names the temporary space, which is to blame, not the cache."""
+    try:
+        with tempfile.TemporaryFile(prefix="infokv-cold-") as handle:
+            handle.write(data)
+            handle.flush()
+            stamp = FileStamp(Path(where), handle)
+            if not data:
+                return bytearray(), stamp
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), stamp
+    except OSError as exc:
+        where_to = f"{tempfile.gettempdir()}, the temporary space (TMPDIR) for a copy of {where}"
+        raise OSError(exc.errno, exc.strerror or str(exc), where_to) from exc
 
 
 def _binding_of(buffer: bytes | bytearray | mmap.mmap) -> str | None:
@@ -1109,10 +1116,6 @@ class CacheStore:
         compressed = engine.ingest_document(document, config, progress=progress)
         try:
             save_document(compressed, path, owned=True)
-            if compressed.cold_tier is not None:
-                # Its cold tier mapped from the file saved, not held in memory: most of what such a document holds.
-                compressed = engine.load(path)
-                compressed.config = config
         except (CacheStoreError, OSError) as error:
             # What the entry held failed to load, or was another's: unless a user's files are in it, it goes, so
             # that the store holds nothing for this key (`holds`), not a cache no load takes.
@@ -1125,7 +1128,16 @@ class CacheStore:
                 StoreWriteWarning,
                 stacklevel=2,
             )
-        return compressed, False
+            return compressed, False
+        if compressed.cold_tier is None:
+            return compressed, False
+        try:
+            # Its cold tier mapped from the file saved, not held in memory: most of what such a document holds.
+            stored = engine.load(path)
+        except (CacheStoreError, OSError):
+            return compressed, False  # the next run's load finds out more; this one answers from what it read
+        stored.config = config
+        return stored, False
 
 
 def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:

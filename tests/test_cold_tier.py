@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -590,6 +591,26 @@ def test_layers_that_evict_nothing_keep_an_empty_cold_tier(random_engine: InfoKV
     assert generation.usage.recalled_tokens == 0
     loaded = random_engine.load(doc.save(tmp_path / "doc"))
     assert loaded.cold_tier is not None and loaded.ask(QUESTION, max_new_tokens=4) == answer
+
+
+def test_the_store_keeps_a_saved_cache_that_fails_to_load_back(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document just read is returned as its saved copy loaded back (its cold tier mapped): a load-back that
+    fails (no descriptor left) deleted the cache it had saved whole. The document read is returned, the cache kept."""
+    store = CacheStore(tmp_path / "store")
+    config = CompressionConfig(keep=0.25, recall=0.1)
+    document = document_from_text(TEXT)
+
+    def out_of_descriptors(*args: Any) -> NoReturn:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(random_engine, "load", out_of_descriptors)
+    read, reused = store.ingest(random_engine, document, config)
+    assert not reused and read.cold_tier is not None and read.cold_tier.source is None
+    monkeypatch.undo()
+    assert store.holds(random_engine, document, config)
+    assert store.ingest(random_engine, document, config)[1]
 
 
 def test_the_store_keeps_one_cache_whatever_the_recall_budget(random_engine: InfoKVEngine, tmp_path: Path) -> None:

@@ -94,6 +94,28 @@ def test_hub_id_loads_offline_from_the_hf_cache(hub_random: dict[str, str], rand
     assert engine.ingest_text(TEXT, config).ask(QUESTION, max_new_tokens=10) == expected
 
 
+def test_a_hub_model_whose_weights_download_on_its_first_load_loads(
+    hub_random: dict[str, str], hf_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The download puts the weights in the snapshot directory beside the config read before it: that was taken
+    for files changed while the model loaded, and every first load of a hub model failed."""
+    import infokv_rag.models as models_module
+
+    snapshot = hf_home / "hub" / "models--infokv-test--random-llama" / "snapshots" / hub_random["main"]
+    weights = snapshot / "model.safetensors"
+    blob = os.readlink(weights)
+    weights.unlink()  # as after the fetch of the metadata files alone
+
+    def download(repo_id: str, revision: str | None, patterns: list[str], label: str) -> Path:
+        if "model.safetensors" in patterns:  # the weights (the metadata files are fetched first)
+            weights.symlink_to(blob)
+        return snapshot
+
+    monkeypatch.setattr(models_module, "hub_snapshot", download)
+    engine = InfoKVEngine.from_pretrained(REPO, device="cpu")
+    assert engine.model_dir == snapshot and weights.is_symlink()
+
+
 def test_cache_saved_under_one_revision_is_refused_under_another(hub_random: dict[str, str], tmp_path: Path) -> None:
     main = InfoKVEngine.from_pretrained(REPO, device="cpu")
     v2 = InfoKVEngine.from_pretrained(REPO, device="cpu", revision="v2")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -112,6 +113,28 @@ def test_a_document_just_read_keeps_its_cold_tier_mapped_not_in_memory(
         assert loaded.cold_tier is not None and loaded.cold_tier.source is not None
         assert client.get(f"/v1/documents/{doc_id}", headers=A).json()["cache_origin"] == "prefill"
         assert recalled(ask(client, doc_id)) > 0
+
+
+def test_a_temporary_space_that_refuses_the_cold_tiers_copy_is_a_storage_error_not_a_damaged_cache(
+    random_engine: InfoKVEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold tier loaded from a shared store is copied to TMPDIR: a full one was reported as a damaged cache, and
+    the document read again (a prefill) over a good cache, each time it left memory."""
+    pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
+    with running(random_engine, tmp_path / "data", store=f"file://{tmp_path}/store") as client:
+        doc_id = upload_ready(client, A, "contract.txt", LONG, recall="0.1")
+        expected = ask(client, doc_id).json()["answer"]
+        registry = client.app.state.service.registry  # type: ignore[attr-defined]
+        registry.forget_loaded(doc_id)
+        prefills = server_counters(client)["prefills"]
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-directory"))
+        refused = ask(client, doc_id)
+        assert_error(refused, 507, "storage_error")
+        assert "load the document's cache" in refused.json()["error"]["message"]
+        monkeypatch.undo()
+        assert client.get(f"/v1/documents/{doc_id}", headers=A).json()["status"] == "ready"
+        assert ask(client, doc_id).json()["answer"] == expected
+        assert server_counters(client)["prefills"] == prefills
 
 
 def test_bad_recall_options_are_4xx(client: TestClient) -> None:

@@ -23,7 +23,7 @@ from ..errors import (
 )
 from ..generation import Generation, GenerationOptions
 from .dependencies import Service, document_not_found
-from .errors import ServiceError, from_core
+from .errors import ServiceError, StorageError, from_core
 from .registry import DocumentRecord
 from .tenants import Principal
 from .worker import Event, GenerationJob, QueueFull
@@ -58,6 +58,9 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
         return await run_in_threadpool(service.registry.load, service.engine, record)
     except CacheStoreError as exc:
         raise _rebuild(service, record, exc) from exc
+    except OSError as exc:  # the server's own space (a cold tier's temporary copy): no damage of the cache
+        consequence = "nothing was changed. Retry later, or tell the operator"
+        raise StorageError("load the document's cache", exc, consequence) from exc
 
 
 def _failed(record: DocumentRecord) -> ServiceError:

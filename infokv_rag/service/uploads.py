@@ -189,12 +189,17 @@ def _malformed_multipart(detail: str) -> ServiceError:
     )
 
 
-async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
-    """Reads the multipart body (one file, a few small fields) into a private staging directory."""
+def require_multipart(request: Request) -> None:
+    """415 `multipart_required` for an upload that is not multipart/form-data, before its queue place is taken."""
     content_type = request.headers.get("content-type", "")
     media_type = content_type.partition(";")[0].strip().lower()  # media types are case-insensitive
     if media_type != "multipart/form-data":  # not a prefix: "multipart/form-dataX" is another type
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
+
+
+async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
+    """Reads the multipart body (one file, a few small fields; `require_multipart` checked) into a private staging
+    directory."""
     form = await _read_form(request, settings)
     try:
         upload = form.get("file")

@@ -79,6 +79,16 @@ class DocumentQuotaFull(Exception):
         return ServiceError(507, "document_quota_exceeded", f"{self}; delete some of them to upload more")
 
 
+def check_document_quota(settings: Settings, kept: int) -> None:
+    """Refuses an upload of a tenant that keeps `kept` documents, counting its other uploads being received, when
+    that is its whole `max_documents_per_tenant` (`DocumentQuotaFull`)."""
+    if kept >= settings.max_documents_per_tenant:
+        raise DocumentQuotaFull(
+            f"your tenant keeps {kept} documents, counting uploads being received, its whole quota of "
+            f"{settings.max_documents_per_tenant}"
+        )
+
+
 class _Cancelled(Exception):
     pass
 
@@ -365,22 +375,16 @@ class ModelWorker:
     # Uploads -------------------------------------------------------------------------------------
 
     @contextmanager
-    def upload_slot(self, tenant: str | None, stored_documents: int = 0) -> Iterator[None]:
+    def upload_slot(self, tenant: str | None) -> Iterator[int]:
         """Holds a place in the upload queue for `tenant` (the uploader's) while an upload is saved, before anyone
-        can see it: `DocumentQuotaFull` when the documents it keeps (`stored_documents`) and those it is sending
-        reach `max_documents_per_tenant`, `TenantShareFull` when that tenant holds its whole share of the queue,
-        `QueueFull` when none is left. `submit_ingestion` inside takes the place, leaving without it gives the
-        place back."""
+        can see it: `TenantShareFull` when that tenant holds its whole share of the queue, `QueueFull` when none is
+        left. `submit_ingestion` inside takes the place, leaving without it gives the place back. Yields how many
+        other uploads of the tenant were being received as the place was taken (`check_document_quota`)."""
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
+            receiving = self._upload_slots[tenant]
             if tenant is not None:
-                kept = stored_documents + self._upload_slots[tenant]
-                if kept >= self.settings.max_documents_per_tenant:
-                    raise DocumentQuotaFull(
-                        f"your tenant keeps {kept} documents, counting uploads being received, its whole quota of "
-                        f"{self.settings.max_documents_per_tenant}"
-                    )
                 mine = sum(owner == tenant for owner in self._waiting_uploads.values()) + self._upload_slots[tenant]
                 _check_share(
                     "uploads waiting to be read", mine, self.settings.upload_share, self.settings.max_queued_uploads
@@ -390,7 +394,7 @@ class ModelWorker:
                 raise QueueFull(f"{waiting} uploads are waiting to be read already")
             self._upload_slots[tenant] += 1
         try:
-            yield
+            yield receiving
         finally:
             with self._cond:
                 self._upload_slots[tenant] -= 1

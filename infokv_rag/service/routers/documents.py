@@ -37,8 +37,8 @@ from ..schemas import (
     answer_responses,
     error_responses,
 )
-from ..uploads import StagedUpload, compression_config, parse_upload, receive_upload
-from ..worker import DocumentQuotaFull, GenerationJob, IngestJob, QueueFull
+from ..uploads import StagedUpload, compression_config, parse_upload, receive_upload, require_multipart
+from ..worker import DocumentQuotaFull, GenerationJob, IngestJob, QueueFull, check_document_quota
 
 router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(authenticate)])
 
@@ -100,11 +100,16 @@ async def upload_document(request: Request, response: Response, service: Service
     The document belongs to the caller's tenant: no other tenant can see, ask about or delete it."""
     assert service.worker is not None
     tenant = caller.tenant
-    stored = 0 if tenant is None else await run_in_threadpool(service.registry.documents_of, tenant)
+    require_multipart(request)
     try:
         # The queue's place is taken before the upload is received: a refused upload is neither read from the
         # client nor staged, parsed, saved or listed. Leaving the block on any path gives the place back.
-        with service.worker.upload_slot(tenant, stored):
+        with service.worker.upload_slot(tenant) as receiving:
+            if tenant is not None:
+                # Counted with the place held: an upload of the tenant that ends meanwhile is counted by its place
+                # (taken before the count) or by its record (made before its place is given back), never by neither.
+                stored = await run_in_threadpool(service.registry.documents_of, tenant)
+                check_document_quota(service.settings, stored + receiving)
             staged = await receive_upload(request, service.registry, service.settings)
             try:
                 record = await _save_upload(service, caller.tenant, staged)
