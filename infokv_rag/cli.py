@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import ALWAYS_KEPT, COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_keep, parse_ratio_or_count
-from .errors import AnswerRoomError, ConfigError, InfoKVError
+from .errors import AnswerRoomError, ConfigError, InfoKVError, ModelError
 from .placement import dtype_name
 from .scorers import method as scoring_method
 from .scorers import method_names
@@ -473,7 +473,13 @@ def _ask_saved(args: argparse.Namespace, path: Path, questions: list[list[Turn]]
     from .store import saved_model_name
 
     model = saved_model_name(path) if args.model == "default" else args.model
-    engine = _load_engine(args, model)
+    try:
+        engine = _load_engine(args, model)
+    except ModelError as error:
+        if model == args.model:
+            raise
+        message = f"{path} was saved by model {model!r}, which does not load here ({error}); pass --model"
+        raise ModelError(message) from None
     doc = engine.load(path)
     _note(args, f"loaded the saved cache {path}")
     _check_questions_fit(engine, doc.document.text, questions, args.max_new_tokens)

@@ -667,9 +667,13 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     manifest = verified_manifest(files)
     model = manifest["model"]
     if model["fingerprint"] != engine.fingerprint:
+        # The same name is other weights, files or config under it, or a model that was in memory (`from_model`:
+        # its fingerprint hashes the weights as they were there, which loading its files does not reproduce).
+        other = " (the same name: other weights, files or config, or a model saved from memory)"
         raise CacheStoreError(
             f"{path} was made by model {model['name']!r} (fingerprint {model['fingerprint'][:12]}), not by the "
-            f"loaded model {engine.name!r} ({engine.fingerprint[:12]}); load it with that model or ingest again"
+            f"loaded model {engine.name!r} ({engine.fingerprint[:12]})"
+            f"{other if model['name'] == engine.name else ''}; load it with that model or ingest again"
         )
     runner = engine.runner
     layers_made = len(manifest["tokens"].get("kept_per_layer", [None] * runner.num_layers))

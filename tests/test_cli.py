@@ -34,9 +34,15 @@ TEXT = " ".join(CORPUS * 2)
 
 
 def run_cli(
-    *args: str, cache_dir: Path, timeout: float = 180, env: dict[str, str] | None = None, closed_stdout: bool = False
+    *args: str,
+    cache_dir: Path,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    closed_stdout: bool = False,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """The CLI run in a subprocess; with `closed_stdout`, its stdout a pipe whose reader has gone (`... | head`)."""
+    """The CLI run in a subprocess (in `cwd`); with `closed_stdout`, its stdout a pipe whose reader has gone
+    (`... | head`)."""
     env = {
         **os.environ,
         "INFOKV_CACHE_DIR": str(cache_dir),
@@ -45,7 +51,7 @@ def run_cli(
     }
     command = [sys.executable, "-m", "infokv_rag.cli", *args]
     if not closed_stdout:
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     reader, writer = os.pipe()
     os.close(reader)
     try:
@@ -349,6 +355,13 @@ def test_ask_answers_from_a_saved_cache_with_the_model_that_made_it(tmp_path: Pa
     assert answered["answers"][0]["answer"] == json.loads(from_file.stdout)["answers"][0]["answer"]
     refused = run_cli("ask", str(out_dir), "-q", "Q?", "--keep", "0.5", cache_dir=tmp_path / "cache")
     assert_clean_failure(refused, "is a saved cache", "--keep do not apply")
+
+    # A model named by a relative path is named so in the manifest: from elsewhere, the message says to pass --model.
+    relative = ("--model", random_model_dir.name)
+    saved_here = ("ingest", str(document), "--out", str(tmp_path / "relative"), *relative)
+    assert run_cli(*saved_here, cache_dir=tmp_path / "cache", cwd=random_model_dir.parent).returncode == 0
+    elsewhere = run_cli("ask", str(tmp_path / "relative"), "-q", "Q?", cache_dir=tmp_path / "cache", cwd=tmp_path)
+    assert_clean_failure(elsewhere, f"was saved by model '{random_model_dir.name}', which does not load", "--model")
 
 
 def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
