@@ -187,6 +187,8 @@ def test_a_documents_info_does_not_change_with_other_tenants_documents(random_en
         for number in range(3):
             upload_ready(client, A1, f"memo-{number}.txt", SECRET + str(number).encode())
         assert client.get(f"/v1/documents/{doc_b}", headers=B).json() == before
+        assert ask(client, B, doc_b).status_code == 200  # loaded back from disk, dropped for A's documents
+        assert client.get(f"/v1/documents/{doc_b}", headers=B).json() == before
 
 
 def test_a_tenant_keeps_at_most_its_quota_of_documents(random_engine: Any, tmp_path: Path) -> None:

@@ -725,7 +725,8 @@ class Registry:
             _check_belongs(record, document)
             with self._lock:
                 self.counters["cache_loads"] += 1
-                record.cache_origin = self.load_origin
+                if record.cache_origin is None:  # a cache the LRU dropped for room keeps its origin when loaded back
+                    record.cache_origin = self.load_origin
             return document
 
         document = self._loaded.get_or_load(record.id, from_disk)

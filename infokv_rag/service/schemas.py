@@ -174,7 +174,8 @@ class DocumentInfo(BaseModel):
         description="Where this server process got the document's cache from: read in this process, or loaded "
         "from disk (after a restart: no prefill) or from the shared store (another replica read it: no prefill). "
         "None until the process first holds it (after a restart, until a question needs it). It stays when "
-        "the cache leaves memory for room: when it does depends on other tenants' documents.",
+        "the cache leaves memory for room and is loaded back: when that happens depends on other tenants' "
+        "documents.",
     )
 
 
