@@ -15,7 +15,7 @@ from infokv_rag.cache import DocumentCache, HeadExtras, LayerKV
 from infokv_rag.coded_cache import CodedCache, DecodedOnRead, ExtrasOnRead
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.prompt import question_turns
-from infokv_rag.quantisation import QuantisedEntries
+from infokv_rag.quantisation import PAGE_TOKENS, QuantisedEntries
 from infokv_rag.store import COLD, FORMAT_VERSION, MANIFEST, TENSORS, _manifest_checksum
 
 from .helpers import document_cache, resign
@@ -206,3 +206,14 @@ def test_non_finite_entries_are_refused_even_with_a_consistent_manifest(
     resign(path, {**cold, name: broken}, COLD)
     with pytest.raises(CacheStoreError, match=f"cold.safetensors holds NaN or infinite values in {name}"):
         random_engine.load(path)
+
+
+def test_a_partial_last_page_ranges_over_its_own_entries_only() -> None:
+    generator = torch.Generator().manual_seed(0)
+    keys = 5.0 + torch.rand(2, PAGE_TOKENS + 3, 32, generator=generator)  # every channel in [5, 6]
+    values = torch.rand(2, PAGE_TOKENS + 3, 32, generator=generator)
+    entries = QuantisedEntries.encode(keys, values, 8)
+    assert bool((entries.key_low.float() >= 4.99).all()), "padding widened the last page's range"
+    decoded = entries.all_keys(8)
+    step = (entries.key_high.float() - entries.key_low.float()) / 255
+    assert float((decoded - keys).abs().max()) <= float(step.max()) / 2 + 1e-6

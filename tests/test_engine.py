@@ -877,3 +877,45 @@ def test_a_documents_repr_counts_kept_tokens_per_layer_not_over_all_of_them(rand
     per_layer = round(document.stats.kept_tokens / len(document.stats.kept_tokens_per_layer))
     assert f"tokens={document.stats.document_tokens}, kept={per_layer} per layer and KV head)" in repr(document)
     assert 0 < per_layer <= 0.25 * document.stats.document_tokens + 1
+
+
+def test_decode_time_eviction_keeps_the_sinks_the_question_and_the_recent_window(
+    random_engine: InfoKVEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = random_engine.ingest_text(" ".join(CORPUS * 12), CompressionConfig(keep=0.25))
+    n, window, sinks = doc.cache.document_tokens, doc.config.window, doc.cache.sink_tokens
+    question = len(random_engine.prompt.question_ids("Summarise."))
+    evict, checked = decoding._evict, []
+
+    def watched(session: Any, document: Any, options: Any, position: int, incoming: int, question_end: int) -> None:
+        session.materialise()
+        before = [[set(head.tolist()) for head in layer.live("positions")] for layer in session.layers]
+        evict(session, document, options, position, incoming, question_end)
+        must = set(range(sinks)) | set(range(n, question_end)) | set(range(max(position - window, 0), position))
+        for layer, held in zip(session.layers, before, strict=True):
+            for head, had in zip(layer.live("positions"), held, strict=True):
+                missing = (must & had) - set(head.tolist())
+                assert not missing, f"evicted protected positions {sorted(missing)[:5]} at step {position}"
+        checked.append(
+            sum(len(had) for held_layer in before for had in held_layer)
+            - sum(layer.length for layer in session.layers for _ in range(layer.live("positions").shape[0]))
+        )
+
+    monkeypatch.setattr(decoding, "_evict", watched)
+    cap = max(doc.stats.kept_tokens_per_layer) + question + 60
+    options = GenerationOptions(max_new_tokens=150, max_cache_tokens=cap, eviction_slack=1)
+    generation = doc.generate([("user", "Summarise.")], options)
+    generation.text()
+    assert sum(checked) > 0, "eviction ran"
+    assert generation.usage.max_resident_tokens <= cap
+
+
+def test_a_generated_token_ranks_by_its_surprisal_among_the_documents(random_engine: InfoKVEngine) -> None:
+    """decoding.information_rank: an expected token (low surprisal) ranks below an unexpected one (a sign flipped
+    in the rank changed no test)."""
+    doc = random_engine.ingest_text(" ".join(CORPUS * 12), CompressionConfig(keep=0.25))
+    assert getattr(doc.config.settings, "information", None) == "surprisal"
+    logits = torch.zeros(len(random_engine.tokenizer))
+    logits[5] = 8.0
+    expected, unexpected = (float(decoding.information_rank(doc, logits, token)) for token in (5, 6))
+    assert 0.0 <= expected < unexpected <= 1.0

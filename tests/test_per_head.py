@@ -263,3 +263,25 @@ def test_numbers_everywhere_count_the_protected_tokens_in_each_head_s_budget(
     for layer in range(len(document_cache(doc).layers)):
         for head, positions in enumerate(doc.cache.kept_positions(layer)):
             assert torch.isin(numbers, positions).all(), (layer, head)
+
+
+def test_kept_tokens_per_layer_count_each_heads_extras(random_engine: InfoKVEngine) -> None:
+    """Each layer's reported kept tokens are what it holds per KV head, its extras with its own entries (a count
+    that left the extras out changed no test: the stats, `info` and the manifest would have shown it)."""
+    doc = random_engine.ingest_text(" ".join(CORPUS * 12), CompressionConfig(keep=0.25))  # default: per-head budgets
+    kv_heads = random_engine.runner.kv_heads
+    held = [sum(len(p) for p in doc.cache.kept_positions(layer)) for layer in range(len(doc.cache.lengths))]
+    extras = doc.cache.extra_positions()
+    assert extras is not None and any(int(counts.sum()) for _, counts in extras), "the heads differ here"
+    assert doc.stats.kept_tokens_per_layer == [round(h / kv_heads) for h in held]
+
+
+def test_the_kept_entries_carry_their_rank_as_eviction_priority(random_engine: InfoKVEngine) -> None:
+    """LayerKV.scores: 'the eviction priority (higher is kept longer)', what decode-time eviction ranks by: each
+    head's best-scored tokens rank near 1, and the kept tokens do not all tie (a lost copy of the ranks into the
+    cache changed no test)."""
+    config = CompressionConfig(keep=0.25, settings={"layer_budgets": "uniform"})
+    doc = random_engine.ingest_text(" ".join(CORPUS * 12), config)
+    for layer in document_cache(doc).layers:
+        assert bool((layer.scores.amax(dim=1) > 0.9).all()) and bool((layer.scores <= 1).all())
+        assert bool((layer.scores.amin(dim=1) < layer.scores.amax(dim=1)).all())

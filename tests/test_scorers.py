@@ -599,3 +599,80 @@ def test_adaptive_budgets_sum_to_the_total_beside_a_one_token_layer() -> None:
     for layers, total in cases:
         budgets = adaptive_budgets(layers, total=total, minimum=0)
         assert sum(budgets) == total and all(b <= layer.shape[1] for b, layer in zip(budgets, layers, strict=True))
+
+
+def _minmax(x: torch.Tensor) -> torch.Tensor:
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    return (x - low) / (high - low)
+
+
+@pytest.mark.parametrize("head_reduction", ["mean", "max"])
+@pytest.mark.parametrize("evolution", ["per_layer", "mean"])
+@pytest.mark.parametrize("attribution", ["incoming", "outgoing"])
+@pytest.mark.parametrize("accumulated", [False, True])
+def test_infokv_score_is_the_documented_formula_computed_apart(
+    head_reduction: str, evolution: str, attribution: str, accumulated: bool
+) -> None:
+    """s = lam N(A) + (1 - lam)(tau N(E) + (1 - tau) N(R)) (INFOKV.md 1-5), computed apart from the scorer: a
+    weight swapped or a setting ignored (head_reduction, evolution, accumulated attention) changed no test."""
+    tau, lam = 0.3, 0.4
+    settings = dict(
+        attention="window",
+        layer_budgets="uniform",
+        normalization="minmax",
+        aggregation="token",
+        units="token",
+        numbers="scored",
+        pooling_kernel=1,
+        head_reduction=head_reduction,
+        evolution=evolution,
+        attribution=attribution,
+        accumulated_attention=accumulated,
+        tau=tau,
+        lam=lam,
+    )
+    config = CompressionConfig(method="infokv", settings=settings)
+    scorer = config.method_spec.build(config.settings)
+    s = synthetic_signals(SIGNALS, seed=5)
+    # synthetic_signals' mean_evolution is an affine map of evolution: identical after minmax, so draw it apart.
+    s = dataclasses.replace(s, mean_evolution=torch.rand(s.tokens_read, generator=torch.Generator().manual_seed(9)))
+    assert s.window_attention is not None and s.accumulated_attention is not None and s.information is not None
+    assert s.evolution is not None and s.mean_evolution is not None
+    grouped = s.window_attention.reshape(KV_HEADS, HEADS // KV_HEADS, -1)
+    a = _minmax(grouped.amax(dim=1) if head_reduction == "max" else grouped.mean(dim=1))
+    if accumulated:
+        a = 0.5 * (a + _minmax(s.accumulated_attention))
+    info = s.information
+    if attribution == "incoming":
+        info = torch.cat([info.new_zeros(1), info[:-1]])
+    e = _minmax(info[s.positions])
+    r = _minmax((s.evolution if evolution == "per_layer" else s.mean_evolution)[s.positions])
+    expected = lam * a + (1 - lam) * (tau * e + (1 - tau) * r)
+    torch.testing.assert_close(scorer.score(s), expected)
+
+
+def test_a_budget_below_the_protected_count_keeps_the_most_recent_protected_tokens() -> None:
+    """select_tokens' docstring: 'A budget below the protected count keeps the protected tokens with the highest
+    positions (the most recent window) first.'"""
+    positions = torch.arange(64).expand(2, -1)
+    protected = protected_mask(positions, tokens_read=64, sink_tokens=4, window=16)
+    scores = torch.rand(2, 64, generator=torch.Generator().manual_seed(0))
+    kept = select_tokens(scores, protected, budget=10)
+    assert kept.tolist() == [list(range(54, 64))] * 2
+
+
+def test_a_nan_score_is_ranked_lowest_by_selection() -> None:
+    """normalize's docstring: 'A NaN score (a NaN query's attention) is the lowest, as selection ranks it'
+    (h2o, snapkv and tova hand raw attention to selection)."""
+    scores = torch.tensor([[0.1, float("nan"), 0.5, 0.3], [float("nan"), 0.4, 0.6, 0.8]])
+    kept = select_tokens(scores, torch.zeros(2, 4, dtype=torch.bool), budget=3)
+    assert kept.tolist() == [[0, 2, 3], [1, 2, 3]]
+
+
+def test_adaptive_budgets_give_more_to_the_flatter_layer() -> None:
+    """INFOKV.md 7 / adaptive_budgets' docstring: more tokens where the score distribution is flat."""
+    generator = torch.Generator().manual_seed(0)
+    flat = 0.9 + 0.1 * torch.rand(2, 100, generator=generator)
+    peaked = torch.rand(2, 100, generator=generator) ** 8
+    budgets = adaptive_budgets([peaked, flat], total=100, minimum=10)
+    assert sum(budgets) == 100 and budgets[1] > budgets[0]
