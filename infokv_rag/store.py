@@ -725,7 +725,9 @@ def _load_verified(engine: InfoKVEngine, files: CacheFiles) -> SavedDocument:
     stats_fields = {k: v for k, v in manifest["stats"].items() if k not in ("kept_tokens", "compression_ratio")}
     information = tensors.get("information_reference")
     if information is not None and information.dim() != 1:
-        raise CacheStoreError(f"{path} holds information values of shape {tuple(information.shape)}, not (n,)")
+        raise CacheStoreError(
+            f"{path} holds information values of shape {tuple(information.shape)}, not (n,); ingest the document again"
+        )
     summaries = _summaries(tensors, config, runner, path) if "summary_keys.0" in tensors or config.summaries else None
     sinks = int(manifest["tokens"]["sink_tokens"])
     cache: ResidentCache

@@ -325,6 +325,16 @@ DAMAGE = {
         r"a compression config this release \(\S+\) cannot use \(unknown method 'v3'.*saved by infokv-rag 9\.9\.9",
     ),
     # The tensors file is what is wrong, not the manifest.
+    "summaries-missing": (
+        lambda d: resign(d, {k: v for k, v in load_file(d / TENSORS).items() if k != "summary_keys.0"}),
+        r"lacks the summaries of layer 0",
+    ),
+    "information-not-a-vector": (
+        lambda d: resign(
+            d, {**(t := load_file(d / TENSORS)), "information_reference": t["information_reference"][None]}
+        ),
+        r"holds information values of shape \(1, \d+\), not \(n,\)",
+    ),
     "positions-float": (
         lambda d: resign(d, {**(t := load_file(d / TENSORS)), "positions.0": t["positions.0"].float()}),
         r"tensors\.safetensors holds positions\.0 as float32, not as the int64 token positions",
