@@ -8,6 +8,7 @@ from .config import CompressionConfig
 from .errors import (
     AnswerRoomError,
     CacheStoreError,
+    CacheUnreadableError,
     ConfigError,
     ContextLengthError,
     CorruptPDFError,
@@ -61,6 +62,7 @@ __all__ = [
     "AnswerRoomError",
     "CacheStore",
     "CacheStoreError",
+    "CacheUnreadableError",
     "CompressedDocument",
     "CompressionConfig",
     "ConfigError",

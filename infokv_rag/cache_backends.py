@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import secrets
@@ -40,12 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import store
-from .errors import CacheStoreError, ConfigError
+from .errors import CacheStoreError, CacheUnreadableError, ConfigError, is_damage
 from .files import write_atomic
 
 if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
+
+log = logging.getLogger(__name__)
 
 CACHE = "cache"
 REMOVE_ATTEMPTS = 5
@@ -217,7 +220,10 @@ class FsspecBackend(CacheBackend):
             self._replace(self._path(key, CACHE, CURRENT), json.dumps(pointer).encode())
         except OSError as exc:
             raise CacheStoreError(f"cannot publish the cache to {self.url}/{key}: {exc}") from exc
-        self._sweep(key, keep=version)
+        try:
+            self._sweep(key, keep=version)
+        except OSError as exc:  # the cache is published: what is left to remove, a later publish sweeps
+            log.warning("published %s/%s, but could not sweep its replaced versions: %s", self.url, key, exc)
 
     def _current_version(self, key: str) -> str | None:
         """The version CURRENT names now; None when there is none or it cannot be read (nothing to retire)."""
@@ -279,6 +285,10 @@ class FsspecBackend(CacheBackend):
         except FileNotFoundError:
             raise CacheStoreError(f"{where} holds no published cache; ingest the document again") from None
         except OSError as exc:
+            if not is_damage(exc):
+                raise CacheUnreadableError(
+                    f"cannot read {where}/{CURRENT} now ({exc}); retry, or check the store"
+                ) from exc
             raise CacheStoreError(f"cannot read {where}/{CURRENT} ({exc}); check the store") from exc
         except (ValueError, KeyError, TypeError) as exc:
             raise CacheStoreError(f"{where}/{CURRENT} is damaged ({exc!r}); ingest the document again") from exc
@@ -286,6 +296,8 @@ class FsspecBackend(CacheBackend):
         try:
             manifest = files.read(store.MANIFEST, store.MAX_MANIFEST_BYTES)
         except OSError as exc:
+            if not is_damage(exc):
+                raise CacheUnreadableError(f"cannot read {files.where}/{store.MANIFEST} now ({exc}); retry") from exc
             raise CacheStoreError(f"{files.where} has no readable manifest ({exc}); ingest again") from exc
         if hashlib.sha256(manifest).hexdigest() != manifest_sha256:
             raise CacheStoreError(f"{files.where}/{store.MANIFEST} is not the one published; ingest again")

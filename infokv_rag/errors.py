@@ -99,3 +99,15 @@ class PDFContentLimitError(DocumentError):
 
 class CacheStoreError(InfoKVError):
     """A saved cache cannot be written, or is refused on load (corrupt, foreign, unknown format)."""
+
+
+class CacheUnreadableError(CacheStoreError):
+    """A saved cache that could not be read now, for a reason that shows no damage of it: an I/O error other than a
+    missing file or a directory in a file's place (a store throttled or unreachable, a disk error, a permission).
+    Reading the document again would not help; retry, or see to the disk or store."""
+
+
+def is_damage(error: OSError) -> bool:
+    """Whether an I/O error reading a saved cache's file shows the cache damaged (a file missing, or a directory in
+    a file's place), rather than the storage failing to read it now (`CacheUnreadableError`)."""
+    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError))

@@ -59,7 +59,7 @@ from .coded_cache import CodedCache, CodedExtras, CodedLayer
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
-from .errors import CacheStoreError, ConfigError, InfoKVError
+from .errors import CacheStoreError, CacheUnreadableError, ConfigError, InfoKVError, is_damage
 from .files import (
     TEMPORARY_DIGITS,
     FileStamp,
@@ -592,6 +592,8 @@ def _verified(files: CacheFiles, name: str, record: dict[str, Any], read: Callab
     except FileNotFoundError as exc:
         raise CacheStoreError(f"{path}/{name} is missing; delete {path} and ingest the document again") from exc
     except OSError as exc:
+        if not is_damage(exc):
+            raise CacheUnreadableError(f"cannot read {path}/{name} now ({exc}); retry, or check the storage") from exc
         raise CacheStoreError(
             f"cannot read {path}/{name} ({exc}); delete {path} and ingest the document again"
         ) from exc

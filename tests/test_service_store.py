@@ -29,10 +29,10 @@ from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError, DocumentError  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
-from infokv_rag.service.errors import StorageError  # noqa: E402
+from infokv_rag.service.errors import StorageError, StoreUnreadable  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
-from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry, StoreUnreadable  # noqa: E402
+from infokv_rag.service.shared_registry import LeaseKeeper, StoreRegistry  # noqa: E402
 from infokv_rag.service.worker import IngestJob, ModelWorker  # noqa: E402
 
 from .s3_server import s3_server  # noqa: E402
@@ -581,3 +581,115 @@ def test_an_incomplete_delete_in_a_store_says_what_it_left(tmp_path: Path, monke
     monkeypatch.undo()
     registry.list()
     assert registry.backend.children("documents") == []
+
+
+def _failing_once(backend: Any, ending: str, error: OSError) -> dict[str, int]:
+    """Makes `backend`'s next read of a path ending in `ending` fail with `error`, once; counts the failures left."""
+    read, left = backend.fs.cat_file, {"failures": 1}
+
+    def flaky(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.endswith(ending) and left["failures"]:
+            left["failures"] -= 1
+            raise error
+        return read(path, *args, **kwargs)
+
+    backend.fs.cat_file = flaky
+    return left
+
+
+def test_a_store_that_fails_a_read_once_takes_no_document_offline(
+    random_engine: InfoKVEngine, second_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """One read error (an S3 SlowDown, a reset connection) while a replica loaded a cache was taken for damage: the
+    document was read again (409 cache_rebuilding), queued and unanswerable on every replica until a prefill ended.
+    It is a 503 to retry, nothing changed; only a cache that is missing or damaged is read again."""
+    store = f"file://{tmp_path}/store"
+    with (
+        TestClient(create_app(settings_for(tmp_path / "a", store), engine=random_engine)) as first,
+        TestClient(create_app(settings_for(tmp_path / "b", store), engine=second_engine)) as second,
+    ):
+        doc_id = upload_ready(first, A, "memo.txt", SECRET)
+        expected = first.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).json()["answer"]
+        backend = second.app.state.service.registry.backend  # type: ignore[attr-defined]
+        _failing_once(backend, "tensors.safetensors", OSError(errno.EIO, "SlowDown (simulated)"))
+        refused = second.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A)
+        assert_error(refused, 503, "storage_error")
+        assert refused.headers.get("retry-after") and "read the document's cache from its store" in refused.text
+        assert first.get(f"/v1/documents/{doc_id}", headers=A).json()["status"] == "ready"
+        assert second.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).json()["answer"] == expected
+        assert server_counters(second)["prefills"] == 0
+
+
+def test_a_sweep_that_fails_after_a_publish_fails_no_document(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """Removing the versions a publish replaced is best effort: its read error, after CURRENT had moved to a whole
+    cache, failed the document ("the cache could not be saved")."""
+    with TestClient(create_app(settings_for(tmp_path, f"file://{tmp_path}/store"), engine=random_engine)) as client:
+        backend = client.app.state.service.registry.backend  # type: ignore[attr-defined]
+        children = backend.children
+        failures = {"left": 1}
+
+        def flaky_children(prefix: str) -> list[str]:
+            if prefix.endswith("/cache") and failures["left"]:
+                failures["left"] -= 1
+                raise OSError(errno.ECONNRESET, "connection reset (simulated)")
+            return children(prefix)
+
+        backend.children = flaky_children
+        doc_id = upload_ready(client, A, "memo.txt", SECRET)
+        assert failures["left"] == 0, "the sweep ran"
+        assert client.post(f"/v1/documents/{doc_id}/ask", json=QUESTION, headers=A).status_code == 200
+
+
+def test_a_document_its_first_reader_finished_after_a_takeover_is_not_read_again(tmp_path: Path) -> None:
+    """A reader whose lease renewals failed for a while, alive all along, finished the document after another
+    replica took it over: that replica still read it again when its turn came, setting the ready document back
+    to processing (every replica answering 409 for a prefill). It looks at the store first."""
+    backend = open_backend(f"file://{tmp_path}/store")
+    first = StoreRegistry(backend, tmp_path / "first", loaded_documents=2, lease_seconds=30)
+    second = StoreRegistry(backend, tmp_path / "second", loaded_documents=2, lease_seconds=30)
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+    first.create(record, document_from_text(SECRET.decode()))
+    taken = second.get(record.id)
+    assert taken is not None and second.update(taken, status="queued")  # the takeover, its lease now second's
+    assert second.still_to_read(taken)
+    assert first.update(record, status="ready")  # the first reader ends (its cache published)
+    assert not second.still_to_read(taken) and taken.status == "ready"
+    first.delete(record)
+    assert not second.still_to_read(taken)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_store_that_fails_reading_an_uploads_text_leaves_it_to_be_read_again(
+    random_engine: InfoKVEngine, tmp_path: Path, shared: bool
+) -> None:
+    """The saved text unreadable for a moment (read for a takeover, a restart, a lost cache) failed the document for
+    good as an internal error, its text whole in the store. With a shared store it is left pending, read again once
+    its lease runs out; a local disk has no takeovers: it fails as the storage's error."""
+    settings = settings_for(tmp_path, f"file://{tmp_path}/store", lease_seconds=2)
+    if not shared:
+        settings = settings.with_(store=None)
+    with TestClient(create_app(settings, engine=random_engine)) as client:
+        registry = client.app.state.service.registry  # type: ignore[attr-defined]
+        read_document = registry.read_document
+        failures = {"left": 1}
+
+        def flaky(record: DocumentRecord) -> Any:
+            if failures["left"]:
+                failures["left"] -= 1
+                raise OSError(errno.ECONNRESET, "connection reset (simulated)")
+            return read_document(record)
+
+        registry.read_document = flaky
+        doc_id = upload_ready(client, A, "memo.txt", SECRET)
+        registry.forget_loaded(doc_id)
+        record = registry.get(doc_id)
+        assert registry.update(record, if_status="ready", status="queued")  # as a lost cache is read again
+        client.app.state.service.worker.read_again(record)  # type: ignore[attr-defined]
+        info = wait_settled(client, doc_id, A)
+        assert failures["left"] == 0
+        if shared:
+            assert info["status"] == "ready", info
+        else:
+            assert (info["status"], info["reason_code"]) == ("failed", "storage_error"), info
+            assert "storage failed while this document was read" in info["reason"]

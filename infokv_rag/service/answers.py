@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import (
     AnswerRoomError,
     CacheStoreError,
+    CacheUnreadableError,
     ConfigError,
     ContextLengthError,
     EmptyQuestionError,
@@ -23,7 +24,7 @@ from ..errors import (
 )
 from ..generation import Generation, GenerationOptions
 from .dependencies import Service, document_not_found
-from .errors import ServiceError, StorageError, from_core
+from .errors import ServiceError, StorageError, StoreUnreadable, from_core
 from .registry import DocumentRecord
 from .tenants import Principal
 from .worker import Event, GenerationJob, QueueFull
@@ -56,6 +57,9 @@ async def ready_document(service: Service, record: DocumentRecord) -> Compressed
         return document
     try:
         return await run_in_threadpool(service.registry.load, service.engine, record)
+    except CacheUnreadableError as exc:  # the storage failing now, not the cache damaged: read nothing again
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else OSError(str(exc))
+        raise StoreUnreadable(cause, "the document's cache") from exc
     except CacheStoreError as exc:
         raise _rebuild(service, record, exc) from exc
     except OSError as exc:  # the server's own space (a cold tier's temporary copy): no damage of the cache

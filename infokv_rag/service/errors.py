@@ -70,6 +70,16 @@ class StorageError(ServiceError):
         super().__init__(507, "storage_error", message)
 
 
+class StoreUnreadable(StorageError):
+    """The store could not be read to answer for one document (HTTP 503 `storage_error`, with Retry-After): a
+    store that fails for a while (throttled, unreachable) is a reason to retry, not a refused write (507)."""
+
+    def __init__(self, exc: OSError, what: str = "the document's record") -> None:
+        super().__init__(f"read {what} from its store", exc, "nothing was changed. Retry shortly, or tell the operator")
+        self.status = 503
+        self.headers = {"Retry-After": "2"}
+
+
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "code": code, "param": param}

@@ -298,6 +298,9 @@ class Registry:
 
     load_origin = "disk"
     """`cache_origin` of a document whose cache was loaded rather than read in this process."""
+    retries_by_lease = False
+    """Whether a document left queued or processing is read again once its reader's lease runs out (a shared store's
+    takeovers): a reading that the storage interrupted is then left to it rather than failed."""
 
     def __init__(self, data_dir: Path, loaded_documents: int = 8) -> None:
         self.data_dir = Path(data_dir)
@@ -502,6 +505,10 @@ class Registry:
                     setattr(record, name, value)
                 raise
             return not record.deleted
+
+    def still_to_read(self, record: DocumentRecord) -> bool:
+        """Whether a document queued to be read still is (not deleted, nor read or failed meanwhile)."""
+        return not record.deleted and record.status in ("queued", "processing")
 
     def confirm_listed(self, record: DocumentRecord) -> bool:
         """False once `record` is deleted (a delete here marks the record at once; `StoreRegistry` also looks for

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from ..cache_backends import CacheBackend, open_backend
 from ..documents import Document
 from ..errors import ConfigError
-from .errors import StorageError
+from .errors import StorageError, StoreUnreadable
 from .registry import (
     DOCUMENT,
     META,
@@ -80,18 +80,6 @@ CLAIM_SETTLE_SECONDS = 0.5
 """After claiming an expired lease, wait this long before reading the record back to see who won."""
 
 
-class StoreUnreadable(StorageError):
-    """The store could not be read to answer for one document (HTTP 503 `storage_error`, with Retry-After): a
-    store that fails for a while (throttled, unreachable) is a reason to retry, not a refused write (507)."""
-
-    def __init__(self, exc: OSError) -> None:
-        super().__init__(
-            "read the document's record from its store", exc, "nothing was changed. Retry shortly, or tell the operator"
-        )
-        self.status = 503
-        self.headers = {"Retry-After": "2"}
-
-
 def _lease(data: dict[str, Any]) -> dict[str, Any]:
     """The lease of a stored record (empty when it has none, or none that reads as one)."""
     lease = data.get("lease")
@@ -108,6 +96,7 @@ class StoreRegistry(Registry):
     """A `Registry` whose records, texts and caches live in a `CacheBackend` shared by many processes."""
 
     load_origin = "store"
+    retries_by_lease = True
 
     def __init__(self, backend: CacheBackend, staging_dir: Path, loaded_documents: int, lease_seconds: float) -> None:
         super().__init__(staging_dir, loaded_documents)
@@ -318,6 +307,15 @@ class StoreRegistry(Registry):
             log.warning("cannot read the record of %s from the store: %s", doc_id, exc)
             self.forget_loaded(doc_id)
             raise StoreUnreadable(exc) from exc
+
+    def still_to_read(self, record: DocumentRecord) -> bool:
+        """As the store has it now: a reader whose lease ran out while it was still alive may have finished since a
+        takeover queued the document here, and reading it again would set it back to processing for a prefill."""
+        try:
+            fresh = self._refresh(record.id)
+        except OSError:
+            return super().still_to_read(record)  # cannot tell: as this process last read it
+        return fresh is not None and super().still_to_read(fresh)
 
     def list(self) -> list[DocumentRecord]:
         """Every record as the store has it now. Unlike `get`, a store that cannot be read lists the records (or the

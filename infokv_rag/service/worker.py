@@ -479,6 +479,8 @@ class ModelWorker:
     def _prefill_and_save(self, job: IngestJob) -> None:
         record = job.record
         document = job.document
+        if not self.registry.still_to_read(record):
+            return
         try:
             if document is None:
                 document = self.registry.read_document(record)
@@ -502,6 +504,13 @@ class ModelWorker:
         except InfoKVError as exc:
             self.registry.fail(record, _error_code(exc), str(exc))
             return
+        except OSError as exc:  # the storage failing now (the saved text unreadable): nothing shows the upload bad
+            if self.registry.retries_by_lease:
+                log.warning("reading %s stopped (%s); it is read again once its lease runs out", record.id, exc)
+                return
+            log.exception("reading %s failed", record.id)
+            self.registry.fail(record, "storage_error", f"{STORAGE_FAILED} ({exc.strerror or type(exc).__name__})")
+            return
         except Exception:  # noqa: BLE001
             log.exception("ingestion of %s failed", record.id)
             self.registry.fail(record, "internal_error", READ_FAILED)
@@ -524,6 +533,7 @@ class ModelWorker:
 
 
 READ_FAILED = "an internal error stopped reading this document; upload it again, and tell the operator if it persists"
+STORAGE_FAILED = "the server's storage failed while this document was read; upload it again later, or tell the operator"
 
 
 def _error_code(exc: BaseException) -> str:
