@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 
@@ -108,6 +109,10 @@ class CacheUnreadableError(CacheStoreError):
 
 
 def is_damage(error: OSError) -> bool:
-    """Whether an I/O error reading a saved cache's file shows the cache damaged (a file missing, or a directory in
-    a file's place), rather than the storage failing to read it now (`CacheUnreadableError`)."""
-    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError))
+    """Whether an I/O error reading a saved cache's file shows the cache damaged (a file missing, something else in
+    a file's place: a directory, a FIFO, a link loop), rather than the storage failing to read it now
+    (`CacheUnreadableError`)."""
+    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) or error.errno in (
+        errno.EINVAL,
+        errno.ELOOP,
+    )

@@ -6,6 +6,7 @@ Unit tests use the random 3-layer model from conftest; one integration test per 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,7 +29,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infokv_rag import CacheStore, CacheStoreError, CompressedDocument, CompressionConfig, InfoKVEngine, scorers
+from infokv_rag import (
+    CacheStore,
+    CacheStoreError,
+    CacheUnreadableError,
+    CompressedDocument,
+    CompressionConfig,
+    InfoKVEngine,
+    scorers,
+)
 from infokv_rag import store as store_module
 from infokv_rag.documents import Page, document_from_text, load_document
 from infokv_rag.scorers.base import Method
@@ -1331,3 +1340,31 @@ def test_reading_saved_caches_imports_no_transformers() -> None:
     code = "import sys, infokv_rag.cli, infokv_rag.store; print(sorted(m for m in sys.modules if 'transformers' in m))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", loaded
+
+
+@pytest.mark.parametrize(
+    ("error", "damage"),
+    [
+        (OSError(errno.EIO, "Input/output error"), False),
+        (PermissionError(errno.EACCES, "Permission denied"), False),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory"), True),
+        (IsADirectoryError(errno.EISDIR, "Is a directory"), True),
+        (OSError(errno.EINVAL, "not a regular file"), True),
+    ],
+)
+def test_a_file_that_cannot_be_read_now_is_told_apart_from_damage(
+    random_engine: InfoKVEngine, saved_a: Path, monkeypatch: pytest.MonkeyPatch, error: OSError, damage: bool
+) -> None:
+    """Every I/O error reading a cache's file was damage, so the service read the document again for a disk or store
+    failing a read for a moment; one that shows no damage is `CacheUnreadableError` (the service's 503 to retry)."""
+    read = store_module.DirectoryFiles.read
+
+    def failing(self: Any, name: str, most: int) -> bytes:
+        if name == TENSORS:
+            raise error
+        return read(self, name, most)
+
+    monkeypatch.setattr(store_module.DirectoryFiles, "read", failing)
+    with pytest.raises(CacheStoreError) as refused:
+        random_engine.load(saved_a)
+    assert isinstance(refused.value, CacheUnreadableError) is not damage, refused.value
