@@ -27,6 +27,7 @@ fsspec URL is opened.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -141,6 +142,35 @@ class LocalBackend(CacheBackend):
                     raise
 
 
+class _TransportErrorsAsOSError:
+    """An fsspec filesystem whose calls raise `ConnectionError` (an OSError) for its transport's own errors: s3fs
+    re-raises botocore's `EndpointConnectionError` (or an aiohttp error) once its retries are spent, which no
+    `except OSError` catches (an unreachable store answered 500 instead of 503 to retry)."""
+
+    TRANSPORTS = frozenset({"botocore", "aiobotocore", "aiohttp", "urllib3", "requests"})
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._fs, name)
+        if not callable(attribute):
+            return attribute
+
+        @functools.wraps(attribute)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attribute(*args, **kwargs)
+            except OSError:
+                raise
+            except Exception as exc:
+                if type(exc).__module__.partition(".")[0] not in self.TRANSPORTS:
+                    raise
+                raise ConnectionError(errno.EIO, f"{type(exc).__name__}: {exc}") from exc
+
+        return call
+
+
 @dataclass(frozen=True)
 class _StoredFiles:
     """One published version of a cache in an fsspec filesystem (`store.CacheFiles`)."""
@@ -196,9 +226,10 @@ class FsspecBackend(CacheBackend):
             # this object's threads share it, so a listing begun before one thread wrote an object and stored
             # after would hide that object from the thread's own next step (a move then finds no source).
             options = {**storage_options, "use_listings_cache": False}
-            self.fs, root = url_to_fs(url, skip_instance_cache=True, **options)
+            fs, root = url_to_fs(url, skip_instance_cache=True, **options)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open the store {url}: {exc}") from exc
+        self.fs = _TransportErrorsAsOSError(fs)
         self.url = url.rstrip("/")
         self.root = root.rstrip("/")
 
@@ -243,11 +274,14 @@ class FsspecBackend(CacheBackend):
             pass  # already removed (CURRENT moved on meanwhile, and a sweep took it): nothing to mark
 
     def _retired_at(self, key: str, name: str) -> float | None:
-        """When version `name` stopped being current (its RETIRED mark), else when it was made (its name)."""
+        """When version `name` stopped being current (its RETIRED mark), else when it was made (its name); None
+        when its mark cannot be read now (it may have been retired a moment ago: the sweep leaves it)."""
         try:
             return float(self.get(posixpath.join(key, CACHE, name), RETIRED))
-        except (OSError, ValueError):
+        except (FileNotFoundError, ValueError):
             return _version_time(name)
+        except OSError:
+            return None
 
     def _replace(self, path: str, data: bytes) -> None:
         """Writes `path` in one step: a whole temporary object, then moved (a rename, or a copy on S3)."""

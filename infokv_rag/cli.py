@@ -108,11 +108,11 @@ def _dtype(value: str) -> str | None:
 MODEL_HELP = "default, tiny, a local HF directory, a .gguf file or a Hugging Face hub id (org/name[@revision])"
 
 
-def _add_model_options(parser: argparse.ArgumentParser, model_from_settings: bool = False) -> None:
-    """--model, --device and --dtype; `model_from_settings`: an unset --model is the service settings' to decide
-    (INFOKV_MODEL, else the default), as --device is."""
-    if model_from_settings:
-        parser.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: $INFOKV_MODEL, else default)")
+def _add_model_options(parser: argparse.ArgumentParser, unset_model: str | None = None) -> None:
+    """--model, --device and --dtype; `unset_model` says who decides an unset --model (left None then: the service
+    settings, a saved cache's manifest), else it is `default`."""
+    if unset_model is not None:
+        parser.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: {unset_model})")
     else:
         parser.add_argument("--model", default="default", help=f"{MODEL_HELP} (default: default)")
     parser.add_argument(
@@ -126,7 +126,7 @@ def _add_model_options(parser: argparse.ArgumentParser, model_from_settings: boo
     )
 
 
-def _add_compression_options(parser: argparse.ArgumentParser) -> None:
+def _add_compression_options(parser: argparse.ArgumentParser, unset_model: str | None = None) -> None:
     parser.add_argument(
         "--method",
         default=DEFAULT_METHOD,
@@ -170,7 +170,7 @@ def _add_compression_options(parser: argparse.ArgumentParser) -> None:
         help=f"entries per layer and KV head that stand in for the evicted ones, within --keep (default "
         f"{CompressionConfig.summaries}); 0: none",
     )
-    _add_model_options(parser)
+    _add_model_options(parser, unset_model)
     parser.add_argument("--password", default=None, help="password of an encrypted PDF")
     parser.add_argument(
         "--pdf-content-limit",
@@ -226,7 +226,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     ask.add_argument(
         "-q", "--question", action="append", required=True, dest="questions", help="a question (repeat for more)"
     )
-    _add_compression_options(ask)
+    _add_compression_options(ask, unset_model="a saved cache's model, else default")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per answer (default 128)")
     ask.add_argument("--store", default=None, help="cache store directory (default: $INFOKV_CACHE_DIR/documents)")
     ask.add_argument("--json", action="store_true", help="print answers and stats as JSON")
@@ -252,7 +252,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         help="the path prefix the service is reached under behind a proxy that strips it, like /kb (as uvicorn's "
         "--root-path)",
     )
-    _add_model_options(serve, model_from_settings=True)
+    _add_model_options(serve, unset_model="$INFOKV_MODEL, else default")
     serve.add_argument(
         "--data-dir",
         default=None,
@@ -393,7 +393,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         store_root = _writable_store(args)
 
-    engine = _load_engine(args, args.model)
+    engine = _load_engine(args, args.model or "default")
     if args.command == "ask":  # what needs the tokenizer, before the prefill: every question must fit
         _check_questions_fit(engine, document.text, questions, args.max_new_tokens)
     from .surrogate import fit_progress
@@ -472,11 +472,11 @@ def _ask_saved(args: argparse.Namespace, path: Path, questions: list[list[Turn]]
     """Answers from the saved cache at `path`, with the model its manifest names unless --model names another."""
     from .store import saved_model_name
 
-    model = saved_model_name(path) if args.model == "default" else args.model
+    model = args.model or saved_model_name(path)
     try:
         engine = _load_engine(args, model)
     except ModelError as error:
-        if model == args.model:
+        if args.model is not None:
             raise
         message = f"{path} was saved by model {model!r}, which does not load here ({error}); pass --model"
         raise ModelError(message) from None

@@ -108,11 +108,13 @@ class CacheUnreadableError(CacheStoreError):
     Reading the document again would not help; retry, or see to the disk or store."""
 
 
+class NotARegularFileError(OSError):
+    """Something other than a regular file where a file is read (a FIFO, a device): `files.open_regular`."""
+
+
 def is_damage(error: OSError) -> bool:
     """Whether an I/O error reading a saved cache's file shows the cache damaged (a file missing, something else in
     a file's place: a directory, a FIFO, a link loop), rather than the storage failing to read it now
-    (`CacheUnreadableError`)."""
-    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) or error.errno in (
-        errno.EINVAL,
-        errno.ELOOP,
-    )
+    (`CacheUnreadableError`). Not every EINVAL: an object store's client maps request errors to it."""
+    damage = (FileNotFoundError, IsADirectoryError, NotADirectoryError, NotARegularFileError)
+    return isinstance(error, damage) or error.errno == errno.ELOOP

@@ -18,6 +18,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from .errors import NotARegularFileError
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,7 +42,7 @@ def open_regular(path: Path, directory: int | None = None) -> BinaryIO:
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK, dir_fd=directory)  # a FIFO without a writer opens at once
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
+        raise NotARegularFileError(errno.EINVAL, "not a regular file", str(path))
     return os.fdopen(descriptor, "rb")
 
 

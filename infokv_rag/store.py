@@ -539,7 +539,9 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
             "and save its cache (doc.save(dir), or `infokv-rag ingest FILE --out DIR`)"
         ) from None
     except OSError as exc:
-        raise CacheStoreError(f"cannot read {manifest_path} ({exc}); check the store and try again") from exc
+        if not is_damage(exc):
+            raise CacheUnreadableError(f"cannot read {manifest_path} now ({exc}); retry, or check the storage") from exc
+        raise CacheStoreError(f"cannot read {manifest_path} ({exc}); delete the cache and ingest again") from exc
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheStoreError(
             f"{manifest_path} is damaged (over {MAX_MANIFEST_BYTES} bytes, the most a manifest holds); delete the "

@@ -6,11 +6,13 @@ one key, and keeps small records (the service's ownership records) beside the ca
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -364,3 +366,56 @@ def test_two_removals_of_one_key_at_once_both_succeed(kind: str, tmp_path: Path,
             thread.join(60)
         assert not failures, (trial, failures)
         assert not (tmp_path / "store" / "documents" / f"doc_{trial}").exists()
+
+
+class EndpointConnectionError(Exception):
+    """Stands for botocore's, which s3fs re-raises once its retries are spent: not an OSError."""
+
+
+EndpointConnectionError.__module__ = "botocore.exceptions"
+
+
+def test_a_transport_error_of_the_store_is_an_oserror(tmp_path: Path) -> None:
+    """An unreachable S3 store raised botocore's EndpointConnectionError through every `except OSError`: the service
+    answered 500 where a store that cannot be read answers 503 to retry. Other errors pass unchanged."""
+    backend = open_backend(f"file://{tmp_path}/store")
+    assert isinstance(backend, FsspecBackend)
+    fs = backend.fs._fs
+
+    def unreachable(*args: Any, **kwargs: Any) -> bytes:
+        raise EndpointConnectionError('Could not connect to the endpoint URL: "http://s3.invalid/"')
+
+    fs.cat_file = unreachable
+    with pytest.raises(ConnectionError, match="EndpointConnectionError: Could not connect"):
+        backend.get(KEY, "meta.json")
+
+    def broken(*args: Any, **kwargs: Any) -> bytes:
+        raise KeyError("a bug, not the transport")
+
+    fs.cat_file = broken
+    with pytest.raises(KeyError):
+        backend.get(KEY, "meta.json")
+
+
+def test_a_version_whose_retirement_cannot_be_read_is_not_swept(
+    tmp_path: Path, doc_a: CompressedDocument, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replaced version whose RETIRED mark could not be read was dated by its creation: one made long ago but
+    replaced a moment ago was removed under its readers. It is left to a later sweep."""
+    backend = open_backend(f"file://{tmp_path}/store")
+    assert isinstance(backend, FsspecBackend)
+    backend.publish(KEY, doc_a)
+    first = backend.children(f"{KEY}/cache")
+    monkeypatch.setattr(cache_backends, "_version_time", lambda name: 0.0)  # every version made long ago
+    get = backend.get
+
+    def mark_unreadable(key: str, name: str) -> bytes:
+        if name == "RETIRED":
+            raise OSError(errno.EIO, "SlowDown (simulated)")
+        return get(key, name)
+
+    monkeypatch.setattr(backend, "get", mark_unreadable)
+    backend.publish(KEY, doc_a)
+    backend.publish(KEY, doc_a)
+    left = set(backend.children(f"{KEY}/cache"))
+    assert set(first) - {"CURRENT"} <= left, "the first version, replaced a moment ago, was removed"

@@ -659,13 +659,14 @@ def test_a_document_its_first_reader_finished_after_a_takeover_is_not_read_again
     assert not second.still_to_read(taken)
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize(("shared", "missing"), [(True, False), (False, False), (True, True)])
 def test_a_store_that_fails_reading_an_uploads_text_leaves_it_to_be_read_again(
-    random_engine: InfoKVEngine, tmp_path: Path, shared: bool
+    random_engine: InfoKVEngine, tmp_path: Path, shared: bool, missing: bool
 ) -> None:
     """The saved text unreadable for a moment (read for a takeover, a restart, a lost cache) failed the document for
     good as an internal error, its text whole in the store. With a shared store it is left pending, read again once
-    its lease runs out; a local disk has no takeovers: it fails as the storage's error."""
+    its lease runs out; a local disk has no takeovers: it fails as the storage's error. A text that is gone fails
+    the document as unreadable (left to the lease, it was taken over again and again for good)."""
     settings = settings_for(tmp_path, f"file://{tmp_path}/store", lease_seconds=2)
     if not shared:
         settings = settings.with_(store=None)
@@ -677,6 +678,8 @@ def test_a_store_that_fails_reading_an_uploads_text_leaves_it_to_be_read_again(
         def flaky(record: DocumentRecord) -> Any:
             if failures["left"]:
                 failures["left"] -= 1
+                if missing:
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory")
                 raise OSError(errno.ECONNRESET, "connection reset (simulated)")
             return read_document(record)
 
@@ -688,7 +691,9 @@ def test_a_store_that_fails_reading_an_uploads_text_leaves_it_to_be_read_again(
         client.app.state.service.worker.read_again(record)  # type: ignore[attr-defined]
         info = wait_settled(client, doc_id, A)
         assert failures["left"] == 0
-        if shared:
+        if missing:
+            assert (info["status"], info["reason_code"]) == ("failed", "unreadable_document"), info
+        elif shared:
             assert info["status"] == "ready", info
         else:
             assert (info["status"], info["reason_code"]) == ("failed", "storage_error"), info

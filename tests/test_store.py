@@ -40,6 +40,7 @@ from infokv_rag import (
 )
 from infokv_rag import store as store_module
 from infokv_rag.documents import Page, document_from_text, load_document
+from infokv_rag.errors import NotARegularFileError
 from infokv_rag.scorers.base import Method
 from infokv_rag.scorers.infokv import WHOLE_WORDS_REVISION
 from infokv_rag.signals import LayerBudgetSettings
@@ -1347,20 +1348,27 @@ def test_reading_saved_caches_imports_no_transformers() -> None:
     [
         (OSError(errno.EIO, "Input/output error"), False),
         (PermissionError(errno.EACCES, "Permission denied"), False),
+        (OSError(errno.EINVAL, "Bad Request"), False),  # s3fs maps many request errors to EINVAL
         (FileNotFoundError(errno.ENOENT, "No such file or directory"), True),
         (IsADirectoryError(errno.EISDIR, "Is a directory"), True),
-        (OSError(errno.EINVAL, "not a regular file"), True),
+        (NotARegularFileError(errno.EINVAL, "not a regular file"), True),
     ],
 )
+@pytest.mark.parametrize("file", [TENSORS, MANIFEST])
 def test_a_file_that_cannot_be_read_now_is_told_apart_from_damage(
-    random_engine: InfoKVEngine, saved_a: Path, monkeypatch: pytest.MonkeyPatch, error: OSError, damage: bool
+    random_engine: InfoKVEngine,
+    saved_a: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    error: OSError,
+    damage: bool,
+    file: str,
 ) -> None:
     """Every I/O error reading a cache's file was damage, so the service read the document again for a disk or store
     failing a read for a moment; one that shows no damage is `CacheUnreadableError` (the service's 503 to retry)."""
     read = store_module.DirectoryFiles.read
 
     def failing(self: Any, name: str, most: int) -> bytes:
-        if name == TENSORS:
+        if name == file:
             raise error
         return read(self, name, most)
 

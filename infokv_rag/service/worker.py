@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import CompressionConfig
-from ..errors import CacheStoreError, ConfigError, InfoKVError
+from ..errors import CacheStoreError, ConfigError, InfoKVError, is_damage
 from .errors import ServiceError, StorageError
 from .registry import DocumentRecord, Registry
 from .scheduling import FairLock
@@ -505,6 +505,9 @@ class ModelWorker:
             self.registry.fail(record, _error_code(exc), str(exc))
             return
         except OSError as exc:  # the storage failing now (the saved text unreadable): nothing shows the upload bad
+            if is_damage(exc):  # its text gone (or something else in its place): no reading again brings it back
+                self.registry.fail(record, "unreadable_document", f"{TEXT_LOST} ({exc.strerror or type(exc).__name__})")
+                return
             if self.registry.retries_by_lease:
                 log.warning("reading %s stopped (%s); it is read again once its lease runs out", record.id, exc)
                 return
@@ -533,6 +536,7 @@ class ModelWorker:
 
 
 READ_FAILED = "an internal error stopped reading this document; upload it again, and tell the operator if it persists"
+TEXT_LOST = "the document's saved text is missing or damaged; upload it again"
 STORAGE_FAILED = "the server's storage failed while this document was read; upload it again later, or tell the operator"
 
 
