@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import store
-from .errors import CacheStoreError, CacheUnreadableError, ConfigError, is_damage
+from .errors import CacheStoreError, ConfigError, cache_read_error
 from .files import write_atomic
 
 if TYPE_CHECKING:
@@ -319,20 +319,16 @@ class FsspecBackend(CacheBackend):
         except FileNotFoundError:
             raise CacheStoreError(f"{where} holds no published cache; ingest the document again") from None
         except OSError as exc:
-            if not is_damage(exc):
-                raise CacheUnreadableError(
-                    f"cannot read {where}/{CURRENT} now ({exc}); retry, or check the store"
-                ) from exc
-            raise CacheStoreError(f"cannot read {where}/{CURRENT} ({exc}); check the store") from exc
+            damaged = f"cannot read {where}/{CURRENT} ({exc}); check the store"
+            raise cache_read_error(exc, f"{where}/{CURRENT}", damaged) from exc
         except (ValueError, KeyError, TypeError) as exc:
             raise CacheStoreError(f"{where}/{CURRENT} is damaged ({exc!r}); ingest the document again") from exc
         files = _StoredFiles(self.fs, self._path(key, CACHE, version), f"{where}/{version}")
         try:
             manifest = files.read(store.MANIFEST, store.MAX_MANIFEST_BYTES)
         except OSError as exc:
-            if not is_damage(exc):
-                raise CacheUnreadableError(f"cannot read {files.where}/{store.MANIFEST} now ({exc}); retry") from exc
-            raise CacheStoreError(f"{files.where} has no readable manifest ({exc}); ingest again") from exc
+            damaged = f"{files.where} has no readable manifest ({exc}); ingest again"
+            raise cache_read_error(exc, f"{files.where}/{store.MANIFEST}", damaged) from exc
         if hashlib.sha256(manifest).hexdigest() != manifest_sha256:
             raise CacheStoreError(f"{files.where}/{store.MANIFEST} is not the one published; ingest again")
         return engine.load_files(files)

@@ -374,15 +374,14 @@ def _run(args: argparse.Namespace) -> int:
     # Everything cheap is checked before the model loads (seconds): options and questions, then the document.
     from .documents import load_document
 
-    config = _config(args)
-    saved = None
     if args.command == "ask":
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         questions = _question_turns(args.questions)
         saved = _saved_cache(args)
-    if saved is not None:
-        return _ask_saved(args, saved, questions)
+        if saved is not None:
+            return _ask_saved(args, saved, questions)
+    config = _config(args)
     limit = {} if args.pdf_content_limit is None else {"content_limit": args.pdf_content_limit}
     document = load_document(args.file, password=args.password, **limit)
     _note(args, f"{args.file}: {len(document.pages)} page(s), {len(document.text):,} characters")

@@ -92,12 +92,13 @@ class InfoKVEngine:
         read = set(files_stamp(source.directory))
         config, tokenizer = load_checked(source.directory, source.name, source.remedy)
         weights = source.weights_directory()  # a hub model's download adds its weights beside its config
+        directories = {source.directory, weights}  # one directory for a converted or local model
         read |= set(files_stamp(weights))
         # Computed from the files as they are read, not at the first save: caches saved later must not be signed by
         # weights written over the directory meanwhile (a new checkpoint), which this engine does not hold.
         fingerprint = source.fingerprint()
         model = load_weights(weights, config, precision, source.name, source.remedy).to(place)
-        if not read <= set(files_stamp(source.directory, weights)):  # a file read was written or removed since
+        if not read <= set(files_stamp(*directories)):  # a file read was written or removed since
             raise ModelError(f"the files of {source.name} ({source.directory}) changed while it loaded; load it again")
         return cls(model, tokenizer, source.name, lambda: fingerprint, model_dir=source.directory)
 

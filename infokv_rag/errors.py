@@ -118,3 +118,11 @@ def is_damage(error: OSError) -> bool:
     (`CacheUnreadableError`). Not every EINVAL: an object store's client maps request errors to it."""
     damage = (FileNotFoundError, IsADirectoryError, NotADirectoryError, NotARegularFileError)
     return isinstance(error, damage) or error.errno == errno.ELOOP
+
+
+def cache_read_error(error: OSError, what: str, damaged: str) -> CacheStoreError:
+    """The refusal of a saved cache whose file `what` the I/O `error` stopped reading: `CacheStoreError(damaged)`
+    where the error shows damage (`is_damage`), else `CacheUnreadableError`, to retry."""
+    if is_damage(error):
+        return CacheStoreError(damaged)
+    return CacheUnreadableError(f"cannot read {what} now ({error}); retry, or check the storage")

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -59,7 +61,7 @@ from .coded_cache import CodedCache, CodedExtras, CodedLayer
 from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
-from .errors import CacheStoreError, CacheUnreadableError, ConfigError, InfoKVError, is_damage
+from .errors import CacheStoreError, ConfigError, InfoKVError, cache_read_error
 from .files import (
     TEMPORARY_DIGITS,
     FileStamp,
@@ -80,6 +82,8 @@ if TYPE_CHECKING:
     from .document import CompressedDocument
     from .engine import InfoKVEngine
     from .model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 10
 READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
@@ -539,9 +543,8 @@ def verified_manifest(files: CacheFiles) -> dict[str, Any]:
             "and save its cache (doc.save(dir), or `infokv-rag ingest FILE --out DIR`)"
         ) from None
     except OSError as exc:
-        if not is_damage(exc):
-            raise CacheUnreadableError(f"cannot read {manifest_path} now ({exc}); retry, or check the storage") from exc
-        raise CacheStoreError(f"cannot read {manifest_path} ({exc}); delete the cache and ingest again") from exc
+        damaged = f"cannot read {manifest_path} ({exc}); delete the cache and ingest again"
+        raise cache_read_error(exc, manifest_path, damaged) from exc
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheStoreError(
             f"{manifest_path} is damaged (over {MAX_MANIFEST_BYTES} bytes, the most a manifest holds); delete the "
@@ -594,11 +597,8 @@ def _verified(files: CacheFiles, name: str, record: dict[str, Any], read: Callab
     except FileNotFoundError as exc:
         raise CacheStoreError(f"{path}/{name} is missing; delete {path} and ingest the document again") from exc
     except OSError as exc:
-        if not is_damage(exc):
-            raise CacheUnreadableError(f"cannot read {path}/{name} now ({exc}); retry, or check the storage") from exc
-        raise CacheStoreError(
-            f"cannot read {path}/{name} ({exc}); delete {path} and ingest the document again"
-        ) from exc
+        damaged = f"cannot read {path}/{name} ({exc}); delete {path} and ingest the document again"
+        raise cache_read_error(exc, f"{path}/{name}", damaged) from exc
     if len(data) != record["bytes"] or _sha256(data) != record["sha256"]:
         raise CacheStoreError(
             f"{path}/{name} fails its sha256 check (truncated or modified); delete {path} and ingest again"
@@ -1139,15 +1139,23 @@ class CacheStore:
                 stacklevel=2,
             )
             return compressed, False
-        if compressed.cold_tier is None:
-            return compressed, False
-        try:
-            # Its cold tier mapped from the file saved, not held in memory: most of what such a document holds.
-            stored = engine.load(path)
-        except (CacheStoreError, OSError):
-            return compressed, False  # the next run's load finds out more; this one answers from what it read
+        stored = loaded_back(compressed, functools.partial(engine.load, path))
         stored.config = config
         return stored, False
+
+
+def loaded_back(document: CompressedDocument, load: Callable[[], CompressedDocument]) -> CompressedDocument:
+    """A document just read and saved, as it stays in memory: with a cold tier (most of what it holds), the saved
+    copy that `load` reads back, whose cold tier is mapped from a file rather than held in memory; the document read
+    where it has none, or that load fails (logged: the next load of the saved cache finds out more)."""
+    if document.cold_tier is None:
+        return document
+    try:
+        return load()
+    except (CacheStoreError, OSError) as exc:
+        named = document.document.source or f"sha256 {document.document.sha256[:12]}"
+        log.warning("the saved cache of %s did not load back, keeping the one read: %s", named, exc)
+        return document
 
 
 def verify_files(directory: str | os.PathLike[str]) -> dict[str, Any]:

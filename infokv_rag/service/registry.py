@@ -47,7 +47,7 @@ from ..documents import Document, Page
 from ..errors import CacheStoreError, ConfigError, DocumentError
 from ..files import fsync_dir, replace_directory, write_atomic
 from ..loaded import LoadOnceCache
-from ..store import save_document
+from ..store import loaded_back, save_document
 from .errors import StorageError
 
 if TYPE_CHECKING:
@@ -557,20 +557,10 @@ class Registry:
             )
             if record.deleted:  # found out by writing the record: the write took the cache away again
                 return False
-        self.remember_loaded(record, self._kept_in_memory(record, document), "prefill")
+        self.remember_loaded(
+            record, loaded_back(document, functools.partial(self._load_cache, document.engine, record.id)), "prefill"
+        )
         return True
-
-    def _kept_in_memory(self, record: DocumentRecord, document: CompressedDocument) -> CompressedDocument:
-        """What stays in memory of a document just read and saved: with a cold tier (most of what it holds), the
-        saved copy loaded back, whose cold tier is mapped from a file rather than held in memory; the document read
-        where that load fails (logged: the next load of the saved cache finds out more)."""
-        if document.cold_tier is None:
-            return document
-        try:
-            return self._load_cache(document.engine, record.id)
-        except (CacheStoreError, OSError) as exc:
-            log.warning("the saved cache of %s did not load back, keeping the one read: %s", record.id, exc)
-            return document
 
     def _save_cache(self, doc_id: str, document: CompressedDocument) -> None:
         save_document(document, self.cache_path(doc_id), owned=True)  # a damaged cache of ours is replaced
