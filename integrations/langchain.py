@@ -55,6 +55,8 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    StrictFloat,
+    StrictInt,
     field_serializer,
     field_validator,
     model_validator,
@@ -214,15 +216,15 @@ class _InfoKVFields(BaseModel):
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
     """auto (None: bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32, or a torch dtype."""
-    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, strict=True)
     """Most tokens generated per answer."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=0.0, ge=0.0, strict=True)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
     stop: list[str] | None = None
-    seed: int | None = None
-    max_cache_tokens: int | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, strict=True)
+    max_cache_tokens: int | None = Field(default=None, gt=0, strict=True)
     """Cap on the cached tokens per layer while answering (evicts past it); None: no cap."""
-    recall: float | int | None = None
+    recall: StrictFloat | StrictInt | None = None
     """How much of the cold tier each answer recalls (ratio or token count; 0: none); None: the document's."""
     streaming: bool = False
     password: str | SecretStr | None = Field(default=None, exclude=True, repr=False)

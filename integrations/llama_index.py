@@ -43,6 +43,8 @@ from llama_index.core.bridge.pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    StrictFloat,
+    StrictInt,
     field_serializer,
     field_validator,
     model_validator,
@@ -151,13 +153,15 @@ class InfoKV(CustomLLM):
     )
     device: str | None = Field(default=None, description="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     dtype: str | None = Field(default=None, description="auto (bf16 on CUDA, fp32 elsewhere), bf16, fp16, fp32")
-    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, description="most tokens generated per answer")
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(
+        default=DEFAULT_MAX_NEW_TOKENS, gt=0, strict=True, description="most tokens generated per answer"
+    )
+    temperature: float = Field(default=0.0, ge=0.0, strict=True)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
     stop: list[str] | None = None
-    seed: int | None = None
-    max_cache_tokens: int | None = Field(default=None, gt=0)
-    recall: float | int | None = Field(
+    seed: int | None = Field(default=None, strict=True)
+    max_cache_tokens: int | None = Field(default=None, gt=0, strict=True)
+    recall: StrictFloat | StrictInt | None = Field(
         default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
     )
     password: str | SecretStr | None = Field(

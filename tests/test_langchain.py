@@ -313,7 +313,9 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
     """Reading a document takes seconds to minutes: a call's options and messages are checked first, and the fields
     when the adapter is made."""
     for adapter in (ChatInfoKV, InfoKVLLM):
-        for field, value in (("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("temperature", -1.0)):
+        # A bool is no number here: pydantic's lax mode read seed=True as the seed 1 and recall=True as all of it.
+        bools = [(name, True) for name in ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens", "recall")]
+        for field, value in (("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("temperature", -1.0), *bools):
             bad: dict[str, Any] = {field: value}
             with pytest.raises(ValidationError, match=field):
                 adapter(model="tiny", document_text=SUITE_TEXT, **bad)
