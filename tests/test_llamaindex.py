@@ -318,7 +318,8 @@ def test_bad_options_and_questions_are_refused_before_the_document_is_read(no_do
     # A bool is no number here: pydantic's lax mode read seed=True as the seed 1 and recall=True as all of it.
     for field in ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens", "recall"):
         with pytest.raises(ValueError, match=field):
-            InfoKV(model="tiny", document_text="A text no other test reads.", **{field: True})
+            bad: dict[str, Any] = {field: True}
+            InfoKV(model="tiny", document_text="A text no other test reads.", **bad)
 
 
 def test_a_directory_that_is_no_saved_cache_is_named_as_the_core_names_it(
