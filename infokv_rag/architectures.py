@@ -35,10 +35,11 @@ def check_config(config: Any, source: str, class_name: str | None = None) -> Non
         )
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    positions = getattr(config, "max_position_embeddings", None)
     if layer_types is not None:
         sliding = "sliding_attention" in layer_types
     else:
+        # A window no shorter than every position read never slides; YaRN reads past max_position_embeddings.
+        positions = context_window(config) if getattr(config, "max_position_embeddings", None) else None
         sliding = bool(window) and (positions is None or window < positions)
     if sliding:
         raise ModelError(
@@ -51,11 +52,17 @@ def context_window(config: Any) -> int:
     """The positions a model reads: `max_position_embeddings`, or under YaRN rope scaling `factor` times the
     pretraining length. Qwen2.5's recipe for long documents adds YaRN to config.json and leaves
     max_position_embeddings at the pretraining length. Other scalings keep max_position_embeddings: dynamic NTK
-    re-scales the rotary frequencies once positions pass it, which keys already cached would not follow."""
+    re-scales the rotary frequencies once positions pass it, which keys already cached would not follow. LongRoPE
+    (Phi-3.5, Phi-4-mini) reads up to its pretraining length only: past it transformers rotates every position
+    of a forward with the long factors instead of the short ones, so the keys of a document's first chunks,
+    rotated with the short ones, would be read with the positions of another rotation."""
     positions = int(config.max_position_embeddings)
     rope = getattr(config, "rope_parameters", None) or {}
+    original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
     if rope.get("rope_type") == "yarn" and rope.get("factor"):
-        return max(positions, int(rope["factor"] * int(rope.get("original_max_position_embeddings") or positions)))
+        return max(positions, int(rope["factor"] * int(original or positions)))
+    if rope.get("rope_type") == "longrope" and original:
+        return min(positions, int(original))
     return positions
 
 
@@ -134,13 +141,17 @@ def load_checked(directory: Path, source: str, remedy: str = REPLACE_FILES) -> t
             f"it needs tokenizer.json (or the tokenizer files of its model) and tokenizer_config.json: {remedy}"
         ) from exc
     check_tokenizer(tokenizer, source)
-    # A token beyond the embedding's rows would fail the first prefill with a bare IndexError (on a GPU, an assert).
-    if len(tokenizer) > int(config.vocab_size):
-        raise ModelError(
-            f"{source}: its tokenizer has {len(tokenizer)} tokens but its weights embed {config.vocab_size}: the "
-            f"tokenizer files are another model's; {remedy}"
-        )
+    check_vocabulary(tokenizer, int(config.vocab_size), source, f"the tokenizer files are another model's; {remedy}")
     return config, tokenizer
+
+
+def check_vocabulary(tokenizer: Any, embedded: int, source: str, remedy: str) -> None:
+    """Refuses a tokenizer with more tokens than the weights embed: such a token would fail the first prefill with a
+    bare IndexError (on a GPU, a device-side assert that breaks the process's CUDA context)."""
+    if len(tokenizer) > embedded:
+        raise ModelError(
+            f"{source}: its tokenizer has {len(tokenizer)} tokens but its weights embed {embedded}: {remedy}"
+        )
 
 
 def load_weights(directory: Path, config: Any, dtype: Any, source: str, remedy: str = REPLACE_FILES) -> Any:

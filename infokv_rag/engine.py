@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import store
-from .architectures import check_loaded_model, check_tokenizer, load_checked, load_weights
+from .architectures import check_loaded_model, check_tokenizer, check_vocabulary, load_checked, load_weights
 from .config import CompressionConfig
 from .document import CompressedDocument
 from .documents import Document, document_from_text, load_document, text_as_read
@@ -106,8 +106,9 @@ class InfoKVEngine:
     def from_model(cls, model: Any, tokenizer: Any, name: str | None = None) -> InfoKVEngine:
         """An engine over a transformers causal LM already in memory, on whatever single device and in
         whatever dtype it is. The same checks as `from_pretrained` apply (supported architecture, a chat
-        template). The model is put in eval mode without gradients, and its attention is routed through
-        infokv-rag's hook (other callers, e.g. `model.generate`, fall through to transformers' SDPA).
+        template, a tokenizer whose tokens the weights embed). The model is put in eval mode without gradients,
+        and its attention is routed through infokv-rag's hook (other callers, e.g. `model.generate`, fall through
+        to transformers' SDPA).
 
         `name` (default: the model's `name_or_path`) labels it in saved caches and answers; saved caches
         are checked against a hash of its weights as they are in memory (computed on first save or load).
@@ -115,6 +116,8 @@ class InfoKVEngine:
         label = name or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
         check_loaded_model(model, label)
         check_tokenizer(tokenizer, label)
+        embedded = int(model.get_input_embeddings().num_embeddings)
+        check_vocabulary(tokenizer, embedded, label, "pass the tokenizer of this model")
         return cls(model, tokenizer, label, functools.partial(loaded_model_fingerprint, model, tokenizer))
 
     def _collect_stop_ids(self) -> frozenset[int]:

@@ -433,6 +433,12 @@ def test_from_model_refuses_what_it_cannot_drive(random_model_dir: Path) -> None
         InfoKVEngine.from_model(gpt2, build_tokenizer())
     with pytest.raises(ModelError, match="not a causal LM with a language-model head"):
         InfoKVEngine.from_model(model.model, build_tokenizer())
+    # A tokenizer of more tokens than the weights embed: from_pretrained's check, which from_model lacked (the first
+    # prefill failed with a bare IndexError).
+    narrow, _ = _load(random_model_dir)
+    narrow.resize_token_embeddings(len(build_tokenizer()) - 1)
+    with pytest.raises(ModelError, match=r"tokenizer has \d+ tokens but its weights embed \d+: pass the tokenizer"):
+        InfoKVEngine.from_model(narrow, build_tokenizer())
     model.lm_head.to("meta")
     with pytest.raises(ModelError, match="not loaded .*meta"):
         InfoKVEngine.from_model(model, build_tokenizer())
@@ -779,6 +785,53 @@ def test_yarn_rope_scaling_widens_the_context_window() -> None:
     torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_longrope_reads_up_to_its_pretraining_length_as_the_model_does() -> None:
+    """LongRoPE (Phi-3.5, Phi-4-mini) rotates a forward's every position with its long factors once the forward
+    reaches past the pretraining length: a document's first chunks, cached with the short ones, would be read
+    wrongly. Its window is the pretraining length, within which the runner's chunks give the model's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from infokv_rag.architectures import context_window
+
+    tokenizer = build_tokenizer()
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 96,
+        "short_factor": [1.0] * 8,
+        "long_factor": [1.0 + i for i in range(8)],
+    }
+    config = AutoConfig.for_model(
+        "phi3",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        original_max_position_embeddings=96,
+        rope_parameters=rope,
+        sliding_window=None,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    assert context_window(config) == 96
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    ids = torch.randint(2, len(tokenizer), (96,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids[None]).logits[0]
+    engine = InfoKVEngine.from_model(model, tokenizer)
+    assert engine.context_window == 96
+    runner, cache = engine.runner, engine.runner.new_cache()
+    with torch.inference_mode():
+        first = runner.logits(runner.forward(ids[:40], torch.arange(40), cache))
+        rest = runner.logits(runner.forward(ids[40:], torch.arange(40, 96), cache))
+    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_sliding_window_variants_are_refused() -> None:
     from transformers import AutoConfig
 
@@ -793,6 +846,12 @@ def test_sliding_window_variants_are_refused() -> None:
     )
     with pytest.raises(ModelError, match="sliding-window attention"):
         check_config(windowed, "qwen2-windowed")
+    # A window as long as max_position_embeddings slides once YaRN reads past it.
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128}
+    check_config(AutoConfig.for_model("mistral", sliding_window=128, max_position_embeddings=128), "mistral-128")
+    widened = AutoConfig.for_model("mistral", sliding_window=128, max_position_embeddings=128, rope_parameters=yarn)
+    with pytest.raises(ModelError, match="sliding-window attention"):
+        check_config(widened, "mistral-yarn")
 
 
 # Device and dtype -------------------------------------------------------------------------------------
