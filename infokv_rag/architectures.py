@@ -39,8 +39,8 @@ def check_config(config: Any, source: str, class_name: str | None = None) -> Non
         sliding = "sliding_attention" in layer_types
     else:
         # A window no shorter than every position read never slides; YaRN reads past max_position_embeddings.
-        positions = context_window(config) if getattr(config, "max_position_embeddings", None) else None
-        sliding = bool(window) and (positions is None or window < positions)
+        unbounded = getattr(config, "max_position_embeddings", None) is None
+        sliding = window is not None and window > 0 and (unbounded or window < context_window(config))
     if sliding:
         raise ModelError(
             f"{source} uses sliding-window attention (window {window}), which infokv-rag's attention hook and "

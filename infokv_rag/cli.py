@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -196,7 +197,11 @@ class _JsonErrorsParser(argparse.ArgumentParser):
     stdout."""
 
     def error(self, message: str) -> NoReturn:
-        print(json.dumps({"error": {"type": "UsageError", "message": message}}))
+        try:
+            print(json.dumps({"error": {"type": "UsageError", "message": message}}), flush=True)
+        except BrokenPipeError:
+            self.print_usage(sys.stderr)
+            self.exit(stdout_closed(), f"{self.prog}: error: {message}\n")
         super().error(message)
 
 
@@ -675,7 +680,11 @@ def run_reporting(
     except (InfoKVError, OSError) as error:
         print(f"{name}: error: {error}", file=sys.stderr)
         if on_error is not None:
-            on_error(error)
+            try:
+                on_error(error)
+                sys.stdout.flush()
+            except BrokenPipeError:
+                return stdout_closed()
         return ERROR_EXIT
 
 
@@ -684,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = given[: given.index("--")] if "--" in given else given  # after "--", "--json" is a question
     args = build_parser(json_errors="--json" in options).parse_args(given)
     args.verbose = getattr(args, "verbose", False)
+    # An answer or question a stdout cannot encode (PYTHONIOENCODING=ascii) is escaped, not a traceback mid-answer.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     shown, warnings.showwarning = warnings.showwarning, _show_warning
 

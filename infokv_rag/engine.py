@@ -172,7 +172,7 @@ class InfoKVEngine:
         """Each token's text as it reads inside a text. SentencePiece decoders (Llama 2, Mistral, Phi-3) drop the
         space that begins a text's first token ("▁the" reads "the"), which alone would start no word: so each token
         is decoded after an anchor token, whose own text is then cut off (alone where that is not a prefix)."""
-        anchor = self.tokenizer.encode("a", add_special_tokens=False)
+        anchor = self.prompt.ids("a", as_text=True)
         prefix = self.tokenizer.decode(anchor)
         after = self.tokenizer.batch_decode([[*anchor, i] for i in range(len(self.tokenizer))])
         return [
@@ -258,7 +258,8 @@ class InfoKVEngine:
         past = self._count_past(text, room + self.prompt.head_tokens, strip=False) if long else None
         if past is not None:
             question = past - self.prompt.head_tokens
-            raise AnswerRoomError.of(AnswerRoom(document_tokens, question, max_new_tokens, self.context_window))
+            room_taken = AnswerRoom(document_tokens, question, max_new_tokens, self.context_window, True)
+            raise AnswerRoomError.of(room_taken)
         suffix = self.prompt.conversation_ids(turns)
         if document_tokens + len(suffix) + max_new_tokens > self.context_window:
             raise AnswerRoomError.of(AnswerRoom(document_tokens, len(suffix), max_new_tokens, self.context_window))

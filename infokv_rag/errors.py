@@ -35,6 +35,9 @@ class AnswerRoom:
     question_tokens: int
     answer_tokens: int
     context_window: int
+    question_counted_in_part: bool = False
+    """The question was counted only until it certainly did not fit (a text of megabytes is never tokenized whole):
+    `question_tokens` is the least it holds."""
 
     @property
     def spare(self) -> int:
@@ -44,10 +47,11 @@ class AnswerRoom:
     def refusal(self, answer_option: str) -> str:
         """Why it does not fit, naming the caller's option for the answer's length (`answer_option`)."""
         needed = self.document_tokens + self.question_tokens + self.answer_tokens
+        more = "more than " if self.question_counted_in_part else ""
         return (
-            f"the document ({self.document_tokens} tokens) plus the question ({self.question_tokens} tokens) plus "
-            f"{answer_option} ({self.answer_tokens}) is {needed} tokens, more than the model's context window of "
-            f"{self.context_window}; shorten the question or lower {answer_option}"
+            f"the document ({self.document_tokens} tokens) plus the question ({more}{self.question_tokens} tokens) "
+            f"plus {answer_option} ({self.answer_tokens}) is {more}{needed} tokens, more than the model's context "
+            f"window of {self.context_window}; shorten the question or lower {answer_option}"
         )
 
 

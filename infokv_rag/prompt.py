@@ -7,6 +7,7 @@ is found by rendering the model's own chat template around sentinels, as kvpress
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,12 @@ DOCUMENT_END = "\n\n"
 
 Turn = tuple[str, str]
 """(role, content) with role in system, user, assistant."""
+
+_ENCODING = threading.Lock()
+"""Held while a tokenizer encodes. transformers' fast tokenizer keeps `split_special_tokens` in the Rust tokenizer that
+every call shares, setting it before each encode and reading it during: two threads encoding at once, one a text to
+read as text and one a template, read with each other's setting (a question's ids split the template's `<|im_end|>`
+into characters; a quoted `<|im_end|>` became the control token)."""
 
 
 def question_turns(question: str) -> list[Turn]:
@@ -118,8 +125,11 @@ class PromptFormat:
         """Whether `text` holds the spelling of one of the tokenizer's control tokens (`<|im_end|>`)."""
         return any(control in text for control in self._controls)
 
-    def _ids(self, text: str, as_text: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
+    def ids(self, text: str, as_text: bool) -> list[int]:
+        """`text`'s token ids alone, no special tokens added; a control token's spelling read as text if `as_text`,
+        else as the control token. Every encode of the engine's tokenizer goes through here (`_ENCODING`)."""
+        with _ENCODING:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
 
     def _encode(self, pieces: Sequence[str], after: str = "") -> list[int]:
         """Token ids of the template's text and the caller's alternating, the template's first, as they read after
@@ -140,15 +150,15 @@ class PromptFormat:
         SentencePiece tokenizer would begin it with a word-start space that the rendered prompt does not hold. Alone
         after all where `before` and `text` share a token."""
         if before:
-            anchor = self._ids(before, as_text=True)
-            ids = self._ids(before + text, as_text)
+            anchor = self.ids(before, as_text=True)
+            ids = self.ids(before + text, as_text)
             if ids[: len(anchor)] == anchor:
                 return ids[len(anchor) :]
-        return self._ids(text, as_text)
+        return self.ids(text, as_text)
 
     def text_tokens(self, text: str) -> int:
         """How many tokens `text` is, read as text (a piece of a document)."""
-        return len(self._ids(text, as_text=self.spells_control(text)))
+        return len(self.ids(text, as_text=self.spells_control(text)))
 
     @property
     def head_tokens(self) -> int:

@@ -474,7 +474,7 @@ def token_ids(adapter: AdapterFields, text: str) -> list[int]:
     document is read)."""
     source, document_text = _call_source(adapter, {})
     engine = answering_engine(adapter.model, source, document_text, adapter.device, adapter.dtype)
-    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return engine.prompt.ids(text, as_text=False)
 
 
 DOCUMENT_OPTIONS = ("document", "document_text", "model", "compression")

@@ -11,6 +11,7 @@ import json
 import os
 import runpy
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -327,6 +328,13 @@ def test_ingest_out_then_info(tmp_path: Path, random_model_dir: Path) -> None:
     # A reader that stops early (`| head -c 3`) ends the run quietly, as it ends a Unix tool (128 + SIGPIPE).
     closed = run_cli("info", str(out_dir), cache_dir=tmp_path / "cache", closed_stdout=True)
     assert (closed.returncode, closed.stderr) == (141, "")
+    # So does an error that --json also writes to stdout (a traceback of BrokenPipeError, exit 1, before).
+    for refused in (
+        ["info", str(tmp_path / "missing"), "--json"],
+        ["ask", str(pdf), "-q", "Q?", "--keep", "1", "--json"],
+    ):
+        closed = run_cli(*refused, cache_dir=tmp_path / "cache", closed_stdout=True)
+        assert closed.returncode == 141 and "error" in closed.stderr and "Traceback" not in closed.stderr, closed.stderr
 
     # `info` verifies checksums: a damaged cache is reported, not described.
     tensors = out_dir / "tensors.safetensors"
@@ -356,12 +364,20 @@ def test_ask_answers_from_a_saved_cache_with_the_model_that_made_it(tmp_path: Pa
     refused = run_cli("ask", str(out_dir), "-q", "Q?", "--keep", "0.5", cache_dir=tmp_path / "cache")
     assert_clean_failure(refused, "is a saved cache", "--keep do not apply")
 
-    # A model named by a relative path is named so in the manifest: from elsewhere, the message says to pass --model.
+    # A model named by a relative path is named by its absolute one in the manifest, so it answers from anywhere (the
+    # relative name was recorded: from elsewhere it named nothing, and was tried as a hub id).
     relative = ("--model", random_model_dir.name)
     saved_here = ("ingest", str(document), "--out", str(tmp_path / "relative"), *relative)
     assert run_cli(*saved_here, cache_dir=tmp_path / "cache", cwd=random_model_dir.parent).returncode == 0
-    elsewhere = run_cli("ask", str(tmp_path / "relative"), "-q", "Q?", cache_dir=tmp_path / "cache", cwd=tmp_path)
-    assert_clean_failure(elsewhere, f"was saved by model '{random_model_dir.name}', which does not load", "--model")
+    elsewhere = run_cli("ask", str(tmp_path / "relative"), *question, cache_dir=tmp_path / "cache", cwd=tmp_path)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert Path(json.loads(elsewhere.stdout)["model"]["name"]).resolve() == random_model_dir.resolve()
+
+    # A stdout that cannot encode a question or an answer gets it escaped (a UnicodeEncodeError mid-answer, before).
+    ascii_only = {"PYTHONIOENCODING": "ascii"}
+    questions = ("-q", "Où est le préavis?", "-q", "Q?", "--max-new-tokens", "4")
+    escaped = run_cli("ask", str(out_dir), *questions, cache_dir=tmp_path / "cache", env=ascii_only)
+    assert escaped.returncode == 0 and "O\\xf9 est le pr\\xe9avis?" in escaped.stdout, escaped.stderr
 
 
 def test_ingest_never_replaces_what_is_not_a_cache(tmp_path: Path) -> None:
@@ -674,7 +690,13 @@ def test_serve_takes_a_path_prefix_for_uvicorn(
     from infokv_rag.service import app
 
     given: list[str] = []
-    monkeypatch.setattr(app.DrainingServer, "run", lambda server: given.append(server.config.root_path))
+
+    def run(server: app.DrainingServer, sockets: list[socket.socket]) -> None:
+        given.append(server.config.root_path)
+        for listening in sockets:
+            listening.close()
+
+    monkeypatch.setattr(app.DrainingServer, "run", run)
     monkeypatch.setenv("INFOKV_ALLOW_ANONYMOUS", "1")
     assert cli.main(["serve", "--model", "tiny", "--root-path", "/kb", "--data-dir", str(tmp_path / "data")]) == 0
     assert given == ["/kb"]
@@ -701,6 +723,14 @@ def test_serve_refuses_a_model_or_device_that_cannot_load_in_one_line(
         assert cli.main(["serve", *options, "--port", "0", "--data-dir", str(data)]) == 2
         error = capsys.readouterr().err
         assert error.startswith("infokv-rag: error: ") and told in error and "Traceback" not in error, error
+    # A port in use, likewise before the model loads (uvicorn bound it after the model had loaded, then exited 3).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert cli.main(["serve", "--model", "tiny", "--port", port, "--data-dir", str(data)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"infokv-rag: error: cannot listen on 127.0.0.1:{port}") and "--port" in error, error
     assert not data.exists()
 
 

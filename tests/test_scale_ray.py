@@ -305,6 +305,11 @@ def test_serve_ray_refuses_to_start_without_a_store(
     monkeypatch.setattr(ray, "init", no_ray)
     assert cli_main(["serve", "--ray", "--model", "tiny"]) == 2
     assert "--store" in capsys.readouterr().err
+    # Replica resources Ray refuses are refused in one line too (Ray's ValueError or OverflowError, a traceback).
+    monkeypatch.setenv("INFOKV_STORE", "file:///nowhere")
+    for option, amount in (("--replica-cpus", "nan"), ("--replica-cpus", "inf"), ("--replica-gpus", "-1")):
+        assert cli_main(["serve", "--ray", "--model", "tiny", option, amount]) == 2
+        assert f"{option} must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_serve_run_arguments_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,14 +23,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
+
 try:
     # Starlette parses uploads with python_multipart: without it the service would start, then fail every upload.
     import python_multipart  # noqa: F401
     import uvicorn
     from fastapi import FastAPI
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    from ..errors import ConfigError
-
     raise ConfigError(
         f"the service needs FastAPI, uvicorn and python-multipart ({exc.name} is missing): "
         "pip install 'infokv-rag[service]'"
@@ -296,9 +296,10 @@ def serve(
 
     resolve_placement(settings.device, settings.dtype)
     resolve_model(settings.model)
+    listening = listening_socket(host, port)
     app = create_app(settings)
     if not settings.auth_required:
-        where = f"{host}:{port}" if port else f"{host} on the port the system picks"  # port 0: any free one
+        where = f"{host}:{listening.getsockname()[1]}"  # port 0: the one the system picked
         log.warning("anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s can use it", where)
     config = uvicorn.Config(
         app,
@@ -310,4 +311,21 @@ def serve(
         server_header=False,
         log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower(),
     )
-    DrainingServer(config, app.state.service).run()
+    DrainingServer(config, app.state.service).run(sockets=[listening])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The service's socket, bound before the model loads: a port in use or a host that does not resolve is the
+    caller's error, told at once (uvicorn binds after the app's startup has loaded the model, minutes for a large
+    one, then exits 3 with its log)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 address, as uvicorn tells it
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass another --host or --port"
+        ) from exc
+    return listening

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -275,6 +276,9 @@ def build_app(settings: Settings, replicas: int, replica_cpus: float = 1.0, repl
         )
     if replicas < 1:
         raise ConfigError(f"replicas must be positive, got {replicas}")
+    for option, amount in (("--replica-cpus", replica_cpus), ("--replica-gpus", replica_gpus)):
+        if not (math.isfinite(amount) and amount >= 0):
+            raise ConfigError(f"{option} must be a finite number >= 0 (a share of a CPU or GPU), got {amount}")
     # Ray admits this many requests to a replica at once: enough for its own queues to fill, so that the
     # replica's backpressure (503 busy, and 429 tenant_queue_full for a tenant over its share) answers as in the
     # single-process service, not Ray's queue. Sized by the whole queues, not by a tenant's share: the replica
