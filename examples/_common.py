@@ -16,7 +16,7 @@ from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError, DocumentError
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
-from infokv_rag.store import MANIFEST
+from infokv_rag.store import MANIFEST, saved_model_name
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE = SAMPLE_DIR / "maintenance-agreement.pdf"
@@ -43,7 +43,12 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     value, or a document that cannot be read (damaged, encrypted without the right --password, not a document),
     stops here, before the model loads."""
     parser = argparse.ArgumentParser(description=description, epilog=exit_codes())
-    parser.add_argument("--model", default="default", help="default, tiny, a local HF directory or a .gguf file")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="default, tiny, a local HF directory or a .gguf file (default: default; a saved cache: the model that "
+        "made it)",
+    )
     parser.add_argument("--document", default=str(SAMPLE), help=".pdf/.txt/.md file or a saved cache directory")
     parser.add_argument("-q", "--question", action="append", help="ask this (repeatable); default: sample questions")
     parser.add_argument(
@@ -70,6 +75,8 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     saved_cache = (Path(args.document) / MANIFEST).is_file()
     if not saved_cache:
         args.source = load_document(args.document, password=args.password)
+    if args.model is None:  # as `infokv-rag ask DIR` and the adapters answer a saved cache
+        args.model = saved_model_name(args.document) if saved_cache else "default"
     # A saved cache is answered with the compression it was made with (recall, codes, settings no flag here sets);
     # a --method or --keep given for it is checked against that.
     args.compression = None

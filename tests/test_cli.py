@@ -807,3 +807,19 @@ def test_examples_take_keep_as_a_token_count(tmp_path: Path, random_model_dir: P
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "infokv keep 48:" in result.stdout
+    # A saved cache is answered by the model that made it, as `infokv-rag ask DIR` answers it (the examples loaded
+    # `default` for it, then refused the cache as another model's).
+    saved = tmp_path / "saved"
+    ingest = ("ingest", str(doc), "--out", str(saved), "--model", str(random_model_dir), "--keep", "48")
+    assert run_cli(*ingest, cache_dir=tmp_path).returncode == 0
+    answered = run_example_script(
+        "llamaindex_query_engine.py",
+        "--document",
+        str(saved),
+        "--max-tokens",
+        "3",
+        "-q",
+        "Who signs?",
+        cache_dir=tmp_path,
+    )
+    assert answered.returncode == 0, answered.stderr[-2000:]
