@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import ALWAYS_KEPT, COLD_BITS, DEFAULT_METHOD, CompressionConfig, parse_keep, parse_ratio_or_count
-from .errors import AnswerRoomError, ConfigError, InfoKVError, ModelError
+from .errors import AnswerRoomError, ConfigError, InfoKVError, ModelError, on_one_line
 from .placement import dtype_name
 from .scorers import method as scoring_method
 from .scorers import method_names
@@ -639,8 +639,9 @@ def _error_json(error: BaseException) -> dict[str, str]:
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
-    # One readable line (e.g. skipped PDF pages) instead of Python's file:line and source excerpt.
-    print(f"infokv-rag: warning: {message}", file=sys.stderr)
+    # One readable line (e.g. skipped PDF pages) instead of Python's file:line and source excerpt; a line break a
+    # document's text put in it is escaped, not a forged log line of the service.
+    print(f"infokv-rag: warning: {on_one_line(str(message))}", file=sys.stderr)
 
 
 INTERRUPTED = {"type": "KeyboardInterrupt", "message": "interrupted"}

@@ -6,6 +6,12 @@ import errno
 from dataclasses import dataclass
 
 
+def on_one_line(text: str) -> str:
+    """`text` with its line breaks and other unprintable characters escaped (`\\n`, `\\x1b`): text a file holds
+    (a PDF's filter name in pypdf's error) written into a log line cannot forge another line."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 class InfoKVError(Exception):
     """Base class of every error this package raises on purpose."""
 

@@ -17,7 +17,7 @@ from pypdf import PageObject, PdfReader
 from pypdf.filters import ASCII85Decode, ASCIIHexDecode
 from pypdf.generic import ArrayObject, DictionaryObject, IndirectObject, NullObject, StreamObject
 
-from .errors import CorruptPDFError
+from .errors import CorruptPDFError, on_one_line
 
 _PYPDF_LOGGER = logging.getLogger("pypdf")
 
@@ -439,5 +439,6 @@ def resolved(value: Any) -> Any:
 
 
 def pypdf_detail(exc: BaseException) -> str:
-    message = str(exc).strip() or type(exc).__name__
+    """pypdf's error, on one line (it may quote the file's own names) and at most 160 characters."""
+    message = on_one_line(str(exc).strip()) or type(exc).__name__
     return message if len(message) <= 160 else message[:157] + "..."

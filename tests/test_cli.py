@@ -221,6 +221,20 @@ def test_usage_errors_come_as_json_too_when_json_is_asked_for(tmp_path: Path) ->
     assert plain.returncode == 2 and plain.stdout == ""
 
 
+def test_a_warning_is_one_line_whatever_the_document_put_in_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """A PDF's own names reach warnings through pypdf's errors (a filter named "/X#0AINFO: ..."): written as they
+    were, they forged lines of the service's log."""
+    from infokv_rag.cli import _show_warning
+    from infokv_rag.pdf_damage import pypdf_detail
+
+    forged = 'Unsupported filter /X\nINFO:     127.0.0.1:1 - "GET /forged HTTP/1.1" 200 OK'
+    detail = pypdf_detail(NotImplementedError(forged))
+    assert "\n" not in detail and "/X\\nINFO:" in detail
+    _show_warning(UserWarning("skipped page 2 (\x1b[31m\rforged\u2028line)"), UserWarning)
+    written = capsys.readouterr().err
+    assert written.count("\n") == 1 and "\\x1b[31m\\rforged\\u2028line" in written, written
+
+
 def test_keep_and_summaries_are_refused_for_a_method_that_keeps_every_token() -> None:
     """Taken and dropped, they would show in the cache's config (`info`) as what was done, and give the same full
     cache another store key per value."""

@@ -7,6 +7,7 @@ on the same data directory and proves that a ready document is answered without 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,19 @@ def contract(client: httpx.Client, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 # Open endpoints ----------------------------------------------------------------------------------
+
+
+def test_a_header_of_a_mebibyte_is_refused_before_it_is_read_whole(server: ServerProcess) -> None:
+    """httptools, uvicorn's default where installed, read a header of 128 MiB (30 s of the event loop, every client
+    waiting) before any key was checked; h11 refuses what passes 16 KiB unparsed."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+        try:
+            connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+            answer = connection.recv(4096)
+        except (ConnectionResetError, BrokenPipeError):  # closed before the whole header was sent
+            answer = b""
+    assert answer.startswith(b"HTTP/1.1 4") or answer == b"", answer[:200]
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
 def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:

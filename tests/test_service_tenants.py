@@ -751,6 +751,26 @@ def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: Te
         assert "nested too deeply" in error["message"]
         # The same request in UTF-8 is answered: only the encoding was wrong.
         assert client.post(path, content=text.encode("utf-8"), headers=headers).status_code == 200
+    # A body of thousands of invalid parts or unknown fields is refused at once with a short message (pydantic
+    # refused each apart, on the event loop: seconds for every tenant's requests, a 30 MB message back).
+    parts = {**chat, "messages": [{"role": "user", "content": [1] * 300_000}]}
+    refused = client.post("/v1/chat/completions", json=parts, headers=A1)
+    assert refused.status_code == 400 and len(refused.content) < 1000, len(refused.content)
+    assert "256" in refused.json()["error"]["message"], refused.json()
+    unknown = {"question": "Q?", **{f"field{i}": 1 for i in range(50_000)}}
+    error = assert_error(client.post(f"/v1/documents/{doc}/ask", json=unknown, headers=A1), 422, "invalid_request")
+    assert error["param"] == "field0" and len(error["message"]) < 200, error
+    many_errors = {
+        "question": 1,
+        "max_tokens": "x",
+        "temperature": "x",
+        "top_p": "x",
+        "seed": "x",
+        "stop": 1,
+        "recall": "x",
+    }
+    error = assert_error(client.post(f"/v1/documents/{doc}/ask", json=many_errors, headers=A1), 422, "invalid_request")
+    assert error["message"].endswith("more"), error
 
 
 def test_a_multipart_upload_cut_short_or_malformed_is_400_and_keeps_nothing(client: TestClient, tmp_path: Path) -> None:

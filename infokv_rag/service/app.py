@@ -307,6 +307,9 @@ def serve(
         port=port,
         root_path=root_path,
         workers=1,
+        # h11 refuses a request whose headers pass 16 KiB (its h11_max_incomplete_event_size); httptools, the default
+        # where installed, read a header of 128 MiB in 30 s of the event loop, before any API key was checked.
+        http="h11",
         timeout_graceful_shutdown=5,
         server_header=False,
         log_level=os.environ.get("INFOKV_LOG_LEVEL", "info").lower(),

@@ -117,15 +117,23 @@ def from_core(exc: BaseException, message: str | None = None, param: str | None 
     return ServiceError(500, "internal_error", "internal server error")
 
 
+SHOWN_VALIDATION_ERRORS = 5
+"""The validation errors a 422's message lists (a body may hold thousands: a message of megabytes)."""
+
+
 def _validation_message(exc: RequestValidationError, content_type: str) -> str:
     parts = []
-    for error in exc.errors():
+    errors = exc.errors()
+    for error in errors[:SHOWN_VALIDATION_ERRORS]:
         if tuple(error.get("loc", ())) == ("body",) and "json" not in content_type.lower():
             # FastAPI reads a body as JSON only when its content-type says so; otherwise no field can be found.
             shown = f"content-type {content_type!r}" if content_type else "no content-type"
             return f"the request body was not read as JSON ({shown}): send it with content-type application/json"
         location = _field_of(error)
         parts.append(f"{location}: {error.get('msg', 'invalid')}" if location else str(error.get("msg", "invalid")))
+    more = len(errors) - SHOWN_VALIDATION_ERRORS
+    if more > 0:
+        parts.append(f"and {more} more")
     return "invalid request: " + "; ".join(parts) if parts else "invalid request"
 
 
