@@ -10,10 +10,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting
+from infokv_rag.cli import ERROR_EXIT, STDOUT_CLOSED_EXIT, ratio_or_count, run_reporting, saved_model_missing
 from infokv_rag.config import DEFAULT_METHOD, CompressionConfig, parse_keep
 from infokv_rag.documents import load_document
-from infokv_rag.errors import ConfigError, DocumentError
+from infokv_rag.errors import ConfigError, DocumentError, ModelError
+from infokv_rag.models import resolve_model
 from infokv_rag.prompt import question_turns
 from infokv_rag.scorers import method_names
 from infokv_rag.store import MANIFEST, saved_model_name
@@ -77,6 +78,11 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         args.source = load_document(args.document, password=args.password)
     if args.model is None:  # as `infokv-rag ask DIR` and the adapters answer a saved cache
         args.model = saved_model_name(args.document) if saved_cache else "default"
+        if saved_cache:
+            try:
+                resolve_model(args.model)
+            except ModelError as error:
+                raise saved_model_missing(args.document, args.model, error) from None
     # A saved cache is answered with the compression it was made with (recall, codes, settings no flag here sets);
     # a --method or --keep given for it is checked against that.
     args.compression = None

@@ -426,7 +426,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _load_engine(args: argparse.Namespace, model: str) -> Any:
     from .engine import InfoKVEngine
+    from .models import REGISTRY
 
+    # A model given by a local path is named by its absolute one, which the caches it saves record: a relative one
+    # named nothing from another directory (and was tried as a hub id there).
+    if model not in REGISTRY and Path(model).expanduser().exists():
+        model = os.path.abspath(Path(model).expanduser())
     if not args.verbose:
         from transformers.utils import logging as hf_logging
 
@@ -472,6 +477,11 @@ def _saved_cache(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def saved_model_missing(path: str | os.PathLike[str], model: str, error: ModelError) -> ModelError:
+    """The refusal of a saved cache whose manifest names a model that does not load here (`error` says why)."""
+    return ModelError(f"{path} was saved by model {model!r}, which does not load here ({error}); pass --model")
+
+
 def _ask_saved(args: argparse.Namespace, path: Path, questions: list[list[Turn]]) -> int:
     """Answers from the saved cache at `path`, with the model its manifest names unless --model names another."""
     from .store import saved_model_name
@@ -482,8 +492,7 @@ def _ask_saved(args: argparse.Namespace, path: Path, questions: list[list[Turn]]
     except ModelError as error:
         if args.model is not None:
             raise
-        message = f"{path} was saved by model {model!r}, which does not load here ({error}); pass --model"
-        raise ModelError(message) from None
+        raise saved_model_missing(path, model, error) from None
     doc = engine.load(path)
     _note(args, f"loaded the saved cache {path}")
     _check_questions_fit(engine, doc.document.text, questions, args.max_new_tokens)

@@ -439,8 +439,6 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
 
         return _converted(name_or_path, target, repair, convert_packaged)
     path = Path(name_or_path).expanduser()
-    # Named by its absolute path: a cache saved with a relative one names a model no other directory finds.
-    label = os.path.abspath(path)
     if path.suffix.lower() == ".gguf" and not path.is_dir():  # a model directory may be named x.gguf
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
@@ -449,11 +447,11 @@ def _resolve_local(name_or_path: str, repair: bool) -> ModelSource | None:
                 raise ModelError(f"{path} is not a GGUF file (it lacks the GGUF magic bytes): pass a .gguf model file")
         weights_sha256 = _sha256_file(path).hexdigest()
         target = _conversion_of(weights_sha256) or cache_root() / "models" / f"{path.stem}-{weights_sha256[:16]}"
-        return _converted(label, target, repair, lambda: convert_gguf(path.resolve(), target, weights_sha256))
+        return _converted(name_or_path, target, repair, lambda: convert_gguf(path.resolve(), target, weights_sha256))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a directory without config.json: not a Hugging Face model directory")
-        return ModelSource(label, path)
+        return ModelSource(name_or_path, path)
     return None
 
 

@@ -1122,6 +1122,9 @@ class CacheStore:
                     and stored.config.cache_identity() == config.cache_identity()
                 ):
                     stored.config = config  # the stored cache answers with this config's recall by default
+                    # A save of this entry killed before it was stored left its directory, which no later save
+                    # of a key that is stored sweeps: its reuse does.
+                    _sweep_leftovers(path)
                     return stored, True
         compressed = engine.ingest_document(document, config, progress=progress)
         try:

@@ -96,6 +96,15 @@ def coerce_dtype(value: Any) -> str | None:
     return dtype_name(None if value is None else str(value))
 
 
+def not_a_bool(value: Any) -> Any:
+    """An adapter's numeric generation field (`CALL_OPTIONS`), refused when it is a bool: pydantic's lax mode reads
+    True as 1 (seed=True the seed 1, recall=True one token), where the core refuses it. Other numbers it converts
+    as it does (a numpy integer, "0.2")."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number is needed here, not the bool {value}")
+    return value
+
+
 def optional_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig | None:
     """An adapter's `compression` field: None (the defaults, applied per call) or a config."""
     return None if config is None else coerce_config(config)

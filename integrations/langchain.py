@@ -55,8 +55,6 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
-    StrictFloat,
-    StrictInt,
     field_serializer,
     field_validator,
     model_validator,
@@ -70,6 +68,7 @@ from infokv_rag.prompt import Turn, check_conversation
 
 from ._common import (
     CALL_KWARGS,
+    CALL_OPTIONS,
     DOCUMENT_OPTIONS,
     AnswerInfo,
     DocumentHold,
@@ -86,6 +85,7 @@ from ._common import (
     config_fields,
     document_identity,
     given_options,
+    not_a_bool,
     optional_config,
     refuse_unknown_fields,
     revealed,
@@ -216,15 +216,15 @@ class _InfoKVFields(BaseModel):
     """auto (None: CUDA when available, else CPU), cpu, cuda, cuda:N or mps."""
     dtype: str | None = None
     """auto (None: bf16 on CUDA, fp16 where unsupported; fp32 elsewhere), bf16, fp16, fp32, or a torch dtype."""
-    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, strict=True)
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
     """Most tokens generated per answer."""
-    temperature: float = Field(default=0.0, ge=0.0, strict=True)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = None
-    seed: int | None = Field(default=None, strict=True)
-    max_cache_tokens: int | None = Field(default=None, gt=0, strict=True)
+    seed: int | None = None
+    max_cache_tokens: int | None = Field(default=None, gt=0)
     """Cap on the cached tokens per layer while answering (evicts past it); None: no cap."""
-    recall: StrictFloat | StrictInt | None = None
+    recall: float | int | None = None
     """How much of the cold tier each answer recalls (ratio or token count; 0: none); None: the document's."""
     streaming: bool = False
     password: str | SecretStr | None = Field(default=None, exclude=True, repr=False)
@@ -263,6 +263,11 @@ class _InfoKVFields(BaseModel):
     @classmethod
     def _dtype(cls, value: Any) -> str | None:
         return coerce_dtype(value)
+
+    @field_validator(*CALL_OPTIONS, mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        return not_a_bool(value)
 
     @field_validator("document")
     @classmethod

@@ -43,8 +43,6 @@ from llama_index.core.bridge.pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
-    StrictFloat,
-    StrictInt,
     field_serializer,
     field_validator,
     model_validator,
@@ -65,6 +63,7 @@ from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
 from ._common import (
+    CALL_OPTIONS,
     DocumentHold,
     FrameworkDocuments,
     aiter_pieces,
@@ -77,6 +76,7 @@ from ._common import (
     check_turns,
     coerce_dtype,
     config_fields,
+    not_a_bool,
     optional_config,
     refuse_unknown_fields,
     revealed,
@@ -153,15 +153,13 @@ class InfoKV(CustomLLM):
     )
     device: str | None = Field(default=None, description="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     dtype: str | None = Field(default=None, description="auto (bf16 on CUDA, fp32 elsewhere), bf16, fp16, fp32")
-    max_tokens: int = Field(
-        default=DEFAULT_MAX_NEW_TOKENS, gt=0, strict=True, description="most tokens generated per answer"
-    )
-    temperature: float = Field(default=0.0, ge=0.0, strict=True)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0, description="most tokens generated per answer")
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = None
-    seed: int | None = Field(default=None, strict=True)
-    max_cache_tokens: int | None = Field(default=None, gt=0, strict=True)
-    recall: StrictFloat | StrictInt | None = Field(
+    seed: int | None = None
+    max_cache_tokens: int | None = Field(default=None, gt=0)
+    recall: float | int | None = Field(
         default=None, description="cold-tier recall per answer (ratio or token count; 0: none); None: the document's"
     )
     password: str | SecretStr | None = Field(
@@ -186,6 +184,11 @@ class InfoKV(CustomLLM):
     @classmethod
     def _config(cls, value: Any) -> CompressionConfig | None:
         return optional_config(value)
+
+    @field_validator(*CALL_OPTIONS, mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        return not_a_bool(value)
 
     @field_serializer("compression")
     def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:

@@ -739,6 +739,8 @@ def test_serve_refuses_a_model_or_device_that_cannot_load_in_one_line(
         assert error.startswith("infokv-rag: error: ") and told in error and "Traceback" not in error, error
     # A port in use, likewise before the model loads (uvicorn bound it after the model had loaded, then exited 3).
     with socket.socket() as taken:
+        # As uvicorn binds: with SO_REUSEADDR a second bind of the port passes, and only listening claims it.
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])

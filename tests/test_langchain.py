@@ -319,6 +319,9 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
             bad: dict[str, Any] = {field: value}
             with pytest.raises(ValidationError, match=field):
                 adapter(model="tiny", document_text=SUITE_TEXT, **bad)
+        # What pydantic converts otherwise is taken, as it was (a config's string, a whole float).
+        converted: dict[str, Any] = {"max_tokens": 8.0, "temperature": "0.2", "seed": 7.0}
+        adapter(model="tiny", document_text=SUITE_TEXT, **converted)
         refusals: list[tuple[type[Exception], str, Any]] = [
             (ConfigError, "unknown option.*max_new_tokens", lambda llm: llm.invoke("hi", max_new_tokens=4)),
             (ConfigError, "max_tokens must be >= 1", lambda llm: llm.invoke("hi", max_tokens=0)),

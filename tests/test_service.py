@@ -140,6 +140,8 @@ def test_a_header_of_a_mebibyte_is_refused_before_it_is_read_whole(server: Serve
             answer = b""
     assert answer.startswith(b"HTTP/1.1 4") or answer == b"", answer[:200]
     assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+    # The socket is bound before the model loads, and where it listens is still logged (port 0: the port picked).
+    assert f"Uvicorn running on http://127.0.0.1:{server.port}" in server.log_tail(1_000_000)
 
 
 def test_health_page_and_openapi_are_open(client: httpx.Client) -> None:

@@ -8,6 +8,7 @@ is taken over and read again, and a delete anywhere is seen everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import threading
@@ -23,11 +24,12 @@ pytest.importorskip("fsspec", reason="the shared store needs the [scale] extra")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from infokv_rag import CompressedDocument, InfoKVEngine  # noqa: E402
-from infokv_rag.cache_backends import CacheBackend, open_backend  # noqa: E402
+from infokv_rag import CacheStoreError, CompressedDocument, InfoKVEngine  # noqa: E402
+from infokv_rag.cache_backends import CACHE, CURRENT, CacheBackend, open_backend  # noqa: E402
 from infokv_rag.config import CompressionConfig  # noqa: E402
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError, DocumentError  # noqa: E402
+from infokv_rag.service import shared_registry  # noqa: E402
 from infokv_rag.service.app import create_app  # noqa: E402
 from infokv_rag.service.errors import StorageError, StoreUnreadable  # noqa: E402
 from infokv_rag.service.registry import DocumentRecord, Registry, new_document_id  # noqa: E402
@@ -698,3 +700,83 @@ def test_a_store_that_fails_reading_an_uploads_text_leaves_it_to_be_read_again(
         else:
             assert (info["status"], info["reason_code"]) == ("failed", "storage_error"), info
             assert "storage failed while this document was read" in info["reason"]
+
+
+# Pinned by a mutation review ----------------------------------------------------------------------------------------
+
+
+def test_a_lapsed_lease_of_a_document_read_here_is_not_taken_over_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal the store refused once lets this process's own lease lapse: its takeover scan must pass over the
+    document it is reading (claimed, it went back to queued and was read a second time here)."""
+    now = time.time()
+    record = DocumentRecord(new_document_id(), "memo.txt", "processing", "tenantA", "snapkv", 0.5, now, now)
+    worker = FakeWorker(reading=[record.id])
+    keeper = lease_keeper(tmp_path, f"file://{tmp_path}/store", worker)
+    keeper.registry.lease_seconds = 0.05
+    keeper.registry.create(record, document_from_text(SECRET.decode()))
+    backend = keeper.registry.backend
+    put = backend.put
+    refused: list[str] = []
+
+    def refusing_once(key: str, name: str, data: bytes) -> None:
+        if record.id in key and name == "meta.json" and not refused:
+            refused.append(key)
+            raise OSError(errno.EIO, "Input/output error", key)
+        put(key, name, data)
+
+    time.sleep(0.2)  # the lease has lapsed
+    monkeypatch.setattr(backend, "put", refusing_once)
+    with contextlib.suppress(OSError):
+        keeper.tick()
+    assert refused and worker.submitted == [] and record.status == "processing"
+
+
+def test_a_claim_another_process_overwrote_is_not_won(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of two processes claiming one expired lease, only the last claimer reads the document again."""
+    url = f"file://{tmp_path}/store"
+    doc_id = new_document_id()
+    put_orphan(open_backend(url), doc_id)
+    first = StoreRegistry(open_backend(url), tmp_path / "one", loaded_documents=2, lease_seconds=30)
+    second = StoreRegistry(open_backend(url), tmp_path / "two", loaded_documents=2, lease_seconds=30)
+    sleep = time.sleep
+
+    def second_claims_meanwhile(seconds: float) -> None:  # while `first` waits for its claim to settle
+        monkeypatch.setattr(shared_registry.time, "sleep", sleep)
+        record = second.get(doc_id)
+        assert record is not None and second.update(record, status="queued")
+
+    monkeypatch.setattr(shared_registry.time, "sleep", second_claims_meanwhile)
+    assert first.claim_expired(set()) == []
+
+
+def test_a_record_that_names_another_document_is_passed_over(tmp_path: Path) -> None:
+    """A record copied under documents/X that names document Y is no record of X's: read as X's, a DELETE of X
+    deleted Y."""
+    url = f"file://{tmp_path}/store"
+    registry = StoreRegistry(open_backend(url), tmp_path / "one", loaded_documents=2, lease_seconds=30)
+    now = time.time()
+    named = DocumentRecord(new_document_id(), "memo.txt", "failed", "tenantA", "snapkv", 0.5, now, now)
+    registry.create(named, document_from_text(SECRET.decode()))
+    copied = new_document_id()
+    registry.backend.put(f"documents/{copied}", "meta.json", registry.backend.get(f"documents/{named.id}", "meta.json"))
+    other = StoreRegistry(open_backend(url), tmp_path / "two", loaded_documents=2, lease_seconds=30)
+    assert other.get(copied) is None and other.get(named.id) is not None
+
+
+def test_a_version_replaced_by_another_keys_cache_is_not_loaded(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """A version whose files were replaced whole by another key's valid cache is not what CURRENT published."""
+    backend = open_backend(f"file://{tmp_path}/store")
+    for key, keep in (("a", 0.25), ("b", 0.5)):
+        backend.publish(
+            f"documents/{key}", random_engine.ingest_text(f"{key} {SECRET.decode()}", CompressionConfig(keep=keep))
+        )
+    version = {key: json.loads(backend.get(f"documents/{key}/{CACHE}", CURRENT))["version"] for key in "ab"}
+    replaced, source = (tmp_path / "store/documents" / key / CACHE / version[key] for key in "ab")
+    for path in replaced.iterdir():
+        path.unlink()
+    for path in source.iterdir():
+        (replaced / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(CacheStoreError, match="not the one published"):
+        backend.load(random_engine, "documents/a")

@@ -1376,3 +1376,45 @@ def test_a_file_that_cannot_be_read_now_is_told_apart_from_damage(
     with pytest.raises(CacheStoreError) as refused:
         random_engine.load(saved_a)
     assert isinstance(refused.value, CacheUnreadableError) is not damage, refused.value
+
+
+def test_a_saved_cache_whose_summaries_weigh_infinitely_is_refused(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """A summary of log count +inf would outweigh every entry: a cache that holds one, even bound and checksummed
+    by the library itself, is refused at load (a mutation review found the check unpinned)."""
+    text = " ".join(f"Clause {i}: the supplier delivers {i} pumps within {i + 3} days." for i in range(40))
+    doc = random_engine.ingest_text(text, CompressionConfig(keep=0.25, chunk_size=64))
+    assert doc.cache.summaries
+    with torch.inference_mode():
+        doc.cache.summaries[0].log_counts[0, 0] = float("inf")
+    with pytest.raises(CacheStoreError, match="summaries"):
+        random_engine.load(doc.save(tmp_path / "cache"))
+
+
+def test_a_failed_save_leaves_a_users_file_in_the_entry_alone(random_engine: InfoKVEngine, tmp_path: Path) -> None:
+    """The clean-up after a save the store refused removes a cache's own files only, never a file of the user's."""
+    store = CacheStore(tmp_path / "store")
+    document = document_from_text("The supplier shall deliver the goods within thirty days of the order date. " * 4)
+    entry = store.path_for(random_engine, document)
+    entry.mkdir(parents=True)
+    (entry / "notes.txt").write_text("a user's own notes")
+    with pytest.warns(UserWarning):
+        store.ingest(random_engine, document)
+    assert (entry / "notes.txt").read_text() == "a user's own notes"
+
+
+def test_a_stored_entry_reused_sweeps_what_a_killed_save_of_it_left(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    """A save killed before its entry was stored leaves its staging directory; the next run stores the entry and every
+    later one reuses it, so no save of that key sweeps it again: a reuse sweeps it, once it is an hour old."""
+    store = CacheStore(tmp_path / "store")
+    document = document_from_text(TEXT_A)
+    store.ingest(random_engine, document)
+    entry = store.path_for(random_engine, document)
+    left = entry.parent / f"{store_module._staging_prefix(entry)}{'0' * 16}"
+    shutil.copytree(entry, left)
+    young = store.ingest(random_engine, document)
+    assert young[1] and left.is_dir()  # it may be a save running in another process
+    old = time.time() - 2 * store_module.STALE_SECONDS
+    os.utime(left, (old, old))
+    assert store.ingest(random_engine, document)[1] and not left.exists() and (entry / "manifest.json").is_file()

@@ -272,6 +272,11 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.service = service
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn says where it listens only for a socket it bound itself
+            self._log_started_message(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.service.worker is not None:
             await run_in_threadpool(self.service.worker.stop)
@@ -299,7 +304,8 @@ def serve(
     listening = listening_socket(host, port)
     app = create_app(settings)
     if not settings.auth_required:
-        where = f"{host}:{listening.getsockname()[1]}"  # port 0: the one the system picked
+        bound = listening.getsockname()[1]  # port 0: the one the system picked
+        where = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         log.warning("anonymous access is enabled (INFOKV_ALLOW_ANONYMOUS): anyone who can reach %s can use it", where)
     config = uvicorn.Config(
         app,
@@ -324,8 +330,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 address, as uvicorn tells it
     listening = socket.socket(family, socket.SOCK_STREAM)
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:  # "::" is IPv6's any address, not IPv4's too (as asyncio binds it)
+        listening.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     try:
         listening.bind((host, port))
+        listening.listen()  # claims the port: with SO_REUSEADDR a second server's bind passes, its listen fails
     except OSError as exc:
         listening.close()
         raise ConfigError(
