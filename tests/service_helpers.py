@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -196,6 +197,24 @@ def read_only(path: Path, already: bool = False) -> Iterator[None]:
         yield
     finally:
         set_read_only(path, False)
+
+
+def read_response(connection: socket.socket, first: bytes = b"") -> bytes:
+    """The whole HTTP response the server sends on `connection` (after `first`, what was read of it already): its
+    head and body may come in several reads (h11 writes them apart), so it is read up to its Content-Length."""
+    answer = first
+    while b"\r\n\r\n" not in answer or len(answer) < _response_length(answer):
+        more = connection.recv(65536)
+        if not more:
+            break
+        answer += more
+    return answer
+
+
+def _response_length(answer: bytes) -> int:
+    head, _, _ = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return len(head) + 4 + (int(length.group(1)) if length else 0)
 
 
 def send_part_of_an_upload(port: int, key: str, text: bytes) -> socket.socket:

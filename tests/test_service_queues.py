@@ -37,6 +37,7 @@ from .service_helpers import (  # noqa: E402
     assert_error,
     bearer,
     random_model_settings,
+    read_response,
     send_part_of_an_upload,
     upload,
     upload_ready,
@@ -130,7 +131,7 @@ def test_an_upload_that_stops_arriving_is_refused_and_gives_its_place_back(
         wait_queue(client, receiving_uploads=2)
         assert_error(upload(client, C, "c.txt", text(60, seed=7)), 503, "busy")
         stalled_a.settimeout(30)
-        answer = stalled_a.recv(65536).decode()
+        answer = read_response(stalled_a).decode()
         assert answer.startswith("HTTP/1.1 408") and "upload_timeout" in answer, answer
         created = upload(client, C, "c.txt", text(60, seed=7))
         assert created.status_code == 202, created.text
@@ -153,6 +154,8 @@ def test_an_upload_that_trickles_is_refused_after_max_upload_seconds(
             with contextlib.suppress(TimeoutError):
                 answer = trickling.recv(65536)
         assert 6 <= time.monotonic() - started, "cut before max_upload_seconds"
+        trickling.settimeout(30)
+        answer = read_response(trickling, answer)
         assert answer.startswith(b"HTTP/1.1 408") and b"took longer than 6 s" in answer, answer
     assert client.get("/v1/documents", headers=A).json()["data"] == []
 
