@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import errno
+import unicodedata
 from dataclasses import dataclass
+
+_LINE_FORGING = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+"""Besides control characters: the line and paragraph separators, and the bidirectional overrides and isolates that
+reorder how a log line reads."""
 
 
 def on_one_line(text: str) -> str:
-    """`text` with its line breaks and other unprintable characters escaped (`\\n`, `\\x1b`): text a file holds
-    (a PDF's filter name in pypdf's error) written into a log line cannot forge another line."""
-    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+    """`text` with its control characters (line breaks, escape sequences), line separators and bidirectional overrides
+    escaped (`\\n`, `\\x1b`, `\\u202e`): text a file holds (a PDF's filter name in pypdf's error) written into a log
+    line cannot forge another line. Other text, a no-break or ideographic space included, is kept as it is."""
+    return "".join(
+        repr(char)[1:-1] if unicodedata.category(char) == "Cc" or char in _LINE_FORGING else char for char in text
+    )
 
 
 class InfoKVError(Exception):

@@ -13,6 +13,7 @@ import errno
 import functools
 import hashlib
 import json
+import numbers
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -97,12 +98,13 @@ def coerce_dtype(value: Any) -> str | None:
 
 
 def not_a_bool(value: Any) -> Any:
-    """An adapter's numeric generation field (`CALL_OPTIONS`), refused when it is a bool: pydantic's lax mode reads
-    True as 1 (seed=True the seed 1, recall=True one token), where the core refuses it. Other numbers it converts
-    as it does (a numpy integer, "0.2")."""
-    if isinstance(value, bool):
+    """An adapter's numeric generation field (`CALL_OPTIONS`), refused when it is a bool (Python's or numpy's):
+    pydantic's lax mode reads True as 1 (seed=True the seed 1), where the core refuses it. Another integer (numpy's)
+    is an int, so that a recall count stays a count (lax mode made np.int64(1) the ratio 1.0: the whole cold tier);
+    other values pydantic converts as it does (a config's "0.2")."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
         raise ValueError(f"a number is needed here, not the bool {value}")
-    return value
+    return int(value) if isinstance(value, numbers.Integral) else value
 
 
 def optional_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig | None:

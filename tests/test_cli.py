@@ -233,6 +233,9 @@ def test_a_warning_is_one_line_whatever_the_document_put_in_it(capsys: pytest.Ca
     _show_warning(UserWarning("skipped page 2 (\x1b[31m\rforged\u2028line)"), UserWarning)
     written = capsys.readouterr().err
     assert written.count("\n") == 1 and "\\x1b[31m\\rforged\\u2028line" in written, written
+    # Text that forges no line is kept as it is: a no-break or ideographic space, a joiner, another script.
+    kept = "日本語\u3000報告書, price\xa0100 €, 👨\u200d👩, café"
+    assert pypdf_detail(ValueError(kept)) == kept
 
 
 def test_keep_and_summaries_are_refused_for_a_method_that_keeps_every_token() -> None:

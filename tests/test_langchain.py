@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy
 import pytest
 
 pytest.importorskip("langchain_core")
@@ -322,6 +323,13 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
         # What pydantic converts otherwise is taken, as it was (a config's string, a whole float).
         converted: dict[str, Any] = {"max_tokens": 8.0, "temperature": "0.2", "seed": 7.0}
         adapter(model="tiny", document_text=SUITE_TEXT, **converted)
+        # numpy's integer is an int, so that a recall count stays a count (lax mode made np.int64(1) the ratio 1.0,
+        # the whole cold tier); numpy's bool is refused as Python's is.
+        numpy_values: dict[str, Any] = {"count": numpy.int64(1), "bool": numpy.bool_(True)}
+        counted = adapter(model="tiny", document_text=SUITE_TEXT, recall=numpy_values["count"])
+        assert counted.recall == 1 and type(counted.recall) is int
+        with pytest.raises(ValidationError, match="recall"):
+            adapter(model="tiny", document_text=SUITE_TEXT, recall=numpy_values["bool"])
         refusals: list[tuple[type[Exception], str, Any]] = [
             (ConfigError, "unknown option.*max_new_tokens", lambda llm: llm.invoke("hi", max_new_tokens=4)),
             (ConfigError, "max_tokens must be >= 1", lambda llm: llm.invoke("hi", max_tokens=0)),

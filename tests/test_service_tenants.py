@@ -757,6 +757,9 @@ def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: Te
     refused = client.post("/v1/chat/completions", json=parts, headers=A1)
     assert refused.status_code == 400 and len(refused.content) < 1000, len(refused.content)
     assert "256" in refused.json()["error"]["message"], refused.json()
+    spread = {**chat, "messages": [{"role": "user", "content": [1, 1]}] * 256}  # 256 per message, 512 in all
+    refused = client.post("/v1/chat/completions", json=spread, headers=A1)
+    assert refused.status_code == 400 and "512 content parts in all" in refused.json()["error"]["message"]
     unknown = {"question": "Q?", **{f"field{i}": 1 for i in range(50_000)}}
     error = assert_error(client.post(f"/v1/documents/{doc}/ask", json=unknown, headers=A1), 422, "invalid_request")
     assert error["param"] == "field0" and len(error["message"]) < 200, error

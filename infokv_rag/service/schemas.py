@@ -330,6 +330,19 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _content_parts_in_all(cls, data: Any) -> Any:
+        # pydantic refuses each invalid part apart, on the event loop: 256 messages of 256 parts each took 0.4 s.
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list):
+            parts = sum(
+                len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+            )
+            if parts > MAX_CONTENT_PARTS:
+                raise ValueError(f"the messages hold {parts} content parts in all, more than {MAX_CONTENT_PARTS}")
+        return data
+
     model: str = Field(max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # No length bound of its own (the body has one): an id that cannot exist is a 404, as on every route.
