@@ -169,7 +169,8 @@ def test_the_examples_check_the_document_and_options_first(tmp_path: Path) -> No
     (cache / "manifest.json").write_text("{}")
 
     def compression(*argv: str) -> CompressionConfig | None:
-        config: CompressionConfig | None = parse_args("example", ["--document", str(cache), *argv]).compression
+        given = ["--model", "tiny", "--document", str(cache), *argv]  # unset, the model the manifest names
+        config: CompressionConfig | None = parse_args("example", given).compression
         return config
 
     assert compression() is None
