@@ -700,7 +700,8 @@ def test_a_full_disk_while_converting_is_an_os_error() -> None:
 # Architectures ----------------------------------------------------------------------------------------
 
 
-def _random_model(model_type: str, vocab_size: int) -> PreTrainedModel:
+def _random_model(model_type: str, vocab_size: int, **overrides: Any) -> PreTrainedModel:
+    """A 3-layer GQA model of `model_type` with random weights; `overrides`: config fields over the defaults."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"sliding_window": None} if model_type in ("mistral", "phi3") else {}
@@ -717,10 +718,24 @@ def _random_model(model_type: str, vocab_size: int) -> PreTrainedModel:
         pad_token_id=0,
         bos_token_id=0,
         eos_token_id=1,
-        **extra,
+        **{**extra, **overrides},
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+def _reads_as_the_model(model: PreTrainedModel, tokenizer: Any, ids: torch.Tensor, split: int) -> InfoKVEngine:
+    """An engine over `model`, checked to give the logits of the model's own forward over `ids` read in two chunks
+    (`split` tokens, then the rest): its attention hook, ragged cache and positions across chunks."""
+    with torch.inference_mode():
+        expected = model(ids[None]).logits[0]
+    engine = InfoKVEngine.from_model(model, tokenizer)
+    runner, cache = engine.runner, engine.runner.new_cache()
+    with torch.inference_mode():
+        first = runner.logits(runner.forward(ids[:split], torch.arange(split), cache))
+        rest = runner.logits(runner.forward(ids[split:], torch.arange(split, len(ids)), cache))
+    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+    return engine
 
 
 @pytest.mark.parametrize("model_type", list(SUPPORTED_ARCHITECTURES))
@@ -730,14 +745,7 @@ def test_supported_architectures_run_exactly_through_the_hook_and_ragged_cache(m
     tokenizer = build_tokenizer()
     model = _random_model(model_type, len(tokenizer))
     ids = torch.randint(2, len(tokenizer), (48,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        expected = model(ids[None]).logits[0]
-    engine = InfoKVEngine.from_model(model, tokenizer)
-    runner, cache = engine.runner, engine.runner.new_cache()
-    with torch.inference_mode():
-        first = runner.logits(runner.forward(ids[:30], torch.arange(30), cache))
-        rest = runner.logits(runner.forward(ids[30:], torch.arange(30, 48), cache))
-    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+    engine = _reads_as_the_model(model, tokenizer, ids, split=30)
     doc = engine.ingest_text(" ".join(CORPUS * 2), CompressionConfig(keep=0.3, chunk_size=96))
     assert len(set(doc.stats.kept_tokens_per_layer)) > 1, "per-layer lengths differ"
     assert isinstance(doc.ask(QUESTION, max_new_tokens=4), str)
@@ -774,23 +782,13 @@ def test_yarn_rope_scaling_widens_the_context_window() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(scaled).eval().requires_grad_(False)
     ids = torch.randint(2, len(tokenizer), (200,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        expected = model(ids[None]).logits[0]
-    engine = InfoKVEngine.from_model(model, tokenizer)
-    assert engine.context_window == 256
-    runner, cache = engine.runner, engine.runner.new_cache()
-    with torch.inference_mode():
-        first = runner.logits(runner.forward(ids[:100], torch.arange(100), cache))
-        rest = runner.logits(runner.forward(ids[100:], torch.arange(100, 200), cache))
-    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+    assert _reads_as_the_model(model, tokenizer, ids, split=100).context_window == 256
 
 
 def test_longrope_reads_up_to_its_pretraining_length_as_the_model_does() -> None:
     """LongRoPE (Phi-3.5, Phi-4-mini) rotates a forward's every position with its long factors once the forward
     reaches past the pretraining length: a document's first chunks, cached with the short ones, would be read
     wrongly. Its window is the pretraining length, within which the runner's chunks give the model's logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from infokv_rag.architectures import context_window
 
     tokenizer = build_tokenizer()
@@ -801,35 +799,10 @@ def test_longrope_reads_up_to_its_pretraining_length_as_the_model_does() -> None
         "short_factor": [1.0] * 8,
         "long_factor": [1.0 + i for i in range(8)],
     }
-    config = AutoConfig.for_model(
-        "phi3",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        original_max_position_embeddings=96,
-        rope_parameters=rope,
-        sliding_window=None,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    assert context_window(config) == 96
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    model = _random_model("phi3", len(tokenizer), original_max_position_embeddings=96, rope_parameters=rope)
+    assert context_window(model.config) == 96
     ids = torch.randint(2, len(tokenizer), (96,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        expected = model(ids[None]).logits[0]
-    engine = InfoKVEngine.from_model(model, tokenizer)
-    assert engine.context_window == 96
-    runner, cache = engine.runner, engine.runner.new_cache()
-    with torch.inference_mode():
-        first = runner.logits(runner.forward(ids[:40], torch.arange(40), cache))
-        rest = runner.logits(runner.forward(ids[40:], torch.arange(40, 96), cache))
-    torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
+    assert _reads_as_the_model(model, tokenizer, ids, split=40).context_window == 96
 
 
 def test_sliding_window_variants_are_refused() -> None:
