@@ -56,6 +56,7 @@ __all__ = [
     "PAGE_SEPARATOR",
     "StrayBytesWarning",
     "document_from_pages",
+    "labels_told_apart",
     "document_from_text",
     "join_broken_words",
     "load_document",
@@ -737,14 +738,17 @@ _LIGATURES = str.maketrans(
 _HSPACE = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\f\v]+")
 _MANY_NEWLINES = re.compile(r"\n{3,}")
 _SOFT_BREAK = re.compile(r"\u00ad[ \t]*\n")
+_DROPPED = dict.fromkeys(map(ord, "\x00\u00ad\u200b\u2060\ufeff"))
 
 
 def repair_extracted_text(text: str) -> str:
-    """Text as PDF extraction leaves it, repaired: line endings as LF, NULs and soft hyphens dropped, ligatures
-    spelt out ("\ufb01" -> "fi"), so that the model (and citation matching) reads the words themselves."""
+    """Text as PDF extraction leaves it, repaired: line endings as LF, NULs, soft hyphens and invisible breaks
+    (zero-width space, word joiner, a stray byte-order mark) dropped, ligatures spelt out ("\ufb01" -> "fi"), so
+    that the model (and citation matching) reads the words themselves: "3\u200b150" is 3150. The zero-width
+    joiner and non-joiner stay: Persian, Indic scripts and emoji sequences spell with them."""
     # A soft hyphen ending a line marks where a word was broken: the word goes on after the line break.
     text = _SOFT_BREAK.sub("", _normalize_newlines(text))
-    return text.replace("\x00", "").replace("\u00ad", "").translate(_LIGATURES)
+    return text.translate(_DROPPED).translate(_LIGATURES)
 
 
 # A word broken across two lines by a hyphen: its head (from a word's start: a match tried at every letter of a
@@ -782,7 +786,9 @@ def join_broken_words(texts: Sequence[str]) -> list[str]:
         return (tail[0].islower() or capitals) and tail.lower() not in _CONJUNCTIONS
 
     def rest_of_line(match: re.Match[str]) -> str:
-        return match["suffix"] + ("\n" if match["space"] else "")
+        # Spaces that end the tail's line are dropped: its own line break follows.
+        ends_line = match.string[match.end() : match.end() + 1] in ("", "\n")
+        return match["suffix"] + ("\n" if match["space"] and not ends_line else "")
 
     def rejoin(match: re.Match[str]) -> str:
         head, tail = match["head"], match["tail"]
@@ -1098,11 +1104,19 @@ def _page_labels(reader: PdfReader, page_count: int) -> list[str | None]:
         return [None] * page_count
     stripped = (label.strip() for label in labels)
     own = [label if label and label != str(number) else None for number, label in enumerate(stripped, start=1)]
-    cited = [label if label is not None else str(number) for number, label in enumerate(own, start=1)]
+    places = range(1, len(own) + 1)
+    return labels_told_apart(places, own, places)
+
+
+def labels_told_apart(numbers: Sequence[int], labels: Sequence[str | None], places: Sequence[int]) -> list[str | None]:
+    """The `Page.label`s of pages of one file (`labels`: each one's own, None where it is cited by its number),
+    with pages that would be cited alike told apart by their place in the file (`places`, 1-based): "1 (file
+    page 3)"."""
+    cited = [label if label is not None else str(number) for number, label in zip(numbers, labels, strict=True)]
     shared = {name for name, count in Counter(cited).items() if count > 1}
     return [
-        f"{name} (file page {number})" if name in shared else label
-        for number, (name, label) in enumerate(zip(cited, own, strict=True), start=1)
+        f"{name} (file page {place})" if name in shared else label
+        for name, label, place in zip(cited, labels, places, strict=True)
     ]
 
 

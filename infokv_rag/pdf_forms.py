@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pypdf import PageObject
@@ -79,6 +79,8 @@ def page_text(page: PageObject) -> str:
     values = filled_values(page)
     if not values:
         return page.extract_text()
+    shown = _as_shown(page)
+    values = sorted((replace(value, box=_shown_box(shown, value.box)) for value in values), key=_reading_order)
     fragments: list[Fragment] = []
 
     def collect(text: str, matrix: Sequence[float], text_matrix: Sequence[float], *_font: object) -> None:
@@ -86,9 +88,7 @@ def page_text(page: PageObject) -> str:
             x, y = text_matrix[4], text_matrix[5]
             fragments.append(
                 Fragment(
-                    text,
-                    x * matrix[0] + y * matrix[2] + matrix[4],
-                    x * matrix[1] + y * matrix[3] + matrix[5],
+                    text, *shown(x * matrix[0] + y * matrix[2] + matrix[4], x * matrix[1] + y * matrix[3] + matrix[5])
                 )
             )
 
@@ -145,7 +145,39 @@ def filled_values(page: PageObject) -> list[Filled]:
             filled = _field_value(annotation, box)
             if filled is not None:
                 found.append(filled)
-    return sorted(found, key=lambda filled: (-filled.box[3], filled.box[0]))
+    return sorted(found, key=_reading_order)
+
+
+def _reading_order(filled: Filled) -> tuple[float, float]:
+    return -filled.box[3], filled.box[0]
+
+
+def _as_shown(page: PageObject) -> Callable[[float, float], tuple[float, float]]:
+    """Where a point of the page's user space lies on the page as a viewer shows it (turned by its /Rotate), so
+    that rows, "left of" and "above" are a reader's: a landscape page made as a portrait one turned (as printer
+    drivers and scanners make them) draws its rows as columns."""
+    box = page.mediabox
+    left, bottom, width, height = float(box.left), float(box.bottom), float(box.width), float(box.height)
+    turns = (page.rotation // 90) % 4
+
+    def shown(x: float, y: float) -> tuple[float, float]:
+        x, y = x - left, y - bottom
+        if turns == 1:  # a quarter turn clockwise: user space's bottom edge is the left one shown
+            return y, width - x
+        if turns == 2:
+            return width - x, height - y
+        if turns == 3:
+            return height - y, x
+        return x, y
+
+    return shown
+
+
+def _shown_box(
+    shown: Callable[[float, float], tuple[float, float]], box: tuple[float, float, float, float]
+) -> tuple[float, float, float, float]:
+    (ax, ay), (bx, by) = shown(box[0], box[1]), shown(box[2], box[3])
+    return min(ax, bx), min(ay, by), max(ax, bx), max(ay, by)
 
 
 def with_filled_values(text: str, fragments: Sequence[Fragment], values: Sequence[Filled]) -> str:
@@ -228,21 +260,25 @@ def _place(value: Filled, located: Sequence[_Located], values: Sequence[Filled])
 
 def _already_drawn(value: Filled, fragments: Sequence[Fragment]) -> bool:
     """Whether the page's content itself shows the value inside its box (a form flattened but kept): the text
-    drawn there, joined, is the value but for whitespace (a value drawn line by line or word by word), or each of
-    the value's lines is drawn there (beside a caption in the top of the box)."""
+    drawn there, or below a caption on the box's top line, joined, is the value but for whitespace (a value drawn
+    line by line, word by word or wrapped otherwise than its own lines), or each of the value's lines is drawn
+    there."""
     if value.checked is not None:
         return False
     x0, y0, x1, y1 = value.box
     inside = [
-        fragment.text
+        fragment
         for fragment in fragments
         if x0 - _ROW_TOLERANCE <= fragment.x <= x1 and y0 - _ROW_TOLERANCE <= fragment.y <= y1 + _ROW_TOLERANCE
     ]
     if not inside:
         return False
-    if _without_whitespace("".join(inside)) == _without_whitespace(value.text):
+    top = max(fragment.y for fragment in inside)
+    below_caption = [fragment.text for fragment in inside if fragment.y < top - _ROW_TOLERANCE]
+    wanted = _without_whitespace(value.text)
+    if any(_without_whitespace("".join(texts)) == wanted for texts in ([f.text for f in inside], below_caption)):
         return True
-    drawn = {_single_spaced(text) for text in inside}
+    drawn = {_single_spaced(fragment.text) for fragment in inside}
     lines = [_single_spaced(line) for line in value.text.splitlines() if line.strip()]
     return bool(lines) and all(line in drawn for line in lines)
 

@@ -58,7 +58,7 @@ from llama_index.core.types import TokenAsyncGen
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
-from infokv_rag.documents import Document, document_from_pages, page_has_text
+from infokv_rag.documents import Document, document_from_pages, labels_told_apart, page_has_text
 from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
 
@@ -502,16 +502,28 @@ class DocumentQueryEngine(CustomQueryEngine):
             raise ValueError("no documents given: pass the pages (or files) of the document to answer from")
         files = [str(doc.metadata.get("file_path") or doc.metadata.get("file_name") or "") for doc in documents]
         cited = _cited_files(files)
-        pages, labels, names = [], [], []
+        pages: list[tuple[int, str]] = []
+        labels: list[str | None] = []
+        names: list[str] = []
         positions: dict[str, int] = {}
+        kept_of: dict[str, list[tuple[int, int]]] = {}  # each file's kept pages: (index in `pages`, place in the file)
         for doc, file in zip(documents, files, strict=True):
             positions[file] = positions.get(file, 0) + 1  # blank pages count: they are pages of the file
             text = doc.get_content()
             if page_has_text(text):  # the pages document_from_pages keeps
                 number, label = _page_number(doc.metadata, positions[file])
+                kept_of.setdefault(file, []).append((len(pages), positions[file]))
                 pages.append((number, text))
                 labels.append(label)
                 names.append(cited[file])
+        for kept in kept_of.values():  # chapters each numbered from 1 in one file: "1 (file page 3)", as from_file
+            told_apart = labels_told_apart(
+                [pages[index][0] for index, _ in kept],
+                [labels[index] for index, _ in kept],
+                [place for _, place in kept],
+            )
+            for (index, _), label in zip(kept, told_apart, strict=True):
+                labels[index] = label
         source = names[0] if names and names[0] and all(name == names[0] for name in names) else None
         document = document_from_pages(pages, source=source, labels=labels)
         llm = InfoKV(model=model, document=document, compression=optional_config(compression), **llm_kwargs)

@@ -224,45 +224,77 @@ def wrong_startxref_pdf(path: Path, pages: Sequence[str], off_by: int = -7) -> P
     return path
 
 
-def filled_form_pdf(path: Path) -> Path:
+def filled_form_pdf(path: Path, turned: int = 0) -> Path:
     """A one-page order form filled in a viewer: its values are in form fields and a free-text annotation, none in
-    the page's content. Labels sit left of, above, or (check boxes, radio buttons) right of their boxes."""
+    the page's content. Labels sit left of, above, or (check boxes, radio buttons) right of their boxes; one value
+    is also drawn under a caption in its box, word by word. `turned` (degrees clockwise): the page is shown turned
+    (/Rotate), everything drawn turned the other way, so that it shows as the upright form (printer drivers make
+    landscape pages so)."""
+    shown_width, shown_height = A4
+    width, height = (shown_height, shown_width) if turned % 180 else (shown_width, shown_height)
+
+    def user(x: float, y: float) -> tuple[float, float]:  # a point of the page as shown, in the page's user space
+        return {0: (x, y), 90: (width - y, x), 180: (width - x, height - y), 270: (y, height - x)}[turned % 360]
+
+    def box(x: float, y: float, w: float, h: float) -> dict[str, float]:
+        (ax, ay), (bx, by) = user(x, y), user(x + w, y + h)
+        return {"x": min(ax, bx), "y": min(ay, by), "width": abs(bx - ax), "height": abs(by - ay)}
+
+    def square(x: float, y: float, size: float) -> dict[str, float]:
+        corner = box(x, y, size, size)
+        return {"x": corner["x"], "y": corner["y"], "size": size}
+
     buf = io.BytesIO()
-    pdf = canvas.Canvas(buf, pagesize=A4, invariant=1)
+    pdf = canvas.Canvas(buf, pagesize=(width, height), invariant=1)
+    pdf.setPageRotation(turned)
     pdf.setFont("Helvetica", 11)
-    pdf.drawString(72, 760, "ORDER FORM")
-    pdf.drawString(72, 730, "Monthly fee:")
-    pdf.acroForm.textfield(name="fee", value="USD 7,400", x=160, y=725, width=150, height=18)
-    pdf.drawString(330, 730, "Start date:")
-    pdf.acroForm.textfield(name="start", value="1 March 2026", x=400, y=725, width=120, height=18)
-    pdf.drawString(72, 700, "Governing law")
-    pdf.acroForm.textfield(name="law", value="Delaware", x=72, y=675, width=150, height=18)
-    pdf.acroForm.checkbox(name="renewal", checked=True, x=72, y=640, size=12)
-    pdf.drawString(90, 642, "Automatic renewal")
-    pdf.acroForm.checkbox(name="audit", checked=False, x=72, y=620, size=12)
-    pdf.drawString(90, 622, "Annual audit")
-    pdf.drawString(72, 590, "Billing:")
-    pdf.acroForm.radio(name="billing", value="annual", selected=True, x=130, y=588, size=12)
-    pdf.drawString(148, 590, "annual")
-    pdf.acroForm.radio(name="billing", value="monthly", selected=False, x=210, y=588, size=12)
-    pdf.drawString(228, 590, "monthly")
-    pdf.drawString(72, 560, "Plan:")
-    pdf.acroForm.choice(name="plan", value="Gold", options=["Silver", "Gold"], x=130, y=555, width=100, height=18)
-    pdf.drawString(72, 530, "Reference:")
-    pdf.acroForm.textfield(name="blank", value="", x=160, y=525, width=150, height=18)
-    pdf.acroForm.textfield(name="terms", tooltip="Special terms", value="Net 45", x=300, y=300, width=150, height=18)
-    pdf.drawString(72, 470, "Signed:")
-    pdf.drawString(72, 440, "Date:")
-    pdf.acroForm.textfield(name="date1", value="2 Feb 2026", x=120, y=435, width=100, height=18)
-    pdf.drawString(300, 440, "Date:")
-    pdf.acroForm.textfield(name="date2", value="3 Feb 2026", x=350, y=435, width=100, height=18)
-    pdf.drawString(72, 410, "Seal no.:")
-    pdf.drawString(162, 410, "SN-4471")  # a value the producer also drew into the page
-    pdf.acroForm.textfield(name="seal", value="SN-4471", x=160, y=405, width=150, height=18)
+
+    def draw(x: float, y: float, text: str) -> None:
+        pdf.saveState()
+        pdf.translate(*user(x, y))
+        pdf.rotate(turned)
+        pdf.drawString(0, 0, text)
+        pdf.restoreState()
+
+    form = pdf.acroForm
+    draw(72, 760, "ORDER FORM")
+    draw(72, 730, "Monthly fee:")
+    form.textfield(name="fee", value="USD 7,400", **box(160, 725, 150, 18))
+    draw(330, 730, "Start date:")
+    form.textfield(name="start", value="1 March 2026", **box(400, 725, 120, 18))
+    draw(72, 700, "Governing law")
+    form.textfield(name="law", value="Delaware", **box(72, 675, 150, 18))
+    form.checkbox(name="renewal", checked=True, **square(72, 640, 12))
+    draw(90, 642, "Automatic renewal")
+    form.checkbox(name="audit", checked=False, **square(72, 620, 12))
+    draw(90, 622, "Annual audit")
+    draw(72, 590, "Billing:")
+    form.radio(name="billing", value="annual", selected=True, **square(130, 588, 12))
+    draw(148, 590, "annual")
+    form.radio(name="billing", value="monthly", selected=False, **square(210, 588, 12))
+    draw(228, 590, "monthly")
+    draw(72, 560, "Plan:")
+    form.choice(name="plan", value="Gold", options=["Silver", "Gold"], **box(130, 555, 100, 18))
+    draw(72, 530, "Reference:")
+    form.textfield(name="blank", value="", **box(160, 525, 150, 18))
+    form.textfield(name="terms", tooltip="Special terms", value="Net 45", **box(300, 300, 150, 18))
+    draw(72, 470, "Signed:")
+    draw(72, 440, "Date:")
+    form.textfield(name="date1", value="2 Feb 2026", **box(120, 435, 100, 18))
+    draw(300, 440, "Date:")
+    form.textfield(name="date2", value="3 Feb 2026", **box(350, 435, 100, 18))
+    draw(72, 410, "Seal no.:")
+    draw(162, 410, "SN-4471")  # a value the producer also drew into the page
+    form.textfield(name="seal", value="SN-4471", **box(160, 405, 150, 18))
+    draw(76, 378, "Deposit")  # a boxed cell: its caption in the top, the value drawn below it word by word
+    draw(80, 362, "EUR")
+    draw(110, 362, "2,500")
+    form.textfield(name="deposit", value="EUR 2,500", **box(72, 355, 200, 36))
     pdf.showPage()
     pdf.save()
     path.write_bytes(buf.getvalue())
-    return add_free_text(path, "Dana Whitcombe", (130, 465, 300, 482))
+    (x0, y0), (x1, y1) = user(130, 465), user(300, 482)
+    return add_free_text(path, "Dana Whitcombe", (min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)))
 
 
 def form_only_pdf(path: Path) -> Path:

@@ -831,6 +831,42 @@ def test_document_from_pages_reads_broken_words_whole() -> None:
     )
 
 
+@pytest.mark.parametrize("turned", [0, 90, 180, 270])
+def test_a_filled_in_forms_values_are_read_beside_their_labels(tmp_path: Path, turned: int) -> None:
+    """An order form filled in a viewer keeps its values in form fields, outside the page's content; the fee and
+    dates are what its questions ask about. A page shown turned (/Rotate) reads as it is shown."""
+    text = _load_quietly(pdfs.filled_form_pdf(tmp_path / "order.pdf", turned)).text
+    for line in (
+        "Monthly fee: USD 7,400",
+        "Start date: 1 March 2026",  # the second field on a row follows its own label
+        "Governing law Delaware",  # a label above its box
+        "[x] Automatic renewal",
+        "[ ] Annual audit",
+        "[x] annual",
+        "[ ] monthly",
+        "Plan: Gold",
+        "Signed: Dana Whitcombe",  # a free-text annotation
+        "Reference:",  # an empty field adds nothing
+    ):
+        assert line in text.split("\n"), (line, text)
+    assert text.index("Date: 2 Feb 2026") < text.index("Date: 3 Feb 2026")  # two labels alike, each its own value
+    assert text.count("SN-4471") == 1  # drawn in the page as well: not repeated
+    assert text.count("2,500") == 1  # drawn word by word under its caption in its box: not repeated
+    assert text.endswith("\nSpecial terms: Net 45")  # no label near it: named by its tooltip, at the end
+
+
+def test_a_broken_words_line_ending_in_spaces_is_no_paragraph_break() -> None:
+    # pypdf's extraction (a framework's PDF reader) leaves a line's trailing spaces.
+    doc = document_from_pages([(1, "request termi-\nnation \nof this Agreement; termination")])
+    assert doc.pages == (Page(1, "request termination\nof this Agreement; termination"),)
+
+
+def test_invisible_breaks_inside_words_and_amounts_are_dropped() -> None:
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"  # spelt with a zero-width non-joiner: kept
+    doc = document_from_pages([(1, f"\ufeffEUR 3\u200b150, pay\u2060able; {persian}")])
+    assert doc.pages == (Page(1, f"EUR 3150, payable; {persian}"),)
+
+
 def test_a_fenced_code_blocks_line_breaks_are_the_codes_own() -> None:
     code = "````sh\ngit --no-\npager log\n```\nstill-\ncode\n````\n"  # a shorter fence does not close it
     tilde = "~~~\nx = a-\nb\n"  # never closed: code to the end of the page

@@ -188,6 +188,19 @@ def test_from_documents_cites_each_files_own_page_labels() -> None:
     }  # fmt: skip
 
 
+def test_from_documents_tells_apart_pages_of_one_file_labelled_alike() -> None:
+    """Chapters each numbered from 1, as a PDF reader gives their pages: cited by their place in the file too, as
+    `load_document` cites them; a page labelled alike in another file is told apart by its file's name."""
+    documents = [
+        LlamaDocument(text="Chapter 1. Scope of services.", metadata={"page_label": "1", "file_name": "c.pdf"}),
+        LlamaDocument(text="\n", metadata={"page_label": "2", "file_name": "c.pdf"}),  # blank: still a place
+        LlamaDocument(text="Chapter 2. Notice is 90 days.", metadata={"page_label": "1", "file_name": "c.pdf"}),
+        LlamaDocument(text="Schedule. Fees.", metadata={"page_label": "1", "file_name": "d.pdf"}),
+    ]
+    document = DocumentQueryEngine.from_documents(documents, model="no-such-model").llm.document
+    assert [page.cited_as for page in document.pages] == ["1 (file page 1)", "1 (file page 3)", "1"]
+
+
 def test_from_file_opens_an_encrypted_pdf_with_its_password(random_model_dir: Path, tmp_path: Path) -> None:
     path = encrypted_pdf(tmp_path / "locked.pdf", FACT_PAGES, "s3cret")
     with pytest.raises(EncryptedPDFError, match="password="):
