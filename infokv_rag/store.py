@@ -635,7 +635,7 @@ def _malformed_manifest(where: str) -> Iterator[None]:
     other shapes, makes fail: one written by a broken tool."""
     try:
         yield
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:  # int(Infinity)
         if isinstance(exc, InfoKVError):
             raise
         raise CacheStoreError(

@@ -18,6 +18,7 @@ caller asks for its progress (`fit_progress`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+"""Of a saved fit; 2: its weights' sha256 in the metadata, checked on load (a fit of format 1 is refitted)."""
 CALIBRATION_SEEDS = (5000, 5001, 5002)
 """Planted-fact documents outside the quality benchmark's dev (0-999) and test (1000-1999) seeds."""
 CALIBRATION_WORDS = 1500
@@ -98,14 +100,16 @@ class ReconstructionSurrogate:
         return ReconstructionSurrogate(self.weights.to(device), self.fingerprint)
 
     def to_bytes(self) -> bytes:
-        metadata = {"format": str(FORMAT), "fingerprint": self.fingerprint}
-        return save({"weights": self.weights.contiguous()}, metadata=metadata)
+        weights = self.weights.float().contiguous().cpu()
+        metadata = {"format": str(FORMAT), "fingerprint": self.fingerprint, "sha256": _digest(weights)}
+        return save({"weights": weights}, metadata=metadata)
 
     @classmethod
     def from_bytes(
         cls, data: bytes, fingerprint: str, layers: int, hidden: int, kv_heads: int
     ) -> ReconstructionSurrogate:
-        """Refuses a fit made for another model or of another shape (`CacheStoreError`)."""
+        """Refuses (`CacheStoreError`) a fit made for another model or of another shape, and one whose weights are
+        not those it was saved with (a damaged file ranks every document's tokens wrong, silently)."""
         try:
             tensors = load(data)
             metadata = safetensors_header(data)[0].get("__metadata__", {})
@@ -114,9 +118,15 @@ class ReconstructionSurrogate:
         if metadata.get("format") != str(FORMAT) or metadata.get("fingerprint") != fingerprint:
             raise CacheStoreError("reconstruction surrogate was fitted for another model or format")
         weights = tensors.get("weights")
-        if weights is None or tuple(weights.shape) != (layers, hidden + 1, kv_heads):
-            raise CacheStoreError("reconstruction surrogate has the wrong shape for this model")
-        return cls(weights.float(), fingerprint)
+        if weights is None or weights.dtype != torch.float32 or tuple(weights.shape) != (layers, hidden + 1, kv_heads):
+            raise CacheStoreError("reconstruction surrogate has the wrong shape or type for this model")
+        if metadata.get("sha256") != _digest(weights) or not bool(torch.isfinite(weights).all()):
+            raise CacheStoreError("reconstruction surrogate is damaged: its weights are not those it was saved with")
+        return cls(weights, fingerprint)
+
+
+def _digest(weights: Tensor) -> str:
+    return hashlib.sha256(weights.contiguous().numpy().tobytes()).hexdigest()
 
 
 class _LayerInputs:

@@ -315,6 +315,10 @@ DAMAGE = {
         lambda d: _edit_manifest(d, lambda m: m.update(files=list(m["files"])), True),
         r"incomplete or malformed manifest|cannot be parsed",
     ),
+    "manifest-token-count-infinite": (  # json writes float("inf") as Infinity
+        lambda d: _edit_manifest(d, lambda m: m["tokens"].update(document=float("inf")), True),
+        r"incomplete or malformed manifest \(OverflowError",
+    ),
     "manifest-token-count-other": (
         lambda d: _edit_manifest(d, lambda m: m["tokens"].update(document=m["tokens"]["document"] - 1), True),
         r"says its document is \d+ tokens, but its text reads as \d+",

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load
 
 from infokv_rag import CompressionConfig, InfoKVEngine
 from infokv_rag import surrogate as surrogate_module
 from infokv_rag.cache import KVCache
+from infokv_rag.errors import CacheStoreError
 from infokv_rag.evaluation import make_fact_document
 from infokv_rag.reconstruction import reconstruction_attention
 from infokv_rag.selection import protected_mask, select_tokens
@@ -86,6 +89,28 @@ def test_a_fit_is_made_once_then_read_back_and_a_foreign_one_is_refitted(
     assert torch.equal(surrogate_for(random_engine).weights, fitted.weights) and len(fits) == 2
     path.write_bytes(path.read_bytes()[:100])
     assert torch.equal(surrogate_for(random_engine).weights, fitted.weights) and len(fits) == 3
+    # A weight's bits rotted (the last byte: the sign of the last weight), its size and header intact.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    assert torch.equal(surrogate_for(random_engine).weights, fitted.weights) and len(fits) == 4
+    layers, width, kv_heads = fitted.weights.shape
+    not_finite = ReconstructionSurrogate(fitted.weights.clone().fill_(float("nan")), random_engine.fingerprint)
+    with pytest.raises(CacheStoreError, match="damaged"):  # saved so, with its own digest
+        ReconstructionSurrogate.from_bytes(
+            not_finite.to_bytes(), random_engine.fingerprint, layers, width - 1, kv_heads
+        )
+
+
+def test_the_shipped_fits_verify() -> None:
+    """Each packaged fit reads back whole (a fit that does not verify is refitted: minutes on a CPU)."""
+    for path in resources.files("infokv_rag.data").joinpath("surrogates").iterdir():
+        if path.name.endswith(".safetensors"):
+            data = path.read_bytes()
+            weights = load(data)["weights"]
+            fingerprint = path.name.removesuffix(".safetensors")
+            layers, width, kv_heads = weights.shape
+            assert ReconstructionSurrogate.from_bytes(data, fingerprint, layers, width - 1, kv_heads).fingerprint
 
 
 def test_predicted_attention_keeps_the_tokens_the_surrogate_ranks_highest(
