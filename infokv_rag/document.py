@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from torch import Tensor
 
@@ -24,9 +24,18 @@ if TYPE_CHECKING:
     from .engine import InfoKVEngine
 
 
+NOT_PICKLED = (
+    "a CompressedDocument holds its model and cache in this process's memory and is not pickled: save it "
+    "(doc.save(directory)) and load or pass that directory where it is needed"
+)
+
+
 @dataclass(repr=False)
 class CompressedDocument:
-    """A document read once into a compressed cache; answers any number of questions against it."""
+    """A document read once into a compressed cache; answers any number of questions against it.
+
+    A deep copy is the same document (its model and cache are shared, as the engine is); a pickle is refused
+    (`NOT_PICKLED`): save it and load it where it is needed."""
 
     engine: InfoKVEngine
     cache: ResidentCache
@@ -39,6 +48,12 @@ class CompressedDocument:
     the method computed them; decode-time eviction ranks generated tokens among them."""
     cold_tier: ColdTier | None = None
     """What compression evicted, kept to be recalled per question, when `config.recall` asked for it."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompressedDocument:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(NOT_PICKLED)
 
     def __repr__(self) -> str:
         # Not the tensors: frameworks put a model's repr, with the document it holds, into every trace.

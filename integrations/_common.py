@@ -416,14 +416,39 @@ class FrameworkDocuments:
     classes: tuple[type, ...]
     named: str
     instead: str
+    pass_again: str
+    """How a dump whose document was described, not written (`document_as_json`), is made whole again."""
+
+
+NOT_SERIALISED = "not_serialised"
+"""The key of the description an adapter's dump gives of a document held in memory (`document_as_json`)."""
+
+
+def document_as_json(document: Any) -> Any:
+    """An adapter's `document` in its dumps (`model_dump`, traces, `InfoKV.to_json`): a path as its text; a document
+    held in memory as a description only (`NOT_SERIALISED`): its cache and weights are no JSON, and a dump carrying
+    them would put the model into every trace."""
+    if isinstance(document, os.PathLike):
+        return os.fspath(document)
+    if isinstance(document, (CompressedDocument, Document)):
+        held = document.document if isinstance(document, CompressedDocument) else document
+        described = {"source": held.source, "pages": len(held.pages), "sha256": held.sha256}
+        return {NOT_SERIALISED: type(document).__name__, **described}
+    return document
 
 
 def check_document(value: Any, adapter: str, framework: FrameworkDocuments) -> Any:
     """`value` when it can be `adapter`'s document (a `DocumentSource`, or None: none bound yet); TypeError naming
     what it takes otherwise, and for the framework's own documents (one, or a list or tuple of them) how those come
-    in: refused where they are given, not later by an opaque `os.fspath`."""
+    in: refused where they are given, not later by an opaque `os.fspath`. A dump's description of a document held in
+    memory (`document_as_json`) asks for the document again."""
     if value is None or isinstance(value, (str, os.PathLike, CompressedDocument, Document)):
         return value
+    if isinstance(value, dict) and NOT_SERIALISED in value:
+        raise TypeError(
+            f"this {adapter} was serialised with a {value[NOT_SERIALISED]} as its document, which JSON does not "
+            f"hold: pass it again ({framework.pass_again})"
+        )
     items = value if isinstance(value, (list, tuple)) else [value]
     if any(isinstance(item, framework.classes) for item in items):
         raise TypeError(f"{adapter}'s document is {DOCUMENT_SOURCES}, not {framework.named}: {framework.instead}")

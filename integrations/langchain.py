@@ -83,6 +83,7 @@ from ._common import (
     check_turns,
     coerce_dtype,
     config_fields,
+    document_as_json,
     document_identity,
     given_options,
     not_a_bool,
@@ -198,6 +199,7 @@ class _InfoKVFields(BaseModel):
         (LangChainDocument,),
         "LangChain Documents",
         'pass their text instead, document_text="\\n\\n".join(d.page_content for d in docs)',
+        "document=... with the dump's other fields",
     )
     """What LangChain's loaders return, refused as `document` (`check_document`) saying how their text comes in."""
 
@@ -258,6 +260,15 @@ class _InfoKVFields(BaseModel):
     @field_serializer("compression")
     def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:
         return config_fields(config)
+
+    @field_serializer("document")
+    def _document_as_json(self, document: Any) -> Any:
+        return document_as_json(document)
+
+    @model_validator(mode="after")
+    def _options_as_a_call_takes_them(self) -> _InfoKVFields:
+        call_options(self, {})  # refused when the model is made (temperature=inf, recall=1.5), not at every call
+        return self
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -58,6 +58,7 @@ from llama_index.core.types import TokenAsyncGen
 
 from infokv_rag import CompressedDocument, CompressionConfig, InfoKVEngine
 from infokv_rag.citations import supporting_pages
+from infokv_rag.document import NOT_PICKLED
 from infokv_rag.documents import Document, document_from_pages, labels_told_apart, page_has_text
 from infokv_rag.generation import DEFAULT_MAX_NEW_TOKENS, Generation
 from infokv_rag.prompt import Turn, check_conversation, question_turns
@@ -76,6 +77,7 @@ from ._common import (
     check_turns,
     coerce_dtype,
     config_fields,
+    document_as_json,
     not_a_bool,
     optional_config,
     refuse_unknown_fields,
@@ -114,10 +116,6 @@ def messages_to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
     return check_turns(turns)
 
 
-_NOT_SERIALISED = "not_serialised"
-"""The key of the description `InfoKV.to_json` gives of a document held in memory (`_document_as_json`)."""
-
-
 _HOW_TO_BIND = "as a field (InfoKV(document=...)) or as a call's kwarg (llm.complete(prompt, document=...))"
 """Where an `InfoKV` takes its document: LlamaIndex LLMs have no `.bind`."""
 
@@ -133,7 +131,10 @@ class InfoKV(CustomLLM):
     """
 
     FRAMEWORK_DOCUMENTS: ClassVar[FrameworkDocuments] = FrameworkDocuments(
-        (BaseNode,), "LlamaIndex Documents", "pass those to DocumentQueryEngine.from_documents(documents)"
+        (BaseNode,),
+        "LlamaIndex Documents",
+        "pass those to DocumentQueryEngine.from_documents(documents)",
+        "InfoKV.from_json(text, document=...)",
     )
     """LlamaIndex `Document`s and nodes, refused as `document` (`check_document`): their pages come in through
     `DocumentQueryEngine.from_documents`, which keeps their page numbers."""
@@ -197,11 +198,6 @@ class InfoKV(CustomLLM):
     @field_validator("document", mode="before")
     @classmethod
     def _document(cls, value: Any) -> Any:
-        if isinstance(value, dict) and _NOT_SERIALISED in value:
-            raise TypeError(
-                f"this InfoKV was serialised with a {value[_NOT_SERIALISED]} as its document, which JSON does not "
-                "hold: pass it again, InfoKV.from_json(text, document=...)"
-            )
         return check_document(value, cls.__name__, cls.FRAMEWORK_DOCUMENTS)
 
     @field_validator("dtype", mode="before")
@@ -214,17 +210,20 @@ class InfoKV(CustomLLM):
     def _secret(cls, value: Any) -> Any:
         return as_secret(value)
 
+    @model_validator(mode="after")
+    def _options_as_a_call_takes_them(self) -> InfoKV:
+        call_options(self, {})  # refused when the LLM is made (temperature=inf, recall=1.5), not at every call
+        return self
+
     @field_serializer("document")
     def _document_as_json(self, document: Any) -> Any:
-        """A path as its text; a document held in memory as a description only (`_NOT_SERIALISED`): its cache is
-        no JSON, and `from_json` refuses the description, asking for the document again."""
-        if isinstance(document, os.PathLike):
-            return os.fspath(document)
-        if isinstance(document, (CompressedDocument, Document)):
-            held = document.document if isinstance(document, CompressedDocument) else document
-            described = {"source": held.source, "pages": len(held.pages), "sha256": held.sha256}
-            return {_NOT_SERIALISED: type(document).__name__, **described}
-        return document
+        return document_as_json(document)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        # LlamaIndex's own drops what it cannot pickle, with a log line only: the copy would have no document.
+        if isinstance(self.document, CompressedDocument):
+            raise TypeError(NOT_PICKLED)
+        return super().__getstate__()
 
     @classmethod
     def class_name(cls) -> str:

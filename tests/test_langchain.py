@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import math
 import pickle
 import re
 import time
@@ -316,10 +317,16 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
     for adapter in (ChatInfoKV, InfoKVLLM):
         # A bool is no number here: pydantic's lax mode read seed=True as the seed 1 and recall=True as all of it.
         bools = [(name, True) for name in ("max_tokens", "temperature", "top_p", "seed", "max_cache_tokens", "recall")]
+        # What every call would refuse is refused when the adapter is made, as the core refuses it.
+        beyond = [("temperature", math.inf), ("recall", -1), ("recall", math.nan), ("recall", 1.5), ("seed", 2**70)]
         for field, value in (("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("temperature", -1.0), *bools):
             bad: dict[str, Any] = {field: value}
             with pytest.raises(ValidationError, match=field):
                 adapter(model="tiny", document_text=SUITE_TEXT, **bad)
+        for field, value in beyond:
+            refused: dict[str, Any] = {field: value}
+            with pytest.raises(ValidationError, match=field):
+                adapter(model="tiny", document_text=SUITE_TEXT, **refused)
         # What pydantic converts otherwise is taken, as it was (a config's string, a whole float).
         converted: dict[str, Any] = {"max_tokens": 8.0, "temperature": "0.2", "seed": 7.0}
         adapter(model="tiny", document_text=SUITE_TEXT, **converted)
@@ -726,6 +733,26 @@ def test_an_adapter_that_answered_can_be_copied_and_pickled(random_model_dir: Pa
         for copied in (copy.deepcopy(adapter), adapter.model_copy(deep=True), pickle.loads(pickle.dumps(adapter))):
             again = copied.invoke("What is the notice period?")
             assert getattr(again, "content", again) == getattr(first, "content", first), type(adapter).__name__
+        # Given a document held in memory: a deep copy shares it (it cannot be read again from anywhere), a pickle
+        # is refused saying how to ship it, and the dumps describe it (no engine, no tensors: traces hold them).
+        held = adapter.compressed_document()
+        given = type(adapter)(document=held, max_tokens=3)
+        for copied in (copy.deepcopy(given), given.model_copy(deep=True)):
+            answer = copied.invoke("What is the notice period?")
+            assert copied.document is held and getattr(answer, "content", answer) == getattr(first, "content", first)
+        with pytest.raises(TypeError, match=r"not pickled: save it \(doc.save\(directory\)\)"):
+            pickle.dumps(given)
+        dumped = given.model_dump()
+        assert dumped["document"] == {
+            "not_serialised": "CompressedDocument",
+            "source": None,
+            "pages": 1,
+            "sha256": held.document.sha256,
+        }
+        assert json.loads(given.model_dump_json())["document"] == dumped["document"]
+        with pytest.raises(TypeError, match="serialised with a CompressedDocument .*document=... with the dump"):
+            type(adapter)(**dumped)
+        assert type(adapter)(**{**dumped, "document": held}).document is held
 
 
 def test_a_password_opens_an_encrypted_pdf_and_is_never_shown(random_model_dir: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import math
 import pickle
 import re
 import threading
@@ -25,7 +26,7 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document as LlamaDocument
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from infokv_rag import CompressedDocument, CompressionConfig
 from infokv_rag.citations import supporting_pages
@@ -254,6 +255,20 @@ def test_an_llm_that_answered_can_be_copied_and_pickled(random_model_dir: Path) 
     first = llm.complete("What is the notice period?").text
     for copied in (copy.deepcopy(llm), llm.model_copy(deep=True), pickle.loads(pickle.dumps(llm))):
         assert copied.complete("What is the notice period?").text == first
+    # Given a document held in memory: a deep copy shares it; a pickle is refused (LlamaIndex's own dropped it,
+    # with a log line only, and the copy had no document).
+    given = InfoKV(document=llm.compressed_document(), max_tokens=2)
+    for copied in (copy.deepcopy(given), given.model_copy(deep=True)):
+        assert copied.document is given.document and copied.complete("What is the notice period?").text == first
+    with pytest.raises(TypeError, match="not pickled: save it"):
+        pickle.dumps(given)
+
+
+def test_options_every_call_would_refuse_are_refused_when_the_llm_is_made(no_document_read: None) -> None:
+    for field, value in (("temperature", math.inf), ("recall", -1), ("recall", 1.5), ("seed", 2**70)):
+        refused: dict[str, Any] = {field: value}
+        with pytest.raises(ValidationError, match=field):
+            InfoKV(model="tiny", document_text="The notice period is ninety days.", **refused)
 
 
 def test_a_misspelt_option_is_refused(random_model_dir: Path) -> None:
