@@ -145,7 +145,7 @@ def _decode(
         usage.max_resident_tokens = max(usage.max_resident_tokens, *session.attended)
         usage.peak_cache_bytes = max(usage.peak_cache_bytes, session.nbytes)
         position += len(pending)
-        token = sampler(logits)
+        token = sampler(logits.masked_fill(engine.never_sampled, -torch.inf))
         if usage.time_to_first_token is None:
             usage.time_to_first_token = time.perf_counter() - started
         if token in engine.stop_ids:

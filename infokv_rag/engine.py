@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -29,6 +30,22 @@ from .prompt import PromptFormat, Turn, conversation_messages
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
 TOKENIZE_PIECE_CHARS = 16_384
+END_TOKENS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        "<|end|>",
+        "<|eot|>",
+        "<end_of_turn>",
+        "</s>",
+        "<eos>",
+    }
+)
+"""Special tokens that end an answer wherever a tokenizer holds them, besides the ids its model's config names."""
+PADDING_SLOT = re.compile(r"\[PAD\d+\]")
+"""The name llama.cpp's conversion gives the vocabulary's unused rows (`[PAD151665]`)."""
 """A document's text is counted in pieces of about this many characters, so that counting a huge one stops early."""
 QUESTION_RESERVE = 64
 """Context tokens a document must leave free for a question, beside an answer of the default length."""
@@ -57,7 +74,7 @@ class InfoKVEngine:
         # One forward pass at a time; separate answers interleave step by step. The service swaps in a fair lock.
         self.lock: AbstractContextManager[Any] = threading.RLock()
         self.stop_ids = self._collect_stop_ids()
-        """Token ids that end an answer (the model's end-of-turn and end-of-text ids)."""
+        """Token ids that end an answer (the model's end-of-turn and end-of-text ids, `END_TOKENS`)."""
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -127,7 +144,25 @@ class InfoKVEngine:
                 ids.add(source)
             elif source:
                 ids.update(int(i) for i in source)
+        # A model converted from GGUF names one end id (Qwen's <|im_end|>), where its own config lists every one: a
+        # sampled <|endoftext|> was read as nothing and the answer went on.
+        ids.update(
+            int(i)
+            for i, token in self.tokenizer.added_tokens_decoder.items()
+            if token.special and token.content in END_TOKENS
+        )
         return frozenset(ids)
+
+    @functools.cached_property
+    def never_sampled(self) -> Tensor:
+        """(LM-head rows,) True for the ids no answer may hold: rows past the tokenizer's ids (an embedding padded to
+        a round size) and the padding slots a GGUF conversion names "[PAD151665]", never trained; sampling at a high
+        temperature drew them (about one answer in 20 at temperature 2 on the default model), and they read as text."""
+        rows = int(self.runner.lm_head.weight.shape[0])
+        flags = torch.ones(rows, dtype=torch.bool)
+        named = self.tokenizer.convert_ids_to_tokens(list(range(min(rows, len(self.tokenizer)))))
+        flags[: len(named)] = torch.tensor([PADDING_SLOT.fullmatch(str(token)) is not None for token in named])
+        return flags.to(self.runner.device)
 
     @functools.cached_property
     def word_starts(self) -> Tensor:

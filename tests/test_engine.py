@@ -426,6 +426,41 @@ def test_a_template_that_prints_today_s_date_still_answers_after_midnight(
         doc.generate([("user", "Q?"), ("assistant", "A."), ("user", "And the notice?")])
 
 
+def test_every_end_token_ends_a_sampled_answer_and_untrained_rows_are_never_drawn(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model converted from GGUF names one end id in its config (Qwen's <|im_end|>) and holds padding slots named
+    "[PAD151665]" in its vocabulary; its output layer may also have rows past the tokenizer's ids."""
+    tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>"]})
+    tokenizer.add_tokens(["[PAD9]"])
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    model.resize_token_embeddings(len(tokenizer) + 2)
+    engine = InfoKVEngine.from_model(model, tokenizer)
+    end, pad = (tokenizer.get_vocab()[token] for token in ("<|endoftext|>", "[PAD9]"))
+    untrained = [pad, len(tokenizer), len(tokenizer) + 1]
+    assert end in engine.stop_ids and tokenizer.eos_token_id in engine.stop_ids
+    assert engine.never_sampled.nonzero().flatten().tolist() == untrained
+    doc = engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    model_logits = engine.runner.logits
+    favoured: list[int] = []
+
+    def favouring(hidden: torch.Tensor) -> torch.Tensor:
+        logits = model_logits(hidden)
+        logits[favoured] = 60.0  # every draw, were they drawn from
+        return logits
+
+    monkeypatch.setattr(engine.runner, "logits", favouring)
+    sampled = GenerationOptions(max_new_tokens=6, temperature=1.0, seed=3)
+    favoured[:] = untrained
+    answer = doc.generate([("user", "What is the notice period?")], sampled)
+    answer.text()
+    assert len(answer.token_ids) == 6 and not set(answer.token_ids) & set(untrained)
+    favoured[:] = [end]
+    answer = doc.generate([("user", "What is the notice period?")], sampled)
+    assert answer.text() == "" and answer.usage.finish_reason == "stop"
+
+
 def test_a_cache_saved_behind_a_dated_head_loads_on_a_day_whose_head_reads_longer(
     random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,8 +15,8 @@ from ..config import COLD_BITS
 from ..scorers import method_names
 from .errors import status_on
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-"""Seeds are 64-bit integers (what the sampler's generator takes)."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""Seeds are signed or unsigned 64-bit integers, as the core takes them (`GenerationOptions`)."""
 MAX_TOKENS_CAP = 1 << 20
 """Hard bound of max_tokens in validation; the schema shows the server's own, lower limit."""
 MAX_STOPS = 4
