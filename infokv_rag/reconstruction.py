@@ -110,13 +110,24 @@ def reconstruction_attention(
     lengths = cache.lengths
     if scored <= 0:
         return [torch.ones(runner.kv_heads, end - start, device=ids.device) for _ in lengths]
-    tail = None if first == sinks else ids[max(sinks, first - PREVIOUS_TAIL) : first].tolist()
-    repeated = torch.tensor(repeat_prompt_ids(prompt, tail) + ids[first:end].tolist(), device=ids.device)
-    capture = ReconstructionCapture(scored, sinks, lengths)
-    positions = torch.arange(end, end + len(repeated), device=ids.device)
-    runner.forward(repeated, positions, cache, capture)
-    if while_repeated is not None:
-        while_repeated(cache)
-    cache.rollback(lengths)
+    best = [torch.zeros(runner.kv_heads, scored, device=ids.device) for _ in lengths]
+    piece_start = first
+    while piece_start < end:
+        # The repetition is read after the document, within the model's window: past it a LongRoPE model rotates
+        # with other factors (and dynamic NTK rescales), so its queries would score keys rotated otherwise. A chunk
+        # near the window's end is repeated in pieces, each asked for after the text before it (as KVzip chunks
+        # its reconstruction); a key keeps the largest attention any piece gives it.
+        tail = None if piece_start == sinks else ids[max(sinks, piece_start - PREVIOUS_TAIL) : piece_start].tolist()
+        request = repeat_prompt_ids(prompt, tail)
+        # At least one token: the engine's reserve for a question and its answer leaves room for the request.
+        piece_end = min(end, piece_start + max(1, runner.max_positions - end - len(request)))
+        repeated = torch.tensor(request + ids[piece_start:piece_end].tolist(), device=ids.device)
+        capture = ReconstructionCapture(scored, sinks, lengths)
+        runner.forward(repeated, torch.arange(end, end + len(repeated), device=ids.device), cache, capture)
+        if while_repeated is not None:
+            while_repeated(cache)
+        cache.rollback(lengths)
+        best = [torch.maximum(best[layer], capture.scores[layer]) for layer in range(len(lengths))]
+        piece_start = piece_end
     protected = torch.ones(runner.kv_heads, first - start, device=ids.device)
-    return [torch.cat([protected, capture.scores[layer]], dim=1) for layer in range(len(lengths))]
+    return [torch.cat([protected, best[layer]], dim=1) for layer in range(len(lengths))]

@@ -805,6 +805,44 @@ def test_longrope_reads_up_to_its_pretraining_length_as_the_model_does() -> None
     assert _reads_as_the_model(model, tokenizer, ids, split=40).context_window == 96
 
 
+def _positions_read(engine: InfoKVEngine) -> list[int]:
+    """The last position of each forward pass `engine`'s runner makes from now on, as it makes them."""
+    read: list[int] = []
+    forward = engine.runner.forward
+
+    def recorded(ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        read.append(int(positions.max()))
+        return forward(ids, positions, *args, **kwargs)
+
+    engine.runner.forward = recorded  # type: ignore[assignment]
+    return read
+
+
+def test_a_reconstruction_pass_reads_within_the_window() -> None:
+    """`kvzip` and the quality mode repeat each chunk after the document: near the window's end the repetition is
+    read in pieces, within the window, so that a LongRoPE model's long factors (used past its window only, where
+    nothing else of a document or question is read) change no cache."""
+    tokenizer = build_tokenizer()
+    text = str(tokenizer.decode(tokenizer(TEXT)["input_ids"][:600]))
+    kept: dict[str, list[list[int]]] = {}
+    for method in ("kvzip", "infokv_quality"):
+        for long_factor in ([1.0] * 8, [1.0 + i for i in range(8)]):
+            rope = {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 1024,
+                "short_factor": [1.0] * 8,
+                "long_factor": long_factor,
+            }
+            model = _random_model("phi3", len(tokenizer), original_max_position_embeddings=1024, rope_parameters=rope)
+            engine = InfoKVEngine.from_model(model, tokenizer)
+            read = _positions_read(engine)
+            doc = engine.ingest_text(text, CompressionConfig(method=method, keep=0.25))
+            assert engine.context_window == 1024 and doc.stats.document_tokens > 600 and max(read) < 1024
+            cells = [positions.tolist() for layer in range(3) for positions in doc.cache.kept_positions(layer)]
+            assert kept.setdefault(method, cells) == cells, method
+
+
 def test_sliding_window_variants_are_refused() -> None:
     from transformers import AutoConfig
 
