@@ -34,7 +34,7 @@ NOT_PICKLED = (
 class CompressedDocument:
     """A document read once into a compressed cache; answers any number of questions against it.
 
-    A deep copy is the same document (its model and cache are shared, as the engine is); a pickle is refused
+    A copy, deep or not, is the same document (its model and cache are shared, as the engine is); a pickle is refused
     (`NOT_PICKLED`): save it and load it where it is needed."""
 
     engine: InfoKVEngine
@@ -48,6 +48,9 @@ class CompressedDocument:
     the method computed them; decode-time eviction ranks generated tokens among them."""
     cold_tier: ColdTier | None = None
     """What compression evicted, kept to be recalled per question, when `config.recall` asked for it."""
+
+    def __copy__(self) -> CompressedDocument:
+        return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompressedDocument:
         return self

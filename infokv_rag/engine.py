@@ -30,6 +30,7 @@ from .prompt import PromptFormat, Turn, conversation_messages
 from .surrogate import ReconstructionSurrogate, surrogate_for
 
 TOKENIZE_PIECE_CHARS = 16_384
+"""A document's text is counted in pieces of about this many characters, so that counting a huge one stops early."""
 END_TOKENS = frozenset(
     {
         "<|endoftext|>",
@@ -46,7 +47,6 @@ END_TOKENS = frozenset(
 """Special tokens that end an answer wherever a tokenizer holds them, besides the ids its model's config names."""
 PADDING_SLOT = re.compile(r"\[PAD\d+\]")
 """The name llama.cpp's conversion gives the vocabulary's unused rows (`[PAD151665]`)."""
-"""A document's text is counted in pieces of about this many characters, so that counting a huge one stops early."""
 QUESTION_RESERVE = 64
 """Context tokens a document must leave free for a question, beside an answer of the default length."""
 

@@ -25,8 +25,10 @@ it may go to the wrong label or the page's end.
 from __future__ import annotations
 
 import html
+import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -79,22 +81,30 @@ def page_text(page: PageObject) -> str:
     values = filled_values(page)
     if not values:
         return page.extract_text()
-    shown = _as_shown(page)
-    values = sorted((replace(value, box=_shown_box(shown, value.box)) for value in values), key=_reading_order)
-    fragments: list[Fragment] = []
+    drawn: list[tuple[str, float, float, int]] = []  # (text, x, y, quarter turns of its baseline) in user space
 
     def collect(text: str, matrix: Sequence[float], text_matrix: Sequence[float], *_font: object) -> None:
         if text.strip():
             x, y = text_matrix[4], text_matrix[5]
-            fragments.append(
-                Fragment(
-                    text, *shown(x * matrix[0] + y * matrix[2] + matrix[4], x * matrix[1] + y * matrix[3] + matrix[5])
+            along = (
+                text_matrix[0] * matrix[0] + text_matrix[1] * matrix[2],
+                text_matrix[0] * matrix[1] + text_matrix[1] * matrix[3],
+            )
+            drawn.append(
+                (
+                    text,
+                    x * matrix[0] + y * matrix[2] + matrix[4],
+                    x * matrix[1] + y * matrix[3] + matrix[5],
+                    round(math.degrees(math.atan2(along[1], along[0])) / 90) % 4,
                 )
             )
 
     text = page.extract_text(visitor_text=collect)
     if not text.strip() and draws_images(page):
         return text
+    turns = _text_turns(drawn)
+    fragments = [Fragment(piece, *_upright(turns, x, y)) for piece, x, y, _ in drawn]
+    values = sorted((replace(value, box=_upright_box(turns, value.box)) for value in values), key=_reading_order)
     return with_filled_values(text, fragments, values)
 
 
@@ -152,31 +162,25 @@ def _reading_order(filled: Filled) -> tuple[float, float]:
     return -filled.box[3], filled.box[0]
 
 
-def _as_shown(page: PageObject) -> Callable[[float, float], tuple[float, float]]:
-    """Where a point of the page's user space lies on the page as a viewer shows it (turned by its /Rotate), so
-    that rows, "left of" and "above" are a reader's: a landscape page made as a portrait one turned (as printer
-    drivers and scanners make them) draws its rows as columns."""
-    box = page.mediabox
-    left, bottom, width, height = float(box.left), float(box.bottom), float(box.width), float(box.height)
-    turns = (page.rotation // 90) % 4
-
-    def shown(x: float, y: float) -> tuple[float, float]:
-        x, y = x - left, y - bottom
-        if turns == 1:  # a quarter turn clockwise: user space's bottom edge is the left one shown
-            return y, width - x
-        if turns == 2:
-            return width - x, height - y
-        if turns == 3:
-            return height - y, x
-        return x, y
-
-    return shown
+def _text_turns(drawn: Sequence[tuple[str, float, float, int]]) -> int:
+    """Quarter turns (counter-clockwise) of the page's text: the direction most of its characters run in. A landscape
+    page made as a portrait one with its content turned (printer drivers, scanners; shown upright by its /Rotate)
+    runs its rows up the page, so rows, "left of" and "above" are the text's own, whatever /Rotate says."""
+    characters = Counter[int]()
+    for text, _x, _y, turns in drawn:
+        characters[turns] += len(text.strip())
+    return characters.most_common(1)[0][0] if characters else 0
 
 
-def _shown_box(
-    shown: Callable[[float, float], tuple[float, float]], box: tuple[float, float, float, float]
-) -> tuple[float, float, float, float]:
-    (ax, ay), (bx, by) = shown(box[0], box[1]), shown(box[2], box[3])
+def _upright(turns: int, x: float, y: float) -> tuple[float, float]:
+    """A point of user space in the frame where text turned by `turns` quarter turns runs left to right."""
+    for _ in range(turns):
+        x, y = y, -x  # a quarter turn clockwise undoes one counter-clockwise
+    return x, y
+
+
+def _upright_box(turns: int, box: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+    (ax, ay), (bx, by) = _upright(turns, box[0], box[1]), _upright(turns, box[2], box[3])
     return min(ax, bx), min(ay, by), max(ax, bx), max(ay, by)
 
 

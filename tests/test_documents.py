@@ -831,11 +831,18 @@ def test_document_from_pages_reads_broken_words_whole() -> None:
     )
 
 
-@pytest.mark.parametrize("turned", [0, 90, 180, 270])
-def test_a_filled_in_forms_values_are_read_beside_their_labels(tmp_path: Path, turned: int) -> None:
+@pytest.mark.parametrize(("turned", "rotate"), [(0, 0), (90, 0), (180, 0), (270, 0), (0, 90), (0, 270), (0, -45)])
+def test_a_filled_in_forms_values_are_read_beside_their_labels(tmp_path: Path, turned: int, rotate: int) -> None:
     """An order form filled in a viewer keeps its values in form fields, outside the page's content; the fee and
-    dates are what its questions ask about. A page shown turned (/Rotate) reads as it is shown."""
-    text = _load_quietly(pdfs.filled_form_pdf(tmp_path / "order.pdf", turned)).text
+    dates are what its questions ask about. Rows, "left of" and "above" are the text's own: a page whose content is
+    drawn turned (and shown upright by its /Rotate), and an upright page a viewer saved turned (/Rotate alone, or an
+    angle viewers ignore), read alike."""
+    path = pdfs.filled_form_pdf(tmp_path / "order.pdf", turned)
+    if rotate:
+        writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(path))
+        writer.pages[0][NameObject("/Rotate")] = NumberObject(rotate)
+        writer.write(path)
+    text = _load_quietly(path).text
     for line in (
         "Monthly fee: USD 7,400",
         "Start date: 1 March 2026",  # the second field on a row follows its own label

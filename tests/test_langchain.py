@@ -736,6 +736,7 @@ def test_an_adapter_that_answered_can_be_copied_and_pickled(random_model_dir: Pa
         # Given a document held in memory: a deep copy shares it (it cannot be read again from anywhere), a pickle
         # is refused saying how to ship it, and the dumps describe it (no engine, no tensors: traces hold them).
         held = adapter.compressed_document()
+        assert copy.copy(held) is held and copy.deepcopy(held) is held
         given = type(adapter)(document=held, max_tokens=3)
         for copied in (copy.deepcopy(given), given.model_copy(deep=True)):
             answer = copied.invoke("What is the notice period?")

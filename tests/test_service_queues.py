@@ -387,6 +387,9 @@ def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path,
         clients = [in_thread(streamed), in_thread(whole)]
         with httpx.Client(base_url=server.url, timeout=120) as client:
             wait_queue(client, active_generations=1, queued_generations=1)
+            # An upload still arriving: uvicorn cut it after its grace period with a plain-text 500.
+            arriving = send_part_of_an_upload(server.port, KEY_A, text(4000, seed=9))
+            wait_queue(client, receiving_uploads=1)
     finally:
         server.stop()  # SIGTERM: a graceful stop
     for thread in clients:
@@ -394,6 +397,10 @@ def test_a_graceful_stop_answers_the_questions_in_flight(random_model_dir: Path,
     assert_error(outcomes["json"], 503, "cancelled")
     name, data = outcomes["stream"]
     assert name == "error" and '"cancelled"' in data, outcomes["stream"]
+    arriving.settimeout(30)
+    answer = read_response(arriving).decode()
+    assert answer.startswith("HTTP/1.1 503") and '"code":"cancelled"' in answer.replace(" ", ""), answer
+    assert "application/json" in answer and list((tmp_path / "data" / "uploads").iterdir()) == [], answer
     log = server.log_tail(20000)
     assert "Application shutdown complete" in log and "Exception in ASGI application" not in log, log
 

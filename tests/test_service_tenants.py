@@ -928,9 +928,9 @@ def test_an_upload_over_its_tenants_share_or_a_full_queue_is_refused_before_it_i
     received: list[str] = []
     read_form = uploads._read_form
 
-    async def recording_read_form(request: Any, settings: Settings) -> Any:
+    async def recording_read_form(request: Any, *args: Any) -> Any:
         received.append(request.url.path)
-        return await read_form(request, settings)
+        return await read_form(request, *args)
 
     monkeypatch.setattr(uploads, "_read_form", recording_read_form)
     data = tmp_path / "data"

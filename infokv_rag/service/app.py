@@ -265,8 +265,9 @@ def _version() -> str:
 
 
 class DrainingServer(uvicorn.Server):
-    """Stops the model worker before uvicorn waits for the open requests and then cancels them: their answers
-    end with 503 `cancelled` (an SSE `error` event), which the handlers can still send."""
+    """Stops the model worker, and uploads still arriving, before uvicorn waits for the open requests and then
+    cancels them: their answers end with 503 `cancelled` (an SSE `error` event), which the handlers can still send,
+    and so do those uploads."""
 
     def __init__(self, config: uvicorn.Config, service: Service) -> None:
         super().__init__(config)
@@ -278,6 +279,7 @@ class DrainingServer(uvicorn.Server):
             self._log_started_message(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.service.shutting_down.set()
         if self.service.worker is not None:
             await run_in_threadpool(self.service.worker.stop)
         await super().shutdown(sockets)

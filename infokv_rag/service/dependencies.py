@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request, Security
@@ -30,6 +31,9 @@ class Service:
     worker: ModelWorker | None = None
     model_id: str = ""
     started_at: float = 0.0
+    shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a graceful stop begins: an upload still arriving is refused then (503 `cancelled`), not left to
+    uvicorn, which cancels what is open after its grace period with a plain-text 500."""
 
 
 def get_service(request: Request) -> Service:

@@ -122,36 +122,59 @@ class _CheckedMultiPartParser(MultiPartParser):
             file.close()
 
 
-async def _arriving(body: AsyncGenerator[bytes, None], settings: Settings) -> AsyncGenerator[bytes, None]:
+async def _arriving(
+    body: AsyncGenerator[bytes, None], settings: Settings, shutting_down: asyncio.Event
+) -> AsyncGenerator[bytes, None]:
     """The chunks of `body` as they arrive; 408 `upload_timeout` once none has for `upload_idle_seconds`, or once
     the body has taken `max_upload_seconds` in all (a byte sent within every idle interval would hold the upload's
-    queue place for good)."""
+    queue place for good); 503 `cancelled` once `shutting_down` is set."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.max_upload_seconds
     async with aclosing(body):
         while True:
             wait = min(settings.upload_idle_seconds, deadline - loop.time())
+            arrived, stopped = asyncio.ensure_future(anext(body)), asyncio.ensure_future(shutting_down.wait())
             try:
-                chunk = await asyncio.wait_for(anext(body), max(wait, 0))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                await asyncio.wait((arrived, stopped), timeout=max(wait, 0), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in (arrived, stopped):
+                    waiting.cancel()
+                # Until the read has unwound, the body cannot be closed ("asynchronous generator is already running").
+                await asyncio.wait((arrived, stopped))
+            if stopped.done() and not stopped.cancelled():
+                raise shutting_down_refusal("the upload")
+            if not arrived.done() or arrived.cancelled():
                 if wait < settings.upload_idle_seconds:
                     why = f"took longer than {settings.max_upload_seconds} s to arrive"
                 else:
                     why = f"stopped arriving: nothing of its body came for {settings.upload_idle_seconds} s"
                 raise ServiceError(
                     408, "upload_timeout", f"the upload {why}, and nothing of it was kept; send it again"
-                ) from None
+                )
+            try:
+                chunk = arrived.result()
+            except StopAsyncIteration:
+                return
             yield chunk
 
 
-async def _read_form(request: Request, settings: Settings) -> FormData:
+def shutting_down_refusal(what: str) -> ServiceError:
+    """503 `cancelled` for `what`, begun as the server stops: nothing of it is kept."""
+    return ServiceError(
+        503,
+        "cancelled",
+        f"{what} was cancelled because the server is shutting down, and nothing of it was kept; send it again once "
+        "the server is back",
+        headers={"Connection": "close"},
+    )
+
+
+async def _read_form(request: Request, settings: Settings, shutting_down: asyncio.Event) -> FormData:
     """The upload's multipart form (one file, a few small fields), read whole; 400 `bad_request` for a body that
     is malformed, over the form's limits, or cut before its closing boundary, 408 `upload_timeout` for one that
     stops arriving or takes too long (`_arriving`; nothing of it is kept)."""
     limits: dict[str, Any] = {"max_files": 1, "max_fields": len(_FIELDS), "max_part_size": FORM_FIELD_BYTES}
-    async with aclosing(_arriving(request.stream(), settings)) as stream:
+    async with aclosing(_arriving(request.stream(), settings, shutting_down)) as stream:
         try:
             parser = _CheckedMultiPartParser(request.headers, stream, **limits)
         except TypeError:  # Starlette < 0.40 has no max_part_size (its default is 1 MiB)
@@ -197,10 +220,12 @@ def require_multipart(request: Request) -> None:
         raise ServiceError(415, "multipart_required", _SEND_MULTIPART)
 
 
-async def receive_upload(request: Request, registry: Registry, settings: Settings) -> StagedUpload:
+async def receive_upload(
+    request: Request, registry: Registry, settings: Settings, shutting_down: asyncio.Event
+) -> StagedUpload:
     """Reads the multipart body (one file, a few small fields; `require_multipart` checked) into a private staging
-    directory."""
-    form = await _read_form(request, settings)
+    directory; 503 `cancelled` when the server begins to stop meanwhile."""
+    form = await _read_form(request, settings, shutting_down)
     try:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):

@@ -37,7 +37,14 @@ from ..schemas import (
     answer_responses,
     error_responses,
 )
-from ..uploads import StagedUpload, compression_config, parse_upload, receive_upload, require_multipart
+from ..uploads import (
+    StagedUpload,
+    compression_config,
+    parse_upload,
+    receive_upload,
+    require_multipart,
+    shutting_down_refusal,
+)
 from ..worker import DocumentQuotaFull, GenerationJob, IngestJob, QueueFull, check_document_quota
 
 router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[Depends(authenticate)])
@@ -110,7 +117,7 @@ async def upload_document(request: Request, response: Response, service: Service
                 # (taken before the count) or by its record (made before its place is given back), never by neither.
                 stored = await run_in_threadpool(service.registry.documents_of, tenant)
                 check_document_quota(service.settings, stored + receiving)
-            staged = await receive_upload(request, service.registry, service.settings)
+            staged = await receive_upload(request, service.registry, service.settings, service.shutting_down)
             try:
                 record = await _save_upload(service, caller.tenant, staged)
             finally:
@@ -154,6 +161,8 @@ async def _save_upload(service: Service, tenant: str | None, staged: StagedUploa
         tokens=tokens,
     )
     record.progress_total = tokens
+    if service.shutting_down.is_set():  # read while the server began to stop: not saved, so not read after it
+        raise shutting_down_refusal("the upload")
     await run_in_threadpool(service.registry.create, record, document)
     service.worker.submit_ingestion(IngestJob(record, config, document))
     return record
