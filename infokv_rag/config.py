@@ -314,11 +314,16 @@ class CompressionConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionConfig:
         """The config `to_dict` gave; a dict without `summaries` was written before they existed (none), and one
         without a setting of `SETTINGS_ADDED` stands for the value every config had before it."""
+        if not isinstance(data, Mapping):  # a list's names would pass as fields, and fail later on `.get`
+            raise ConfigError(f"a CompressionConfig is read from a mapping of its fields (to_dict), not {data!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
-        own = scorers.method(data.get("method", DEFAULT_METHOD)).setting_names
+        method = data.get("method", DEFAULT_METHOD)
+        if not isinstance(method, str):  # the registry's lookup would say "unhashable", not what to pass
+            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(scorers.method_names())}")
+        own = scorers.method(method).setting_names
         added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
         settings = data.get("settings", {})
         if not isinstance(settings, Mapping):  # as the constructor says it, not a bare TypeError from the merge

@@ -30,7 +30,7 @@ NOT_PICKLED = (
 )
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)  # a document is itself (hashable, compared by identity): its tensors compare no way
 class CompressedDocument:
     """A document read once into a compressed cache; answers any number of questions against it.
 
@@ -97,7 +97,8 @@ class CompressedDocument:
         max_cache_tokens: int | None = None,
         recall: float | int | None = None,
     ) -> Iterator[str]:
-        """Yields the answer's text pieces as they are generated.
+        """The answer's text pieces, as they are generated. The question and options are checked here, before the
+        first piece is asked for (a bad one raises at the call, as `generate` does, not mid-stream).
 
         `recall` (a ratio of the document's tokens or a token count per layer and KV head; 0: off) is how
         much of the cold tier the question may bring back; default `config.recall`.
@@ -111,11 +112,32 @@ class CompressedDocument:
             max_cache_tokens=max_cache_tokens,
             recall=recall,
         )
-        yield from self.generate(question_turns(question), options)
+        return iter(self.generate(question_turns(question), options))
 
-    def ask(self, question: str, **options: Any) -> str:
+    def ask(
+        self,
+        question: str,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        max_cache_tokens: int | None = None,
+        recall: float | int | None = None,
+    ) -> str:
         """Answers one question (greedy unless `temperature` > 0); options as for `stream`."""
-        return "".join(self.stream(question, **options))
+        pieces = self.stream(
+            question,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            max_cache_tokens=max_cache_tokens,
+            recall=recall,
+        )
+        return "".join(pieces)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Writes this cache to `directory` atomically (see `infokv_rag.store`); returns its path."""

@@ -90,7 +90,7 @@ class InfoKVEngine:
     @classmethod
     def from_pretrained(
         cls,
-        name_or_path: str = "default",
+        name_or_path: str | os.PathLike[str] = "default",
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         *,
@@ -341,6 +341,13 @@ class InfoKVEngine:
     def ingest_document(
         self, document: Document, config: CompressionConfig | None = None, *, progress: ProgressCallback | None = None
     ) -> CompressedDocument:
+        """Reads a loaded `Document` (`infokv_rag.documents.load_document`, `document_from_pages`) and compresses its
+        cache; a file's path goes to `ingest`."""
+        if not isinstance(document, Document):  # a path would fail deep inside on `.text`
+            raise TypeError(
+                f"ingest_document takes a Document (infokv_rag.documents.load_document(path)), not "
+                f"{type(document).__name__}: pass a file's path to engine.ingest(path)"
+            )
         config = self.resolve_config(config)
         # The exact ids only of a text the pieces did not already find too long: tokenized whole once, not twice.
         fits = self._count_past(document.text, self.max_document_tokens) is None

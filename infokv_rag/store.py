@@ -1088,6 +1088,11 @@ class CacheStore:
     def path_for(self, engine: InfoKVEngine, document: Document, config: CompressionConfig | None = None) -> Path:
         """Where `ingest` stores (or finds) `document`'s cache made by `engine` with `config`, resolved as ingestion
         resolves it (`InfoKVEngine.resolve_config`: what is left to the model is part of the key)."""
+        if not isinstance(document, Document):  # a path would fail on `.sha256`
+            raise TypeError(
+                f"the cache store takes a Document (infokv_rag.documents.load_document(path)), not "
+                f"{type(document).__name__}"
+            )
         return self.root / self.key(document.sha256, engine.fingerprint, engine.resolve_config(config))
 
     def holds(self, engine: InfoKVEngine, document: Document, config: CompressionConfig | None = None) -> bool:

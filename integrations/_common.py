@@ -107,6 +107,16 @@ def not_a_bool(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) else value
 
 
+def stop_field(value: Any) -> Any:
+    """An adapter's `stop` field: one string is one sequence, as a call's `stop` is (pydantic refused it)."""
+    return [value] if isinstance(value, str) else value
+
+
+def model_field(value: Any) -> Any:
+    """An adapter's `model` field: a path (`pathlib.Path`) as its text, as `InfoKVEngine.from_pretrained` takes it."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 def optional_config(config: CompressionConfig | dict[str, Any] | None) -> CompressionConfig | None:
     """An adapter's `compression` field: None (the defaults, applied per call) or a config."""
     return None if config is None else coerce_config(config)

@@ -86,11 +86,13 @@ from ._common import (
     document_as_json,
     document_identity,
     given_options,
+    model_field,
     not_a_bool,
     optional_config,
     refuse_unknown_fields,
     revealed,
     start_generation,
+    stop_field,
     token_ids,
 )
 
@@ -279,6 +281,16 @@ class _InfoKVFields(BaseModel):
     @classmethod
     def _number(cls, value: Any) -> Any:
         return not_a_bool(value)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return stop_field(value)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, value: Any) -> Any:
+        return model_field(value)
 
     @field_validator("document")
     @classmethod

@@ -78,11 +78,13 @@ from ._common import (
     coerce_dtype,
     config_fields,
     document_as_json,
+    model_field,
     not_a_bool,
     optional_config,
     refuse_unknown_fields,
     revealed,
     start_generation,
+    stop_field,
 )
 
 __all__ = ["DocumentQueryEngine", "InfoKV", "messages_to_turns"]
@@ -190,6 +192,16 @@ class InfoKV(CustomLLM):
     @classmethod
     def _number(cls, value: Any) -> Any:
         return not_a_bool(value)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return stop_field(value)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, value: Any) -> Any:
+        return model_field(value)
 
     @field_serializer("compression")
     def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from infokv_rag.generation import GenerationOptions, TextAssembler, TokenSampler
 from infokv_rag.ingestion import chunk_bounds
 from infokv_rag.prompt import DOCUMENT_END, DOCUMENT_INTRO, PromptFormat, check_conversation, question_turns
 from infokv_rag.scorers import method_names
+from infokv_rag.store import CacheStore
 
 from .conftest import CHAT_TEMPLATE, CORPUS, build_random_model_dir, build_tokenizer
 from .helpers import document_cache
@@ -355,6 +356,14 @@ def test_a_conversation_that_is_not_role_content_pairs_is_refused_by_what_it_is(
     check_conversation([["user", "Q?"]])  # type: ignore[list-item]  # pairs decoded from JSON arrive as lists
 
 
+def test_a_document_is_itself_to_sets_dicts_and_comparisons(random_engine: InfoKVEngine) -> None:
+    """Compared field by field (a dataclass's own ==), two documents compared their tensors: `a == b` and `a in
+    documents` raised, and a document could key no dict (unhashable)."""
+    first, second = (random_engine.ingest_text(TEXT, CompressionConfig(method="full")) for _ in range(2))
+    assert first != second and first == first and [second].count(first) == 0
+    assert {first: 1, second: 2}[second] == 2 and len({first, second, first}) == 2
+
+
 def test_an_empty_question_is_refused_whatever_asks_it(random_engine: InfoKVEngine) -> None:
     """Whitespace, control and format characters (NUL, a zero-width space, a byte-order mark) are no question: one
     check in the core refuses it for `ask`, `stream` and `generate`, whose last user turn is the question."""
@@ -364,8 +373,8 @@ def test_an_empty_question_is_refused_whatever_asks_it(random_engine: InfoKVEngi
         assert is_blank(blank)
         with pytest.raises(EmptyQuestionError, match="empty"):
             doc.ask(blank, max_new_tokens=2)
-        with pytest.raises(EmptyQuestionError):
-            next(iter(doc.stream(blank, max_new_tokens=2)))
+        with pytest.raises(EmptyQuestionError):  # at the call, not at the first piece (headers sent by then)
+            doc.stream(blank, max_new_tokens=2)
         with pytest.raises(EmptyQuestionError, match="last user message"):
             doc.generate([("system", "Be brief."), ("user", "Q?"), ("assistant", "A."), ("user", blank)])
         with pytest.raises(EmptyQuestionError):
@@ -831,10 +840,22 @@ def test_code_widths_that_are_floats_are_refused_when_the_config_is_made() -> No
             CompressionConfig.from_dict(bad)
 
 
-def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(random_engine: InfoKVEngine) -> None:
+def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
     """A ratio or a dict where a CompressionConfig goes, a dict of options, settings that are no mapping, a stop that is
-    no string or list of them: each would fail later on an attribute, or be read as something else (an empty dict as
-    the defaults, a dict as its keys, bytes as ints)."""
+    no string or list of them, a path where a loaded Document goes: each would fail later on an attribute, or be read
+    as something else (an empty dict as the defaults, a dict as its keys, bytes as ints)."""
+    path = tmp_path / "contract.txt"
+    path.write_text(TEXT)
+    for document in (str(path), path):
+        with pytest.raises(TypeError, match=r"takes a Document .*load_document\(path\)"):
+            random_engine.ingest_document(document)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"takes a Document .*load_document\(path\)"):
+            CacheStore(tmp_path / "store").ingest(random_engine, document)  # type: ignore[arg-type]
+    for data in (["keep"], {"method": ["infokv"]}):
+        with pytest.raises(ConfigError, match="mapping of its fields|unknown method"):
+            CompressionConfig.from_dict(data)  # type: ignore[arg-type]
     for config in (0.5, {"keep": 0.5}, {}):
         with pytest.raises(ConfigError, match=r"config must be a CompressionConfig, e\.g\. CompressionConfig\(keep="):
             random_engine.ingest_text(TEXT, config)  # type: ignore[arg-type]
@@ -852,7 +873,7 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_what_to_pass(random_engi
     assert "\n" not in generation.text() and 0 < generation.usage.completion_tokens <= 2
     for stop in (123, {"notice": 1}, b"x"):
         with pytest.raises(ConfigError, match="stop must be a string or a list of strings"):
-            doc.ask("What is the notice period?", max_new_tokens=2, stop=stop)
+            doc.ask("What is the notice period?", max_new_tokens=2, stop=stop)  # type: ignore[arg-type]
     assert [GenerationOptions.build(stop=stop).stop for stop in ("ab", ["ab"], ("ab",), None)] == [("ab",)] * 3 + [()]
     # Made directly, the options read their stop sequences so too: "Zebra" is one sequence, not five letters that cut
     # an answer at its first "r", and a list is held as a tuple, so that the frozen options hash.

@@ -330,6 +330,9 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
         # What pydantic converts otherwise is taken, as it was (a config's string, a whole float).
         converted: dict[str, Any] = {"max_tokens": 8.0, "temperature": "0.2", "seed": 7.0}
         adapter(model="tiny", document_text=SUITE_TEXT, **converted)
+        # A stop given as one string is one sequence, as a call's is; a model's path may be a pathlib.Path.
+        made = adapter(model=Path("tiny"), document_text=SUITE_TEXT, stop="\n")  # type: ignore[arg-type]
+        assert made.stop == ["\n"] and made.model == "tiny"
         # numpy's integer is an int, so that a recall count stays a count (lax mode made np.int64(1) the ratio 1.0,
         # the whole cold tier); numpy's bool is refused as Python's is.
         numpy_values: dict[str, Any] = {"count": numpy.int64(1), "bool": numpy.bool_(True)}

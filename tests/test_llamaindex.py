@@ -265,6 +265,8 @@ def test_an_llm_that_answered_can_be_copied_and_pickled(random_model_dir: Path) 
 
 
 def test_options_every_call_would_refuse_are_refused_when_the_llm_is_made(no_document_read: None) -> None:
+    made = InfoKV(model=Path("tiny"), document_text="The notice period is ninety days.", stop="\n")  # type: ignore[arg-type]
+    assert made.stop == ["\n"] and made.model == "tiny"  # one string is one sequence; a path is a path's text
     for field, value in (("temperature", math.inf), ("recall", -1), ("recall", 1.5), ("seed", 2**70)):
         refused: dict[str, Any] = {field: value}
         with pytest.raises(ValidationError, match=field):
