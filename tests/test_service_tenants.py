@@ -600,7 +600,11 @@ def test_numeric_fields_out_of_range_are_422_not_500(client: TestClient) -> None
     twice = client.post("/v1/documents", files={"file": ("a.txt", SECRET)}, data={"keep": ["0.5", "0.25"]}, headers=A1)
     assert_error(twice, 422, "repeated_field")
     two_files = [("file", ("a.txt", SECRET)), ("file", ("b.txt", SECRET))]
-    assert_error(client.post("/v1/documents", files=two_files, headers=A1), 400, "bad_request")  # the parser's limit
+    assert_error(client.post("/v1/documents", files=two_files, headers=A1), 422, "repeated_field")
+    many_files = [
+        ("file", (f"{n}.txt", SECRET)) for n in range(8)
+    ]  # a file and every option's field as files, and more
+    assert_error(client.post("/v1/documents", files=many_files, headers=A1), 400, "bad_request")  # the parser's limit
 
 
 def test_chat_refusals_about_one_field_name_it_in_param(random_engine: Any, tmp_path: Path) -> None:
@@ -720,6 +724,29 @@ def test_every_numeric_request_field_is_bounded_in_the_schema(client: TestClient
     ask_body = schema["components"]["schemas"]["AskRequest"]["properties"]
     assert ask_body["max_tokens"]["anyOf"][0]["maximum"] == 8  # the server's max_new_tokens
     assert ask_body["seed"]["anyOf"][0]["maximum"] == 2**64 - 1  # exact, not rounded through a float
+
+
+def test_the_schema_says_what_the_server_does(client: TestClient) -> None:
+    """A client made from the schema: liveness needs no key; whole numbers written with a fraction (2.0, what the
+    schema's `integer` takes) are taken; an upload's options are not nullable (a form has no null: clients sent the
+    text "null"); a 405 names every method of the path; a field sent as a file, or an unknown method, is refused
+    naming it."""
+    schema = client.get("/openapi.json").json()
+    assert {} in schema["paths"]["/healthz"]["get"]["security"] and client.get("/healthz").status_code == 200
+    upload_schema = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert "null" not in json.dumps(upload_schema)
+    doc = upload_ready(client, A1, "vault.txt", SECRET)
+    assert ask(client, A1, doc, max_tokens=2.0, seed=7.0, temperature=0.5).status_code == 200
+    assert_error(ask(client, A1, doc, max_tokens=2.5), 422, "invalid_request")
+    for path, allowed in (("/v1/documents", "GET, POST"), (f"/v1/documents/{doc}", "DELETE, GET")):
+        response = client.put(path, headers=A1)
+        assert_error(response, 405, "method_not_allowed")
+        assert response.headers["allow"] == allowed
+    as_file = client.post("/v1/documents", files={"file": ("a.txt", SECRET), "keep": ("keep.txt", b"0.5")}, headers=A1)
+    assert_error(as_file, 422, "invalid_field")
+    unknown = upload(client, A1, "a.txt", SECRET, method="bogus")
+    assert_error(unknown, 422, "invalid_option")
+    assert unknown.json()["error"]["param"] == "method"
 
 
 def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: TestClient) -> None:

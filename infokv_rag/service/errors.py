@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from .. import errors as core
 
@@ -241,6 +242,20 @@ def error_response(path: str, exc: ServiceError) -> JSONResponse:
     return JSONResponse(error_body(status, exc.code, exc.message, exc.param), status_code=status, headers=exc.headers)
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at the request's path (RFC 9110's `Allow`): each one tried as the routes
+    match it (routers included in others are matched through them)."""
+    routes = request.app.router.routes
+    return ", ".join(
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
@@ -273,10 +288,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = "no such endpoint; see /docs for the API"
         status = status_on(request.url.path, exc.status_code)  # e.g. a body that passed the limit as it was read
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names the methods of the path's first route only
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
         return JSONResponse(
-            error_body(status, codes.get(exc.status_code, "http_error"), message),
-            status_code=status,
-            headers=getattr(exc, "headers", None),
+            error_body(status, codes.get(exc.status_code, "http_error"), message), status_code=status, headers=headers
         )
 
     @app.exception_handler(ClientDisconnect)

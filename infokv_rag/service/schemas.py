@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StringConstraints,
+    model_validator,
+)
 
 from ..config import COLD_BITS
 from ..scorers import method_names
@@ -29,8 +38,16 @@ FORM_FIELD_BYTES = 4096
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
 # Strict: JSON's true is no number (lax validation reads it as 1, or as the whole cold tier), nor is "3".
-Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
-MaxTokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_CAP)]
+
+
+def _whole_number(value: object) -> object:
+    """A JSON number without a fraction (`2.0`, `4e0`) as the integer it is: OpenAPI's `integer` type takes it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+WholeNumber = BeforeValidator(_whole_number)
+Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX), WholeNumber]
+MaxTokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_CAP), WholeNumber]
 Temperature = Annotated[float, Strict(), Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Recall = (
@@ -344,7 +361,11 @@ class ChatCompletionRequest(BaseModel):
         return data
 
     model: str = Field(max_length=256)
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        max_length=MAX_MESSAGES,
+        description=f"At most {MAX_CONTENT_PARTS} content parts over all messages, besides each one's own maxItems.",
+    )
     # No length bound of its own (the body has one): an id that cannot exist is a 404, as on every route.
     document_id: str = Field(description="The document the conversation is about (extension field).")
     max_tokens: MaxTokens | None = None
@@ -356,7 +377,7 @@ class ChatCompletionRequest(BaseModel):
     recall: Recall | None = Field(
         None, description="Cold-tier recall of this answer, as in /ask (extension field; send it with `extra_body`)."
     )
-    n: Annotated[int, Strict()] | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    n: Annotated[int, Strict(), Field(ge=1, le=1), WholeNumber] | None = Field(None, description="Only 1 is supported.")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Not supported, and refused when asked for (400 `unsupported_parameter`): ignored, each would answer
@@ -365,8 +386,8 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Any = Field(None, description="Not supported: refused unless absent, 'none' or 'auto'.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
     logprobs: StrictBool | None = Field(None, description="Not supported: refused when true.")
-    top_logprobs: Annotated[int, Strict()] | None = Field(
-        None, ge=0, le=20, description="Not supported: refused unless 0."
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=20), WholeNumber] | None = Field(
+        None, description="Not supported: refused unless 0."
     )
 
 

@@ -28,6 +28,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..config import CompressionConfig, parse_keep, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
+from ..scorers import method_names
 from .errors import ServiceError, StorageError, from_core
 from .schemas import FORM_FIELD_BYTES, UploadOptions
 from .settings import Settings
@@ -173,7 +174,12 @@ async def _read_form(request: Request, settings: Settings, shutting_down: asynci
     """The upload's multipart form (one file, a few small fields), read whole; 400 `bad_request` for a body that
     is malformed, over the form's limits, or cut before its closing boundary, 408 `upload_timeout` for one that
     stops arriving or takes too long (`_arriving`; nothing of it is kept)."""
-    limits: dict[str, Any] = {"max_files": 1, "max_fields": len(_FIELDS), "max_part_size": FORM_FIELD_BYTES}
+    # Room for a field sent as a file, so that it is refused naming it (422 `invalid_field`), not as "too many files".
+    limits: dict[str, Any] = {
+        "max_files": 1 + len(_FIELDS),
+        "max_fields": len(_FIELDS),
+        "max_part_size": FORM_FIELD_BYTES,
+    }
     async with aclosing(_arriving(request.stream(), settings, shutting_down)) as stream:
         try:
             parser = _CheckedMultiPartParser(request.headers, stream, **limits)
@@ -279,6 +285,8 @@ def upload_options(fields: dict[str, str | None]) -> UploadOptions:
                 values[name] = parse_ratio_or_count(text, name)
             elif name in _BITS_FIELDS:
                 values[name] = _bits(name, text)
+            elif name == "method" and text not in method_names():  # the schema's enum, which pydantic does not check
+                raise ConfigError(f"unknown method {text[:40]!r}; choose one of {', '.join(method_names())}")
             else:
                 values[name] = text
         except ConfigError as exc:

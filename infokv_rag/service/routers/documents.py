@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
@@ -87,10 +88,22 @@ def document_info(record: DocumentRecord) -> DocumentInfo:
     )
 
 
-_UPLOAD_BODY = {
-    "required": True,
-    "content": {"multipart/form-data": {"schema": UploadForm.model_json_schema()}},
-}
+def _multipart_schema() -> dict[str, Any]:
+    """`UploadForm`'s schema as a multipart body's: a form has no null (a field left out is not sent), so each
+    option's null alternative is dropped (clients sent the text "null", refused as a value)."""
+    schema = UploadForm.model_json_schema()
+    for name, field in schema["properties"].items():
+        if "default" in field and field["default"] is None:
+            del field["default"]
+        alternatives = [kind for kind in field.get("anyOf", ()) if kind != {"type": "null"}]
+        if "anyOf" in field and len(alternatives) == 1:
+            schema["properties"][name] = {**{k: v for k, v in field.items() if k != "anyOf"}, **alternatives[0]}
+        elif "anyOf" in field:
+            field["anyOf"] = alternatives
+    return schema
+
+
+_UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": _multipart_schema()}}}
 
 
 @router.post(

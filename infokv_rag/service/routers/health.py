@@ -22,6 +22,7 @@ router = APIRouter(tags=["health"])
     response_model_exclude_none=True,
     summary="Liveness; with an admin key also queue lengths and counters",
     responses=error_responses(401),
+    openapi_extra={"security": [{}]},  # beside the key schemes FastAPI lists: no key is needed for liveness
 )
 async def healthz(service: ServiceDep, caller: OptionalCallerDep) -> Health:
     assert service.worker is not None
