@@ -316,7 +316,11 @@ def document_from_pages(
 
 
 def load_document(
-    path: str | os.PathLike[str], password: str | None = None, *, content_limit: int = CONTENT_LIMIT
+    path: str | os.PathLike[str],
+    password: str | None = None,
+    *,
+    content_limit: int = CONTENT_LIMIT,
+    warn: bool = True,
 ) -> Document:
     """Read a PDF or text/markdown file into a Document.
 
@@ -326,6 +330,9 @@ def load_document(
     `content_limit`: the decoded page content, in bytes, that reading a PDF may parse before it is refused with
     `PDFContentLimitError` (`pdf_limits.CONTENT_LIMIT`, 16 MiB, by default; raise it for manuals of many large
     drawings, knowing that pypdf parses about 4.5 us per byte of typeset text).
+    What loading warned about is the document's `load_warnings`, and is also issued as warnings unless `warn` is
+    False (a server that reads many uploads: Python keeps every distinct warning it issued for good, and its message
+    names the file's path).
     """
     if isinstance(content_limit, bool) or not isinstance(content_limit, int) or content_limit < 1:
         raise ConfigError(f"content_limit must be a positive number of bytes, got {content_limit!r}")
@@ -361,7 +368,7 @@ def load_document(
     suffix = p.suffix.lower()
 
     if reads_as_pdf(data, p.name):
-        return _load_pdf(data, name=name, sha=sha, password=password, content_limit=content_limit)
+        return _load_pdf(data, name=name, sha=sha, password=password, content_limit=content_limit, warn=warn)
     if suffix in PDF_SUFFIXES:
         raise UnsupportedFormatError(
             f"{name} is named .pdf but is not a PDF (no %PDF- header): it {_describe(data)}. "
@@ -383,14 +390,14 @@ def load_document(
             "is no text to answer questions from. "
             "Check that you picked the right file."
         )
-    told = _warn([_stray_bytes_warning(name, data, strays)] if strays else [], stacklevel=3)
+    told = _warn([_stray_bytes_warning(name, data, strays)] if strays else [], stacklevel=3, emit=warn)
     return Document(text=body, pages=(Page(1, body),), source=name, sha256=sha, load_warnings=told)
 
 
-def _warn(issued: Sequence[UserWarning], stacklevel: int) -> tuple[str, ...]:
-    """Emits each warning of loading a file (`stacklevel`: counted from here to the caller of `load_document`),
-    and returns their messages."""
-    for warning in issued:
+def _warn(issued: Sequence[UserWarning], stacklevel: int, emit: bool) -> tuple[str, ...]:
+    """Emits each warning of loading a file, where `emit` (`stacklevel`: counted from here to the caller of
+    `load_document`), and returns their messages."""
+    for warning in issued if emit else ():
         warnings.warn(warning, stacklevel=stacklevel)
     return tuple(str(warning) for warning in issued)
 
@@ -973,7 +980,7 @@ def _missing_crypto(name: str, exc: BaseException) -> EncryptedPDFError:
     )
 
 
-def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None, content_limit: int) -> Document:
+def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None, content_limit: int, warn: bool) -> Document:
     with pypdf_reports() as reports:
         reader = _open_pdf(data, name, password)
         try:
@@ -1086,7 +1093,7 @@ def _load_pdf(data: bytes, *, name: str, sha: str, password: str | None, content
     pages = _with_words_joined(pages)
     text = PAGE_SEPARATOR.join(page.text for page in pages)
     skipped = tuple(sorted(failed + scanned))
-    told = _warn(issued, stacklevel=4)
+    told = _warn(issued, stacklevel=4, emit=warn)
     return Document(text=text, pages=tuple(pages), source=name, sha256=sha, skipped_pages=skipped, load_warnings=told)
 
 

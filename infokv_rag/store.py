@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from . import scorers
 from .cache import DocumentCache, EvictedSummary, HeadExtras, LayerKV, ResidentCache
@@ -71,6 +71,7 @@ from .files import (
     open_regular,
     replace_directory,
     retired_prefix,
+    safetensors_bytes,
     safetensors_header,
     safetensors_views,
     write_synced,
@@ -139,8 +140,8 @@ def encode_document(document: CompressedDocument) -> dict[str, bytes]:
     tensors = _cache_tensors(document.cache)
     if document.information_reference is not None:
         tensors["information_reference"] = document.information_reference
-    tensor_bytes = save(
-        {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+    tensor_bytes = safetensors_bytes(
+        tensors,
         metadata={BINDING: hot_binding(text_bytes, document.engine.fingerprint, manifest)},
     )
     cold: dict[str, bytes] = {}
@@ -170,7 +171,7 @@ def _encode_cold_tier(cold_tier: ColdTier, bound_to: str) -> bytes:
     checksums as if verified (or die on a truncation), so the file is checked first (`CacheStoreError`), and
     again after it was read for a change made meanwhile."""
     cold_tier.check_source()
-    data = save(cold_tier.tensors(), metadata={BINDING: bound_to})
+    data = safetensors_bytes(cold_tier.tensors(), {BINDING: bound_to})
     cold_tier.check_source()
     return data
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 import numpy
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 from torch import Tensor
 
 from .errors import CacheStoreError
 from .evaluation import make_fact_document
-from .files import safetensors_header, write_atomic
+from .files import safetensors_bytes, safetensors_header, write_atomic
 from .models import cache_root
 from .reconstruction import reconstruction_attention
 
@@ -102,7 +102,7 @@ class ReconstructionSurrogate:
     def to_bytes(self) -> bytes:
         weights = self.weights.float().contiguous().cpu()
         metadata = {"format": str(FORMAT), "fingerprint": self.fingerprint, "sha256": _digest(weights)}
-        return save({"weights": weights}, metadata=metadata)
+        return safetensors_bytes({"weights": weights}, metadata)
 
     @classmethod
     def from_bytes(

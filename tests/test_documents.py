@@ -1130,6 +1130,10 @@ def test_a_stray_cp1252_byte_in_utf8_text_is_read_as_cp1252_with_a_warning(
     path.write_bytes(head + stray + b"s notice is ninety days.\r\n" + _UTF8_CLAUSE.encode("utf-8"))
     doc, warning = _load_warning_of_stray_bytes(path)
     assert doc.text == _UTF8_CLAUSE * 20 + f"The Supplier{read_as}s notice is ninety days.\n" + _UTF8_CLAUSE
+    with warnings.catch_warnings(record=True) as caught:  # a server's: told in load_warnings only
+        warnings.simplefilter("always")
+        quiet = load_document(path, warn=False)
+    assert caught == [] and quiet.load_warnings == doc.load_warnings == (str(warning),)
     assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # of the raw bytes, as ever
     message = str(warning)
     assert warning.offsets == (len(head),)

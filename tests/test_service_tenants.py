@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1180,7 +1181,10 @@ def test_what_reading_an_upload_warned_about_is_told_to_its_uploader(random_engi
     head = (CLAUSE * 4).encode("utf-8") + b"The Supplier"
     stray = head + b"\x92s notice is ninety days. " + CLAUSE.encode("utf-8")  # a smart quote pasted in cp1252
     scanned = pdfs.mixed_pdf(tmp_path / "scan.pdf", ["The notice period is ninety days.", None])
-    with running(random_engine, data) as client:
+    with running(random_engine, data) as client, warnings.catch_warnings(record=True) as issued:
+        # Told to the uploader, not issued as Python warnings: each names the upload's staging path, so every upload
+        # added one to the registry Python keeps of the warnings it issued, for the life of the server.
+        warnings.simplefilter("always")
         created = upload(client, A1, "notes.txt", stray)
         assert created.status_code == 202, created.text
         [warning] = created.json()["warnings"]
@@ -1197,6 +1201,7 @@ def test_what_reading_an_upload_warned_about_is_told_to_its_uploader(random_engi
         [skipped] = pdf.json()["warnings"]
         assert pdf.json()["skipped_pages"] == [2] and "scan.pdf" in skipped and "ocrmypdf" in skipped, skipped
         assert str(data) not in skipped
+        assert not [warning for warning in issued if str(data) in str(warning.message)], issued
         clean = upload_ready(client, A1, "memo.txt", SECRET)
         assert client.get(f"/v1/documents/{clean}", headers=A1).json()["warnings"] == []
         listed = {d["id"]: d["warnings"] for d in client.get("/v1/documents", headers=A1).json()["data"]}

@@ -122,6 +122,28 @@ def saved_a(doc_a: CompressedDocument, tmp_path_factory: pytest.TempPathFactory)
     return doc_a.save(tmp_path_factory.mktemp("saved") / "a")
 
 
+def test_a_cache_is_written_as_safetensors_writes_it_and_leaves_no_types_behind() -> None:
+    """`safetensors_bytes` writes what `safetensors.torch.save` does, byte for byte, without its ctypes array type per
+    byte size (kept by ctypes for the life of the process: every save of a new size grew a service for good)."""
+    import ctypes
+    import itertools
+
+    from safetensors.torch import save
+
+    from infokv_rag.files import safetensors_bytes
+
+    dtypes = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.int32, torch.float32, torch.int64)
+    for order, chosen in enumerate(itertools.permutations(dtypes, 3)):
+        tensors = {f"t{i}{'x' * (order % 3)}": torch.randn(i + 2, 3).to(dtype) for i, dtype in enumerate(chosen)}
+        tensors["empty"] = torch.zeros(0, dtype=chosen[0])
+        for metadata in (None, {"binding": "ab" * 32}):
+            assert safetensors_bytes(tensors, metadata) == save(tensors, metadata=metadata), (chosen, metadata)
+    types = len(ctypes._pointer_type_cache)  # type: ignore[attr-defined]
+    for length in range(1000, 1040):
+        safetensors_bytes({"keys": torch.randn(length)})
+    assert len(ctypes._pointer_type_cache) == types  # type: ignore[attr-defined]
+
+
 def test_save_load_in_new_process_gives_the_same_answer(
     random_engine: InfoKVEngine, random_model_dir: Path, doc_a: CompressedDocument, saved_a: Path
 ) -> None:

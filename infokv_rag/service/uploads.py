@@ -392,7 +392,7 @@ def _load(staged: StagedUpload, settings: Settings) -> tuple[Document, list[str]
     from ..documents import load_document
 
     document = load_document(
-        staged.path, password=staged.options.password, content_limit=settings.max_pdf_content_bytes
+        staged.path, password=staged.options.password, content_limit=settings.max_pdf_content_bytes, warn=False
     )
     told = [_without_paths(message, staged) for message in document.load_warnings]
     for message in told:
