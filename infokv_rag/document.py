@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 from torch import Tensor
 
@@ -16,12 +16,28 @@ from .cold_tier import ColdTier
 from .config import CompressionConfig
 from .documents import Document
 from .errors import ConfigError
-from .generation import DEFAULT_MAX_NEW_TOKENS, Generation, GenerationOptions
+from .generation import Generation, GenerationOptions
 from .ingestion import DocumentStats
 from .prompt import Turn, check_conversation, question_turns
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from .engine import InfoKVEngine
+
+
+class AnswerOptions(TypedDict, total=False):
+    """The keywords of `CompressedDocument.ask` and `stream`: `GenerationOptions`' fields, a None (or a keyword left
+    out) keeping its default. `recall` (a ratio of the document's tokens or a token count per layer and KV head;
+    0: off) is how much of the cold tier the question may bring back; default `config.recall`."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: str | Sequence[str] | None
+    seed: int | None
+    max_cache_tokens: int | None
+    recall: float | int | None
 
 
 NOT_PICKLED = (
@@ -85,59 +101,15 @@ class CompressedDocument:
             )
         return decoding.generate(self, turns, options)
 
-    def stream(
-        self,
-        question: str,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        max_cache_tokens: int | None = None,
-        recall: float | int | None = None,
-    ) -> Iterator[str]:
-        """The answer's text pieces, as they are generated. The question and options are checked here, before the
-        first piece is asked for (a bad one raises at the call, as `generate` does, not mid-stream).
-
-        `recall` (a ratio of the document's tokens or a token count per layer and KV head; 0: off) is how
-        much of the cold tier the question may bring back; default `config.recall`.
+    def stream(self, question: str, **options: Unpack[AnswerOptions]) -> Iterator[str]:
+        """The answer's text pieces, as they are generated. The question and options (`AnswerOptions`) are checked
+        here, before the first piece is asked for (a bad one raises at the call, as `generate` does, not mid-stream).
         """
-        options = GenerationOptions.build(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            seed=seed,
-            max_cache_tokens=max_cache_tokens,
-            recall=recall,
-        )
-        return iter(self.generate(question_turns(question), options))
+        return iter(self.generate(question_turns(question), GenerationOptions.build(**options)))
 
-    def ask(
-        self,
-        question: str,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        max_cache_tokens: int | None = None,
-        recall: float | int | None = None,
-    ) -> str:
-        """Answers one question (greedy unless `temperature` > 0); options as for `stream`."""
-        pieces = self.stream(
-            question,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            seed=seed,
-            max_cache_tokens=max_cache_tokens,
-            recall=recall,
-        )
-        return "".join(pieces)
+    def ask(self, question: str, **options: Unpack[AnswerOptions]) -> str:
+        """Answers one question (greedy unless `temperature` > 0); options (`AnswerOptions`) as for `stream`."""
+        return "".join(self.stream(question, **options))
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Writes this cache to `directory` atomically (see `infokv_rag.store`); returns its path."""

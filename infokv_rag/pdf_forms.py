@@ -102,7 +102,7 @@ def page_text(page: PageObject) -> str:
     text = page.extract_text(visitor_text=collect)
     if not text.strip() and draws_images(page):
         return text
-    turns = _text_turns(drawn)
+    turns = _text_turns(drawn) if drawn else _shown_turns(page)
     fragments = [Fragment(piece, *_upright(turns, x, y)) for piece, x, y, _ in drawn]
     values = sorted((replace(value, box=_upright_box(turns, value.box)) for value in values), key=_reading_order)
     return with_filled_values(text, fragments, values)
@@ -170,6 +170,16 @@ def _text_turns(drawn: Sequence[tuple[str, float, float, int]]) -> int:
     for text, _x, _y, turns in drawn:
         characters[turns] += len(text.strip())
     return characters.most_common(1)[0][0] if characters else 0
+
+
+def _shown_turns(page: PageObject) -> int:
+    """Quarter turns (counter-clockwise) that undo the page's /Rotate: the frame its values are read in where it has
+    no text of its own to take a direction from (a form filled in on a page made as a portrait one, shown turned).
+    A /Rotate that is no multiple of 90, or no number, is none (viewers ignore it)."""
+    rotation = page.get("/Rotate", 0)
+    if isinstance(rotation, bool) or not isinstance(rotation, int) or rotation % 90:
+        return 0
+    return (rotation // 90) % 4
 
 
 def _upright(turns: int, x: float, y: float) -> tuple[float, float]:

@@ -862,6 +862,24 @@ def test_a_filled_in_forms_values_are_read_beside_their_labels(tmp_path: Path, t
     assert text.endswith("\nSpecial terms: Net 45")  # no label near it: named by its tooltip, at the end
 
 
+def test_a_form_filled_in_on_a_turned_blank_page_reads_in_the_order_shown(tmp_path: Path) -> None:
+    """No text to take a direction from: the page's /Rotate gives the frame its values end the page in."""
+    from reportlab.lib.pagesizes import A4
+    from reportlab.pdfgen import canvas
+
+    buffer = io.BytesIO()
+    width = A4[0]  # user space portrait, shown landscape: a shown point (x, y) is (width - y, x)
+    pdf = canvas.Canvas(buffer, pagesize=A4, invariant=1)
+    pdf.setPageRotation(90)
+    for name, value, (x, y) in (("first", "one", (72, 500)), ("second", "two", (500, 500)), ("third", "3", (72, 400))):
+        pdf.acroForm.textfield(name=name, value=value, x=width - y - 18, y=x, width=18, height=150)
+    pdf.showPage()
+    pdf.save()
+    path = tmp_path / "blank.pdf"
+    path.write_bytes(buffer.getvalue())
+    assert _load_quietly(path).text == "first: one\nsecond: two\nthird: 3"
+
+
 def test_a_broken_words_line_ending_in_spaces_is_no_paragraph_break() -> None:
     # pypdf's extraction (a framework's PDF reader) leaves a line's trailing spaces.
     doc = document_from_pages([(1, "request termi-\nnation \nof this Agreement; termination")])

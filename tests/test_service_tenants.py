@@ -750,6 +750,15 @@ def test_the_schema_says_what_the_server_does(client: TestClient) -> None:
     assert unknown.json()["error"]["param"] == "method"
 
 
+def test_an_app_served_again_takes_uploads(random_engine: Any, tmp_path: Path) -> None:
+    """One app served twice (two event loops, as two TestClient sessions): its stop signal is each run's own, so
+    uploads are taken in the second run too (an event bound to the first loop refused them all as a shutdown)."""
+    app = create_app(settings_for(tmp_path / "data"), engine=random_engine)
+    for _ in range(2):
+        with TestClient(app) as client:
+            assert upload(client, A1, "memo.txt", SECRET).status_code == 202
+
+
 def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: TestClient) -> None:
     """Bytes that are not UTF-8 and malformed JSON get the same answer, 400 `invalid_json` (OpenAI's route too, in
     its shape), saying what is wrong and where; `param` is a field or null, never an offset."""

@@ -14,6 +14,7 @@ lifespan's shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -185,6 +186,7 @@ def create_app(settings: Settings | None = None, engine: InfoKVEngine | None = N
         from .worker import ModelWorker
 
         keepers: list[LeaseKeeper | DeleteWatcher] = []
+        service.shutting_down = asyncio.Event()  # this run's: an event waits on the loop it first waited on
         try:
             if service.engine is None:
                 log.info("loading model %s", settings.model)

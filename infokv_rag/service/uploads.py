@@ -131,32 +131,39 @@ async def _arriving(
     queue place for good); 503 `cancelled` once `shutting_down` is set."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.max_upload_seconds
-    async with aclosing(body):
-        while True:
-            wait = min(settings.upload_idle_seconds, deadline - loop.time())
-            arrived, stopped = asyncio.ensure_future(anext(body)), asyncio.ensure_future(shutting_down.wait())
-            try:
-                await asyncio.wait((arrived, stopped), timeout=max(wait, 0), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiting in (arrived, stopped):
-                    waiting.cancel()
-                # Until the read has unwound, the body cannot be closed ("asynchronous generator is already running").
-                await asyncio.wait((arrived, stopped))
-            if stopped.done() and not stopped.cancelled():
-                raise shutting_down_refusal("the upload")
-            if not arrived.done() or arrived.cancelled():
-                if wait < settings.upload_idle_seconds:
-                    why = f"took longer than {settings.max_upload_seconds} s to arrive"
-                else:
-                    why = f"stopped arriving: nothing of its body came for {settings.upload_idle_seconds} s"
-                raise ServiceError(
-                    408, "upload_timeout", f"the upload {why}, and nothing of it was kept; send it again"
-                )
-            try:
-                chunk = arrived.result()
-            except StopAsyncIteration:
-                return
-            yield chunk
+    stopped = asyncio.ensure_future(shutting_down.wait())  # one waiter for the whole body, not one per chunk
+    try:
+        async with aclosing(body):
+            while True:
+                wait = min(settings.upload_idle_seconds, deadline - loop.time())
+                arrived = asyncio.ensure_future(anext(body))
+                try:
+                    await asyncio.wait((arrived, stopped), timeout=max(wait, 0), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not arrived.done():
+                        arrived.cancel()
+                        # Until the read has unwound, the body cannot be closed ("asynchronous generator is already
+                        # running").
+                        await asyncio.wait((arrived,))
+                if shutting_down.is_set():
+                    raise shutting_down_refusal("the upload")
+                if stopped.done():  # the wait failed (it is no shutdown): its error, not a timeout
+                    stopped.result()
+                if not arrived.done() or arrived.cancelled():
+                    if wait < settings.upload_idle_seconds:
+                        why = f"took longer than {settings.max_upload_seconds} s to arrive"
+                    else:
+                        why = f"stopped arriving: nothing of its body came for {settings.upload_idle_seconds} s"
+                    raise ServiceError(
+                        408, "upload_timeout", f"the upload {why}, and nothing of it was kept; send it again"
+                    )
+                try:
+                    chunk = arrived.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
+    finally:
+        stopped.cancel()
 
 
 def shutting_down_refusal(what: str) -> ServiceError:
