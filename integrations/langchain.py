@@ -282,15 +282,8 @@ class _InfoKVFields(BaseModel):
     def _number(cls, value: Any) -> Any:
         return not_a_bool(value)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> Any:
-        return stop_field(value)
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _model(cls, value: Any) -> Any:
-        return model_field(value)
+    _stop = field_validator("stop", mode="before")(stop_field)
+    _model = field_validator("model", mode="before")(model_field)
 
     @field_validator("document")
     @classmethod

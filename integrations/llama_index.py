@@ -193,15 +193,8 @@ class InfoKV(CustomLLM):
     def _number(cls, value: Any) -> Any:
         return not_a_bool(value)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> Any:
-        return stop_field(value)
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _model(cls, value: Any) -> Any:
-        return model_field(value)
+    _stop = field_validator("stop", mode="before")(stop_field)
+    _model = field_validator("model", mode="before")(model_field)
 
     @field_serializer("compression")
     def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:
