@@ -176,7 +176,7 @@ def _shown_turns(page: PageObject) -> int:
     """Quarter turns (counter-clockwise) that undo the page's /Rotate: the frame its values are read in where it has
     no text of its own to take a direction from (a form filled in on a page made as a portrait one, shown turned).
     A /Rotate that is no multiple of 90, or no number, is none (viewers ignore it)."""
-    rotation = page.get("/Rotate", 0)
+    rotation = resolved(page.get("/Rotate", 0))
     if isinstance(rotation, bool) or not isinstance(rotation, int) or rotation % 90:
         return 0
     return (rotation // 90) % 4
