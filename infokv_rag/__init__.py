@@ -24,7 +24,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .document import CompressedDocument
+    from .document import AnswerOptions, CompressedDocument
     from .engine import InfoKVEngine
     from .generation import GenerationOptions
     from .ingestion import DocumentStats
@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 # The engine pulls in torch and transformers (seconds to import); it is imported on first use, so
 # that the command line can reject a bad document, and tools can read a cache manifest, at once.
 _LAZY = {
+    "AnswerOptions": "document",
     "CompressedDocument": "document",
     "DocumentStats": "ingestion",
     "GenerationOptions": "generation",
@@ -59,6 +60,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AnswerOptions",
     "AnswerRoomError",
     "CacheStore",
     "CacheStoreError",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
@@ -20,9 +21,12 @@ from .generation import Generation, GenerationOptions
 from .ingestion import DocumentStats
 from .prompt import Turn, check_conversation, question_turns
 
-if TYPE_CHECKING:
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pydantic's dependency, so every install holds it
     from typing_extensions import Unpack
 
+if TYPE_CHECKING:
     from .engine import InfoKVEngine
 
 
@@ -31,13 +35,25 @@ class AnswerOptions(TypedDict, total=False):
     out) keeping its default. `recall` (a ratio of the document's tokens or a token count per layer and KV head;
     0: off) is how much of the cold tier the question may bring back; default `config.recall`."""
 
-    max_new_tokens: int
-    temperature: float
-    top_p: float
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
     stop: str | Sequence[str] | None
     seed: int | None
     max_cache_tokens: int | None
     recall: float | int | None
+
+
+def _answer_options(method: str, options: Mapping[str, Any]) -> GenerationOptions:
+    """`ask`'s or `stream`'s keywords as options; a keyword that is none of `AnswerOptions` is refused as a call's
+    (TypeError), not taken, nor dropped for being None."""
+    unknown = sorted(set(options) - set(AnswerOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"CompressedDocument.{method}() got an unexpected keyword argument {unknown[0]!r}; it takes "
+            f"{', '.join(AnswerOptions.__annotations__)}"
+        )
+    return GenerationOptions.build(**options)
 
 
 NOT_PICKLED = (
@@ -102,14 +118,15 @@ class CompressedDocument:
         return decoding.generate(self, turns, options)
 
     def stream(self, question: str, **options: Unpack[AnswerOptions]) -> Iterator[str]:
-        """The answer's text pieces, as they are generated. The question and options (`AnswerOptions`) are checked
-        here, before the first piece is asked for (a bad one raises at the call, as `generate` does, not mid-stream).
+        """The answer's text pieces, as they are generated. The question and options (`AnswerOptions`: max_new_tokens,
+        temperature, top_p, stop, seed, max_cache_tokens, recall) are checked here, before the first piece is asked
+        for (a bad one raises at the call, as `generate` does, not mid-stream).
         """
-        return iter(self.generate(question_turns(question), GenerationOptions.build(**options)))
+        return iter(self.generate(question_turns(question), _answer_options("stream", options)))
 
     def ask(self, question: str, **options: Unpack[AnswerOptions]) -> str:
         """Answers one question (greedy unless `temperature` > 0); options (`AnswerOptions`) as for `stream`."""
-        return "".join(self.stream(question, **options))
+        return "".join(self.generate(question_turns(question), _answer_options("ask", options)))
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Writes this cache to `directory` atomically (see `infokv_rag.store`); returns its path."""

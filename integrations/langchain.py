@@ -172,6 +172,8 @@ def _call_fields(adapter: _InfoKVFields, kwargs: dict[str, Any]) -> dict[str, An
         options["document_text"] = None
     if "compression" in options:
         options["compression"] = optional_config(options["compression"])
+    if "model" in options:  # as the field takes it (`model_copy` validates nothing)
+        options["model"] = model_field(options["model"])
     return options
 
 

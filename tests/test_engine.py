@@ -356,6 +356,25 @@ def test_a_conversation_that_is_not_role_content_pairs_is_refused_by_what_it_is(
     check_conversation([["user", "Q?"]])  # type: ignore[list-item]  # pairs decoded from JSON arrive as lists
 
 
+def test_ask_and_stream_refuse_a_keyword_they_do_not_take_at_the_call(random_engine: InfoKVEngine) -> None:
+    """Their keywords are `AnswerOptions`: a misspelt one is refused, also given as None (which would otherwise keep a
+    default unseen), and so is a field of GenerationOptions they do not take."""
+    import typing
+
+    import infokv_rag
+
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(method="full"))
+    unknown: list[dict[str, Any]] = [{"max_new_token": 2}, {"temprature": None}, {"eviction_slack": 4}, {"cls": 1}]
+    for options in unknown:
+        for method in (doc.ask, doc.stream):
+            with pytest.raises(TypeError, match=rf"{method.__name__}\(\) got an unexpected keyword argument"):
+                method("What is the notice period?", **options)
+    assert doc.ask("What is the notice period?", max_new_tokens=2, temperature=None, stop=None) == doc.ask(
+        "What is the notice period?", max_new_tokens=2
+    )
+    assert infokv_rag.AnswerOptions is typing.get_type_hints(doc.ask)["options"].__args__[0]
+
+
 def test_a_document_is_itself_to_sets_dicts_and_comparisons(random_engine: InfoKVEngine) -> None:
     """Compared field by field (a dataclass's own ==), two documents compared their tensors: `a == b` and `a in
     documents` raised, and a document could key no dict (unhashable)."""

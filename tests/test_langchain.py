@@ -55,7 +55,7 @@ from infokv_rag.errors import (
 from infokv_rag.generation import GenerationOptions
 from infokv_rag.integrations import _common
 from infokv_rag.integrations._common import call_options, get_engine, open_document
-from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, messages_to_turns
+from infokv_rag.integrations.langchain import ChatInfoKV, InfoKVLLM, _call_fields, messages_to_turns
 from infokv_rag.store import save_document
 
 from .conftest import CORPUS
@@ -333,6 +333,7 @@ def test_bad_options_and_messages_are_refused_before_the_document_is_read(no_doc
         # A stop given as one string is one sequence, as a call's is; a model's path may be a pathlib.Path.
         made = adapter(model=Path("tiny"), document_text=SUITE_TEXT, stop="\n")  # type: ignore[arg-type]
         assert made.stop == ["\n"] and made.model == "tiny"
+        assert _call_fields(made, {"model": Path("default")}) == {"model": "default"}  # a call's too
         # numpy's integer is an int, so that a recall count stays a count (lax mode made np.int64(1) the ratio 1.0,
         # the whole cold tier); numpy's bool is refused as Python's is.
         numpy_values: dict[str, Any] = {"count": numpy.int64(1), "bool": numpy.bool_(True)}

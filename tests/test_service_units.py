@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ pytest.importorskip("fastapi")
 from infokv_rag.documents import document_from_text  # noqa: E402
 from infokv_rag.errors import ConfigError  # noqa: E402
 from infokv_rag.service.answers import sse  # noqa: E402
+from infokv_rag.service.errors import ServiceError  # noqa: E402
 from infokv_rag.service.launcher import read_sse  # noqa: E402
 from infokv_rag.service.registry import (  # noqa: E402
     DocumentRecord,
@@ -28,7 +32,7 @@ from infokv_rag.service.registry import (  # noqa: E402
 from infokv_rag.service.scheduling import FairLock  # noqa: E402
 from infokv_rag.service.settings import Settings  # noqa: E402
 from infokv_rag.service.tenants import KeyRing  # noqa: E402
-from infokv_rag.service.uploads import display_name  # noqa: E402
+from infokv_rag.service.uploads import _arriving, display_name  # noqa: E402
 
 
 def test_settings_from_env_and_refusal_without_keys(tmp_path: Path) -> None:
@@ -450,3 +454,46 @@ def test_the_chat_stream_carries_usage_as_openais_does(random_engine, tmp_path: 
             "stream_options",
         )
         assert client.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200
+
+
+def test_an_upload_arriving_as_the_server_stops_is_refused_whenever_the_stop_comes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """503 `cancelled` however the stop meets the body: before it, while a chunk is held, as its last read ends,
+    after it; no task is left, and no read that ended is logged as an exception nobody retrieved."""
+    timing = Settings.__new__(Settings)
+    object.__setattr__(timing, "upload_idle_seconds", 5.0)
+    object.__setattr__(timing, "max_upload_seconds", 10.0)
+
+    async def body(stop: Callable[[], None], stop_at: int | None) -> AsyncGenerator[bytes, None]:
+        for index in range(3):
+            if index == stop_at:
+                stop()
+            yield b"x"
+        if stop_at == 3:
+            stop()  # inside the read that ends the body
+
+    async def read(stop_at: int | None, held_at: int | None) -> tuple[str, int]:
+        stopping = asyncio.Event()
+        got = 0
+        try:
+            async for _ in _arriving(body(stopping.set, stop_at), timing, stopping):
+                got += 1
+                if got == held_at:
+                    stopping.set()
+        except ServiceError as exc:
+            return exc.code, got
+        return "whole", got
+
+    async def every_case() -> list[tuple[str, int]]:
+        outcomes = [await read(stop_at, None) for stop_at in (0, 1, 3)] + [await read(None, 2), await read(None, 3)]
+        outcomes.append(await read(None, None))
+        gc.collect()
+        await asyncio.sleep(0.01)
+        assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+        return outcomes
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        outcomes = asyncio.run(every_case())
+    assert outcomes[:-1] == [("cancelled", 0), ("cancelled", 1), ("cancelled", 3), ("cancelled", 2), ("cancelled", 3)]
+    assert outcomes[-1] == ("whole", 3) and "never retrieved" not in caplog.text

@@ -145,10 +145,12 @@ async def _arriving(
                         # Until the read has unwound, the body cannot be closed ("asynchronous generator is already
                         # running").
                         await asyncio.wait((arrived,))
-                if shutting_down.is_set():
+                if shutting_down.is_set() or stopped.done():
+                    if not arrived.cancelled():
+                        arrived.exception()  # retrieved: a read that ended as the stop came is not logged as lost
+                    if not shutting_down.is_set():
+                        stopped.result()  # the wait failed (no shutdown): its own error
                     raise shutting_down_refusal("the upload")
-                if stopped.done():  # the wait failed (it is no shutdown): its error, not a timeout
-                    stopped.result()
                 if not arrived.done() or arrived.cancelled():
                     if wait < settings.upload_idle_seconds:
                         why = f"took longer than {settings.max_upload_seconds} s to arrive"
