@@ -182,8 +182,6 @@ class CompressionConfig:
     settings: MethodSettings | Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, str):  # the registry's lookup would say "unhashable", not what to pass
-            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(scorers.method_names())}")
         method = scorers.method(self.method)
         if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)):
             raise ConfigError(f"keep must be a ratio in (0, 1] or a positive token count, not {self.keep!r}")
@@ -320,10 +318,7 @@ class CompressionConfig:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown CompressionConfig fields: {sorted(unknown)}")
-        method = data.get("method", DEFAULT_METHOD)
-        if not isinstance(method, str):  # the registry's lookup would say "unhashable", not what to pass
-            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(scorers.method_names())}")
-        own = scorers.method(method).setting_names
+        own = scorers.method(data.get("method", DEFAULT_METHOD)).setting_names
         added = {name: value for name, value in SETTINGS_ADDED.items() if name in own}
         settings = data.get("settings", {})
         if not isinstance(settings, Mapping):  # as the constructor says it, not a bare TypeError from the merge

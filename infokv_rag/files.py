@@ -249,21 +249,19 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     # safetensors' order: its dtype enum's, descending, then the names.
     for name in sorted(tensors, key=lambda key: (-_SAFETENSORS_ORDER.index(codes[tensors[key].dtype]), key)):
         tensor = tensors[name].detach().cpu().contiguous().reshape(-1)
-        length = tensor.numel() * tensor.element_size()
         shape = list(tensors[name].shape)
-        header[name] = {"dtype": codes[tensor.dtype], "shape": shape, "data_offsets": [size, size + length]}
+        header[name] = {"dtype": codes[tensor.dtype], "shape": shape, "data_offsets": [size, size + tensor.nbytes]}
         flat.append(tensor)
-        size += length
+        size += tensor.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-aligned
     out = bytearray(8 + len(text) + size)
     out[: 8 + len(text)] = struct.pack("<Q", len(text)) + text
     position = 8 + len(text)
     for tensor in flat:
-        length = tensor.numel() * tensor.element_size()
-        if length:
-            out[position : position + length] = tensor.view(torch.uint8).numpy().data
-        position += length
+        if tensor.nbytes:
+            out[position : position + tensor.nbytes] = tensor.view(torch.uint8).numpy().data
+        position += tensor.nbytes
     return bytes(out)
 
 

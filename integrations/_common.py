@@ -659,6 +659,13 @@ def given_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in kwargs.items() if value is not None or name not in NONE_MEANS_UNSET}
 
 
+def options_a_call_takes(adapter: Any) -> Any:
+    """`adapter` as it is made (an after-validator of both adapters), once its fields are options every call takes:
+    temperature=inf or recall=1.5 are refused then, not at every call."""
+    call_options(adapter, {})
+    return adapter
+
+
 def call_options(
     adapter: AdapterFields, kwargs: dict[str, Any], stop: str | Sequence[str] | None = None
 ) -> GenerationOptions:

@@ -89,6 +89,7 @@ from ._common import (
     model_field,
     not_a_bool,
     optional_config,
+    options_a_call_takes,
     refuse_unknown_fields,
     revealed,
     start_generation,
@@ -256,33 +257,19 @@ class _InfoKVFields(BaseModel):
     def _known_fields(cls, data: Any) -> Any:
         return refuse_unknown_fields(cls, data)
 
-    @field_validator("compression", mode="before")
-    @classmethod
-    def _config(cls, value: Any) -> CompressionConfig | None:
-        return optional_config(value)
+    _config = field_validator("compression", mode="before")(optional_config)
 
     @field_serializer("compression")
     def _config_fields(self, config: CompressionConfig | None) -> dict[str, Any] | None:
         return config_fields(config)
 
-    @field_serializer("document")
-    def _document_as_json(self, document: Any) -> Any:
-        return document_as_json(document)
+    _document_as_json = field_serializer("document")(document_as_json)
 
-    @model_validator(mode="after")
-    def _options_as_a_call_takes_them(self) -> _InfoKVFields:
-        call_options(self, {})  # refused when the model is made (temperature=inf, recall=1.5), not at every call
-        return self
+    _options_as_a_call_takes_them = model_validator(mode="after")(options_a_call_takes)
 
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype(cls, value: Any) -> str | None:
-        return coerce_dtype(value)
+    _dtype = field_validator("dtype", mode="before")(coerce_dtype)
 
-    @field_validator(*CALL_OPTIONS, mode="before")
-    @classmethod
-    def _number(cls, value: Any) -> Any:
-        return not_a_bool(value)
+    _number = field_validator(*CALL_OPTIONS, mode="before")(not_a_bool)
 
     _stop = field_validator("stop", mode="before")(stop_field)
     _model = field_validator("model", mode="before")(model_field)
@@ -298,10 +285,7 @@ class _InfoKVFields(BaseModel):
             value.engine.fingerprint  # noqa: B018 (a cached property: computed now, read later)
         return value
 
-    @field_validator("password", mode="before")
-    @classmethod
-    def _secret(cls, value: Any) -> Any:
-        return as_secret(value)
+    _secret = field_validator("password", mode="before")(as_secret)
 
     def _model_name(self, kwargs: dict[str, Any]) -> str:
         return call_model_name(self, kwargs)

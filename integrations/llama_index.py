@@ -81,6 +81,7 @@ from ._common import (
     model_field,
     not_a_bool,
     optional_config,
+    options_a_call_takes,
     refuse_unknown_fields,
     revealed,
     start_generation,
@@ -183,15 +184,9 @@ class InfoKV(CustomLLM):
             data = {name: value for name, value in data.items() if name != "class_name"}
         return refuse_unknown_fields(cls, data)
 
-    @field_validator("compression", mode="before")
-    @classmethod
-    def _config(cls, value: Any) -> CompressionConfig | None:
-        return optional_config(value)
+    _config = field_validator("compression", mode="before")(optional_config)
 
-    @field_validator(*CALL_OPTIONS, mode="before")
-    @classmethod
-    def _number(cls, value: Any) -> Any:
-        return not_a_bool(value)
+    _number = field_validator(*CALL_OPTIONS, mode="before")(not_a_bool)
 
     _stop = field_validator("stop", mode="before")(stop_field)
     _model = field_validator("model", mode="before")(model_field)
@@ -205,24 +200,13 @@ class InfoKV(CustomLLM):
     def _document(cls, value: Any) -> Any:
         return check_document(value, cls.__name__, cls.FRAMEWORK_DOCUMENTS)
 
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype(cls, value: Any) -> str | None:
-        return coerce_dtype(value)
+    _dtype = field_validator("dtype", mode="before")(coerce_dtype)
 
-    @field_validator("password", mode="before")
-    @classmethod
-    def _secret(cls, value: Any) -> Any:
-        return as_secret(value)
+    _secret = field_validator("password", mode="before")(as_secret)
 
-    @model_validator(mode="after")
-    def _options_as_a_call_takes_them(self) -> InfoKV:
-        call_options(self, {})  # refused when the LLM is made (temperature=inf, recall=1.5), not at every call
-        return self
+    _options_as_a_call_takes_them = model_validator(mode="after")(options_a_call_takes)
 
-    @field_serializer("document")
-    def _document_as_json(self, document: Any) -> Any:
-        return document_as_json(document)
+    _document_as_json = field_serializer("document")(document_as_json)
 
     def __getstate__(self) -> dict[Any, Any]:
         # LlamaIndex's own drops what it cannot pickle, with a log line only: the copy would have no document.

@@ -27,11 +27,17 @@ def method_names() -> tuple[str, ...]:
     return tuple(sorted(name for name in found if name not in _HELPERS and not name.startswith("_")))
 
 
+def method(name: object) -> Method[Any]:
+    """The method registered as `name`; `ConfigError` names the choices when there is none (also for a name that is
+    no string, which the cache below could not even hash; a long one is cut in the message, which servers answer)."""
+    if not isinstance(name, str) or name not in method_names():
+        shown = name[:40] if isinstance(name, str) else name
+        raise ConfigError(f"unknown method {shown!r}; choose one of {', '.join(method_names())}")
+    return _declared(name)
+
+
 @functools.cache
-def method(name: str) -> Method[Any]:
-    """The method registered as `name`; `ConfigError` names the choices when there is none."""
-    if name not in method_names():
-        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")
+def _declared(name: str) -> Method[Any]:
     declared: Method[Any] = importlib.import_module(f"{__name__}.{name}").METHOD
     if declared.name != name:
         raise ConfigError(

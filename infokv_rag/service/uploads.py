@@ -28,7 +28,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..config import CompressionConfig, parse_keep, parse_ratio_or_count
 from ..errors import ConfigError, DocumentError, EncryptedPDFError
-from ..scorers import method_names
+from ..scorers import method as scoring_method
 from .errors import ServiceError, StorageError, from_core
 from .schemas import FORM_FIELD_BYTES, UploadOptions
 from .settings import Settings
@@ -294,9 +294,9 @@ def upload_options(fields: dict[str, str | None]) -> UploadOptions:
                 values[name] = parse_ratio_or_count(text, name)
             elif name in _BITS_FIELDS:
                 values[name] = _bits(name, text)
-            elif name == "method" and text not in method_names():  # the schema's enum, which pydantic does not check
-                raise ConfigError(f"unknown method {text[:40]!r}; choose one of {', '.join(method_names())}")
             else:
+                if name == "method":  # the schema's enum, which pydantic does not check
+                    scoring_method(text)
                 values[name] = text
         except ConfigError as exc:
             raise ServiceError(422, "invalid_option", str(exc), param=name) from exc
