@@ -25,10 +25,11 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .document import AnswerOptions, CompressedDocument
+    from .documents import Document, load_document
     from .engine import InfoKVEngine
-    from .generation import GenerationOptions
+    from .generation import Generation, GenerationOptions, Usage
     from .ingestion import DocumentStats
-    from .store import CacheStore
+    from .store import CacheStore, StoreWriteWarning
 
 __version__ = "0.1.0"
 
@@ -37,10 +38,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "AnswerOptions": "document",
     "CompressedDocument": "document",
+    "Document": "documents",
     "DocumentStats": "ingestion",
+    "Generation": "generation",
     "GenerationOptions": "generation",
     "InfoKVEngine": "engine",
     "CacheStore": "store",
+    "StoreWriteWarning": "store",
+    "Usage": "generation",
+    "load_document": "documents",
 }
 
 
@@ -70,16 +76,21 @@ __all__ = [
     "ConfigError",
     "ContextLengthError",
     "CorruptPDFError",
+    "Document",
     "DocumentError",
     "DocumentStats",
     "EmptyDocumentError",
     "EmptyQuestionError",
     "EncryptedPDFError",
+    "Generation",
     "GenerationOptions",
     "InfoKVEngine",
     "InfoKVError",
     "ModelError",
     "NoExtractableTextError",
     "PDFContentLimitError",
+    "StoreWriteWarning",
     "UnsupportedFormatError",
+    "Usage",
+    "load_document",
 ]

@@ -11,14 +11,29 @@ from __future__ import annotations
 
 import bisect
 import math
-from functools import partial
+import re
 
 from .documents import Document
 from .evaluation import UNSPACED_CHARACTER, normalize_answer
 
 __all__ = ["supporting_pages"]
 
-_normalised = partial(normalize_answer, unicode=True)
+_GROUP_SEPARATOR = "[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\u066c]"
+_GROUPED_DIGITS = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)")
+"""Digits grouped by thousands with a space of any kind ("1 500", "12\u202f345") or the Arabic separator."""
+_DECIMAL_COMMA = re.compile(r"(?<=\d)(?:,(?!\d{3}(?!\d))|\u066b)(?=\d)")
+"""A comma between digits that is not a thousands separator (one not before exactly three digits: "0,5"), or the
+Arabic decimal separator."""
+
+
+def _normalised(text: str) -> str:
+    """`normalize_answer(text, unicode=True)` with numbers read as other languages write them (before it splits
+    them at their separators: "5 %" was found in "0,5 %", "500" in "1 500"): digits grouped by spaces are one
+    number, a decimal comma a decimal point. Citations only; the benchmarks' checker reads text as it did."""
+    text = _GROUPED_DIGITS.sub(lambda grouped: re.sub(_GROUP_SEPARATOR, "", grouped[0]), text)
+    return normalize_answer(_DECIMAL_COMMA.sub(".", text), unicode=True)
+
+
 _STOPWORDS = frozenset(
     "the a an and or of to in on at by for with from is are was were be been this that these those it its "
     "as any all not no shall may will which who whom what when where how per such than then there their".split()

@@ -1,4 +1,4 @@
-"""The `infokv-rag` command line: fetch, calibrate, ask, ingest, info, serve."""
+"""The `infokv-rag` command line: fetch, calibrate, ask, ingest, info, prune, serve."""
 
 from __future__ import annotations
 
@@ -50,6 +50,32 @@ def _port(value: str) -> int:
     return port
 
 
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(value: str) -> int:
+    """Bytes from `500M`, `2G`, `1.5g`, `4096` (K, M, G, T: powers of 1024; a trailing B or iB is allowed)."""
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    try:
+        number = float(text[: len(text) - len(unit)])
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"a size is a number of bytes at least 0, like 500M or 2G; not {value!r}")
+    return int(number * _SIZE_UNITS[unit])
+
+
+def _days(value: str) -> float:
+    try:
+        days = float(value)
+    except ValueError:
+        days = -1.0
+    if not 0 <= days < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of days at least 0, like 30 or 0.5; not {value!r}")
+    return days
+
+
 def _root_path(value: str) -> str:
     if value and (not value.startswith("/") or value.endswith("/") or "//" in value):
         message = f"a path prefix starts with / and does not end with one, like /kb; not {value!r}"
@@ -75,6 +101,8 @@ class ProgressBar:
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
+        if done == 0:  # the work starts now: what came before (loading, a surrogate's fit) is not its pace
+            self.started = time.perf_counter()
         stream = self.stream or sys.stderr
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         rate = done / elapsed
@@ -96,6 +124,7 @@ class ProgressBar:
             self._drawn = len(line)
             if done >= total:
                 stream.write("\n")
+                self._drawn = 0
         stream.flush()
 
 
@@ -247,6 +276,15 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     info.add_argument("directory")
     _add_verbose(info)
 
+    prune = commands.add_parser(
+        "prune", help="remove the caches `ask` stored that were least recently used (by age, or down to a size)"
+    )
+    prune.add_argument("--store", default=None, help="the cache store directory (default: $INFOKV_CACHE_DIR/documents)")
+    prune.add_argument("--max-size", type=_size, help="remove the least recently used until the rest fit: 500M, 2G")
+    prune.add_argument("--unused-for", type=_days, metavar="DAYS", help="remove those not used for DAYS days")
+    prune.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    prune.add_argument("--json", action="store_true", help="print what was removed and what is left as JSON")
+
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0: any free port")
@@ -317,10 +355,9 @@ def _calibration_bar(enabled: bool) -> ProgressBar:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .engine import InfoKVEngine
     from .surrogate import cached_path, fit_and_cache, fit_progress
 
-    engine = InfoKVEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    engine = _load_engine(args, args.model)
     started = time.perf_counter()
     if args.refit:
         surrogate = fit_and_cache(engine, _calibration_bar(enabled=True))
@@ -359,6 +396,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "prune":
+        return _prune(args)
     if args.command == "serve":
         if args.ray:
             return _serve_ray(args)
@@ -422,6 +461,45 @@ def _run(args: argparse.Namespace) -> int:
     if cache_path is not None:
         _note(args, f"{'reused the stored cache' if reused else 'stored the cache'} in {cache_path}")
     return _answer(args, engine, doc, questions, reused, cache_path)
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from .models import cache_root
+    from .store import CacheStore
+
+    if args.max_size is None and args.unused_for is None:
+        raise ConfigError("prune needs --max-size or --unused-for (or both): nothing says which caches to remove")
+    store = CacheStore(args.store if args.store else cache_root() / "documents")
+    unused_for = None if args.unused_for is None else args.unused_for * 86400.0
+    removed = store.prune(max_bytes=args.max_size, unused_for=unused_for, dry_run=args.dry_run)
+    left = [entry for entry in store.entries() if entry not in removed] if args.dry_run else store.entries()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "store": str(store.root),
+                    "dry_run": args.dry_run,
+                    "removed": [entry.to_dict() for entry in removed],
+                    "left": {"entries": len(left), "bytes": sum(entry.bytes for entry in left)},
+                },
+                indent=2,
+            )
+        )
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for entry in removed:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+        named = f"{entry.source or 'an unreadable cache'}, {entry.model or 'model unknown'}"
+        print(f"{verb} {entry.path} ({_megabytes(entry.bytes)}, last used {used}; {named})")
+    print(
+        f"{store.root}: {verb} {len(removed)} cache(s), {_megabytes(sum(entry.bytes for entry in removed))}; "
+        f"{len(left)} left, {_megabytes(sum(entry.bytes for entry in left))}"
+    )
+    return 0
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MiB"
 
 
 def _load_engine(args: argparse.Namespace, model: str) -> Any:
@@ -553,7 +631,7 @@ def _answer(
             "stats": doc.stats.to_dict(),
         }
         if isinstance(failure, KeyboardInterrupt):
-            print("infokv-rag: interrupted", file=sys.stderr)
+            say_interrupted("infokv-rag")
             payload["error"] = INTERRUPTED
         elif failure is not None:
             print(f"infokv-rag: error: {failure}", file=sys.stderr)
@@ -654,6 +732,15 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 
 INTERRUPTED = {"type": "KeyboardInterrupt", "message": "interrupted"}
+
+
+def say_interrupted(name: str) -> None:
+    """Tells stderr that `name` was interrupted, on a line of its own: on a terminal a progress bar or an answer may
+    have been mid-line when Ctrl-C came ("...tokens startinginfokv-rag: interrupted")."""
+    line_break = "\n" if sys.stderr.isatty() else ""
+    print(f"{line_break}{name}: interrupted", file=sys.stderr)
+
+
 """The error `--json` prints for Ctrl-C (SIGINT)."""
 INTERRUPTED_EXIT = 130
 """The exit code after Ctrl-C: 128 + SIGINT, as a shell reports for a Unix tool it interrupts."""
@@ -703,9 +790,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = given[: given.index("--")] if "--" in given else given  # after "--", "--json" is a question
     args = build_parser(json_errors="--json" in options).parse_args(given)
     args.verbose = getattr(args, "verbose", False)
-    # An answer or question a stdout cannot encode (PYTHONIOENCODING=ascii) is escaped, not a traceback mid-answer.
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(errors="backslashreplace")
+    # An answer or question a stdout cannot encode (PYTHONIOENCODING=ascii) is escaped, not a traceback mid-answer;
+    # for this run only (a program calling main keeps its stdout as it was).
+    stdout = sys.stdout if isinstance(sys.stdout, io.TextIOWrapper) else None
+    encoding_errors = None if stdout is None else stdout.errors
+    if stdout is not None:
+        stdout.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     shown, warnings.showwarning = warnings.showwarning, _show_warning
 
@@ -716,12 +806,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_reporting(lambda: _run(args), "infokv-rag", as_json)
     except KeyboardInterrupt:
-        print("infokv-rag: interrupted", file=sys.stderr)
+        say_interrupted("infokv-rag")
         if getattr(args, "json", False):
             print(json.dumps({"error": INTERRUPTED}))
         return INTERRUPTED_EXIT
     finally:
         warnings.showwarning = shown
+        if stdout is not None:
+            with contextlib.suppress(OSError, ValueError):  # it flushes first: a pipe closed early, a stdout closed
+                stdout.reconfigure(errors=encoding_errors)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ among the document's (`information_rank`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,7 +108,7 @@ def _decode(
     budget: int,
     usage: Usage,
     assembler: TextAssembler,
-) -> Iterator[str]:
+) -> Generator[str, None, None]:
     engine = document.engine
     runner = engine.runner
     n = document.cache.document_tokens

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import re
+import shlex
 import stat
 import unicodedata
 import warnings
@@ -449,6 +450,10 @@ def _read_text(data: bytes) -> tuple[str | None, tuple[int, ...]]:
     stray = _utf8_with_stray_bytes(data)
     if stray is not None:
         return stray
+    if _mostly_utf8(data) is not None:
+        # UTF-8 by majority, but for bytes that are no few stray characters: a legacy encoding's reading (charset
+        # detection may find one, "dÃĐlai" in ISO-8859-10) would garble every accented letter. Refused (`_describe`).
+        return None, ()
     return _decode_legacy(data), ()
 
 
@@ -866,7 +871,8 @@ def _clean_page_text(text: str) -> str:
 def _repair_hint(name: str) -> str:
     return (
         "Download or export it again; if that is impossible, try repairing it, "
-        f"e.g. `qpdf {name} repaired.pdf` or `mutool clean {name} repaired.pdf`, and load the repaired file."
+        f"e.g. `qpdf {shlex.quote(name)} repaired.pdf` or `mutool clean {shlex.quote(name)} repaired.pdf`, and load "
+        "the repaired file."
     )
 
 
@@ -897,7 +903,8 @@ def _unended(data: bytes, name: str) -> str:
         f"{name} does not end as a PDF: {len(data) - end} bytes that are no part of a PDF follow its last %%EOF "
         f"marker, more than the {_EOF_WINDOW} that viewers read past (bytes appended to the file, such as a mail "
         "gateway's banner, or what is left of a file cut short). If the file is whole, remove them "
-        f"(`head -c {end} {name} > trimmed.pdf`) and load the trimmed file; otherwise download or export it again."
+        f"(`head -c {end} {shlex.quote(name)} > trimmed.pdf`) and load the trimmed file; otherwise download or export "
+        "it again."
     )
 
 
@@ -937,7 +944,7 @@ def _open_pdf(data: bytes, name: str, password: str | None) -> PdfReader:
         raise EncryptedPDFError(
             f"{name} uses an encryption scheme that cannot be opened here ({pypdf_detail(exc)}). "
             "Remove the encryption with the tool that made it, or e.g. "
-            f"`qpdf --password=... --decrypt {name} decrypted.pdf`, and load the decrypted file."
+            f"`qpdf --password=... --decrypt {shlex.quote(name)} decrypted.pdf`, and load the decrypted file."
         ) from exc
     except Exception as exc:
         raise CorruptPDFError(
@@ -1129,6 +1136,6 @@ def labels_told_apart(numbers: Sequence[int], labels: Sequence[str | None], plac
 
 def _ocr_command(name: str, *options: str) -> str:
     """An ocrmypdf command line that writes an OCR'd copy of `name` beside it (`--skip-text`: OCR only the pages
-    without text, which ocrmypdf otherwise refuses)."""
+    without text, which ocrmypdf otherwise refuses); quoted for a shell, as every command a message suggests."""
     out = Path(name).with_name(Path(name).stem + "-ocr.pdf")
-    return " ".join(["ocrmypdf", *options, name, str(out)])
+    return shlex.join(["ocrmypdf", *options, name, str(out)])

@@ -23,6 +23,7 @@ from .documents import Document, document_from_text, load_document, text_as_read
 from .errors import AnswerRoom, AnswerRoomError, ConfigError, ContextLengthError, ModelError
 from .generation import DEFAULT_MAX_NEW_TOKENS
 from .ingestion import Ingestion, ProgressCallback
+from .kernels import KernelBackendError, check_kernel_backend
 from .model_runner import ModelRunner
 from .models import files_stamp, loaded_model_fingerprint, resolve_model
 from .placement import resolve_placement
@@ -69,6 +70,10 @@ class InfoKVEngine:
         self.model_dir = model_dir
         self.name = name
         self.runner = ModelRunner(model)
+        try:
+            check_kernel_backend(self.runner.device)
+        except KernelBackendError as exc:
+            raise ConfigError(str(exc)) from None  # before any work, not at the first kernel call deep into a job
         self.prompt = PromptFormat(tokenizer)
         self._fingerprint = fingerprint
         # One forward pass at a time; separate answers interleave step by step. The service swaps in a fair lock.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,16 +199,32 @@ class Usage:
 
 
 class Generation:
-    """An answer being generated: iterate for text pieces; `usage` is complete once exhausted."""
+    """An answer being generated: iterate for text pieces; `usage` is complete once exhausted.
 
-    def __init__(self, pieces: Iterator[str], usage: Usage, token_ids: list[int]) -> None:
+    It is its own iterator (one answer, read once, in whatever steps the caller takes): `text()` gives the whole
+    answer whatever was iterated before, as often as it is called. `close()` stops generating and frees the answer's
+    working cache at once (an abandoned one frees it when it is collected)."""
+
+    def __init__(self, pieces: Generator[str, None, None], usage: Usage, token_ids: list[int]) -> None:
         self._pieces = pieces
+        self._given: list[str] = []
         self.usage = usage
         self.token_ids = token_ids
         """Generated token ids (without the end-of-turn token), filled as the answer is generated."""
 
     def __iter__(self) -> Iterator[str]:
-        return self._pieces
+        return self
+
+    def __next__(self) -> str:
+        piece = next(self._pieces)
+        self._given.append(piece)
+        return piece
 
     def text(self) -> str:
-        return "".join(self._pieces)
+        """The whole answer: what was iterated already and the rest, generated now."""
+        self._given.extend(self._pieces)
+        return "".join(self._given)
+
+    def close(self) -> None:
+        """Stops generating: `text()` is then what was generated before."""
+        self._pieces.close()

@@ -192,6 +192,11 @@ class Ingestion:
     @torch.inference_mode()
     def run(self, progress: ProgressCallback | None) -> IngestionResult:
         cache = self.runner.new_cache()
+        if PREDICTED_RECONSTRUCTION in self.scorer.signals:
+            with self.engine.lock:
+                # A model's first ingestion fits its surrogate (minutes) before the reading starts, so that the
+                # reading's progress, its rate and what is left, count the reading alone.
+                _ = self.engine.reconstruction_surrogate
         if progress is not None:  # before the first chunk, which may take minutes on a CPU
             progress(0, self.n)
         for start, end in chunk_bounds(self.n, self.config.chunk_size, self.config.window):

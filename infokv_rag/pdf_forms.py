@@ -27,6 +27,7 @@ from __future__ import annotations
 import html
 import math
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -253,11 +254,19 @@ def _place(value: Filled, located: Sequence[_Located], values: Sequence[Filled])
         right = [item for item in row if item.fragment.x >= x1 - _ROW_TOLERANCE]
         if right:
             return min(right, key=lambda item: item.fragment.x).start, True
-    between = [
-        other.box
-        for other in values
-        if other is not value and other.box[2] <= x0 and other.box[1] <= y1 and y0 <= other.box[3]
+    in_row = [other.box for other in values if other is not value and other.box[1] <= y1 and y0 <= other.box[3]]
+    # In a right-to-left form (Hebrew, Arabic) a label stands to the right of its box: the nearest text there, when
+    # it is written right to left and no other box stands between.
+    right = [
+        item
+        for item in row
+        if item.fragment.x >= x1 - _ROW_TOLERANCE and not any(x1 <= box[0] < item.fragment.x for box in in_row)
     ]
+    if right:
+        nearest = min(right, key=lambda item: item.fragment.x)
+        if _right_to_left(nearest.fragment.text):
+            return nearest.end, False
+    between = [box for box in in_row if box[2] <= x0]
     left = [item for item in row if item.fragment.x < x0 and not any(item.fragment.x < box[0] for box in between)]
     if left:
         return max(left, key=lambda item: item.fragment.x).end, False
@@ -270,6 +279,13 @@ def _place(value: Filled, located: Sequence[_Located], values: Sequence[Filled])
         # The nearest line above, and on it the last fragment, so that the value follows the whole label.
         return min(above, key=lambda item: (item.fragment.y, -item.fragment.x)).end, False
     return None
+
+
+def _right_to_left(text: str) -> bool:
+    """Whether most of the letters of `text` are of a right-to-left script (Unicode's bidirectional classes R, AL)."""
+    classes = [unicodedata.bidirectional(char) for char in text]
+    strong = sum(kind in ("L", "R", "AL") for kind in classes)
+    return strong > 0 and 2 * sum(kind in ("R", "AL") for kind in classes) > strong
 
 
 def _already_drawn(value: Filled, fragments: Sequence[Fragment]) -> bool:

@@ -39,8 +39,10 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
+import re
 import shutil
 import stat
 import struct
@@ -1066,12 +1068,35 @@ class StoreWriteWarning(UserWarning):
     """A `CacheStore` could not save a document it read (a full disk, a directory made read-only meanwhile)."""
 
 
+@dataclass(frozen=True)
+class StoredEntry:
+    """One cache in a `CacheStore`: its directory, the bytes of its files, when it was last stored or reused
+    (seconds since the epoch), and what its manifest names (None where it cannot be read: a damaged entry, which
+    the next `ingest` of its document replaces)."""
+
+    path: Path
+    bytes: int
+    last_used: float
+    source: str | None
+    model: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "last_used": self.last_used,
+            "source": self.source,
+            "model": self.model,
+        }
+
+
 class CacheStore:
     """Saved caches keyed by (document sha256, model fingerprint, compression config, the method's revision).
 
     Ingesting the same file again with the same model and config loads the stored cache instead of
     prefilling; a stored entry that fails verification (or its load in any other way), or that holds other text
     than the file reads as now (saved by a release that read PDFs otherwise), is replaced by a fresh ingestion.
+    Nothing is removed by itself: `prune` removes the entries least recently used.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -1131,6 +1156,8 @@ class CacheStore:
                     # A save of this entry killed before it was stored left its directory, which no later save
                     # of a key that is stored sweeps: its reuse does.
                     _sweep_leftovers(path)
+                    with contextlib.suppress(OSError):  # a store on a read-only medium is still read
+                        os.utime(path)  # its last use, which `prune` removes the least recent of first
                     return stored, True
         compressed = engine.ingest_document(document, config, progress=progress)
         try:
@@ -1151,6 +1178,96 @@ class CacheStore:
         stored = loaded_back(compressed, functools.partial(engine.load, path))
         stored.config = config
         return stored, False
+
+    def entries(self) -> list[StoredEntry]:
+        """The caches stored here, least recently used first. Only directories named as the store names its
+        entries and holding nothing but a cache's files are entries: anything else under the root is not listed
+        (nor ever removed by `prune`), nor is a save still being written."""
+        try:
+            with os.scandir(self.root) as scanned:
+                named = [entry for entry in scanned if _ENTRY_NAME.fullmatch(entry.name)]
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in named:
+            try:
+                if not entry.is_dir(follow_symlinks=False) or not _holds_only_cache_files(entry.path):
+                    continue
+                path = Path(entry.path)
+                size = sum(file.stat().st_size for file in path.iterdir())
+                found.append(StoredEntry(path, size, entry.stat(follow_symlinks=False).st_mtime, *_named_in(path)))
+            except OSError:
+                continue  # removed meanwhile (another process's prune), or unreadable: not an entry to count
+        return sorted(found, key=lambda stored: (stored.last_used, stored.path.name))
+
+    def prune(
+        self, *, max_bytes: int | None = None, unused_for: float | None = None, dry_run: bool = False
+    ) -> list[StoredEntry]:
+        """Removes the entries not used (stored or reused by `ingest`) for `unused_for` seconds, then the least
+        recently used ones until the rest hold at most `max_bytes`; returns those removed (with `dry_run`, those
+        it would remove, removing nothing). Each goes in one step, renamed aside before its files are deleted, so
+        that a process loading it meanwhile reads it whole or finds nothing and reads its document again. Also
+        sweeps what saves and removals killed an hour ago or more left (a younger one may be a save running now).
+        At least one of the two limits is needed."""
+        if max_bytes is None and unused_for is None:
+            raise ConfigError("prune needs max_bytes or unused_for (or both): nothing says which entries to remove")
+        for name, limit in (("max_bytes", max_bytes), ("unused_for", unused_for)):
+            if limit is not None and (
+                isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit < math.inf
+            ):
+                raise ConfigError(f"{name} must be a number at least 0, got {limit!r}")
+        entries = self.entries()
+        cutoff = -math.inf if unused_for is None else time.time() - unused_for
+        removed = [entry for entry in entries if entry.last_used < cutoff]
+        held = sum(entry.bytes for entry in entries) - sum(entry.bytes for entry in removed)
+        for entry in entries[len(removed) :]:
+            if max_bytes is None or held <= max_bytes:
+                break
+            removed.append(entry)
+            held -= entry.bytes
+        if not dry_run:
+            for entry in removed:
+                _remove_entry(entry.path)
+            self._sweep_leftovers()
+        return removed
+
+    def _sweep_leftovers(self) -> None:
+        """Removes what saves and removals of any entry, killed an hour ago or more, left (`_sweep_leftovers`)."""
+        try:
+            with os.scandir(self.root) as scanned:
+                keys = {match[1] for entry in scanned if (match := _LEFTOVER_NAME.match(entry.name))}
+        except OSError:
+            return
+        for key in sorted(keys):
+            _sweep_leftovers(self.root / key)
+
+
+_ENTRY_NAME = re.compile("[0-9a-f]{32}")
+"""The name `CacheStore.key` gives an entry's directory."""
+_LEFTOVER_NAME = re.compile(r"\.([0-9a-f]{32})\.(?:saving|old)-")
+"""The start of the name of a directory that a save or removal of an entry writes beside it (`_sweep_leftovers`)."""
+
+
+def _named_in(entry: Path) -> tuple[str | None, str | None]:
+    """The document source and model name a stored entry's manifest records; (None, None) where it is unreadable."""
+    try:
+        manifest = read_manifest(entry)
+        source, model = manifest["document"].get("source"), manifest["model"].get("name")
+    except (CacheStoreError, OSError, AttributeError, KeyError, TypeError):
+        return None, None
+    return (source if isinstance(source, str) else None), (model if isinstance(model, str) else None)
+
+
+def _remove_entry(entry: Path) -> None:
+    """Removes a stored entry: renamed to a retired directory (a leftover that `_sweep_leftovers` knows, should the
+    removal be cut short), then deleted."""
+    retired = make_temporary_directory(entry.parent, retired_prefix(entry))
+    try:
+        os.replace(entry, retired)
+    except FileNotFoundError:
+        retired.rmdir()  # removed meanwhile by another prune
+        return
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def loaded_back(document: CompressedDocument, load: Callable[[], CompressedDocument]) -> CompressedDocument:

@@ -158,6 +158,8 @@ def fit_surrogate(
     gram = torch.zeros(runner.num_layers, width, width, dtype=torch.float64)
     moment = torch.zeros(runner.num_layers, width, runner.kv_heads, dtype=torch.float64)
     head = prompt.head_tokens
+    if progress is not None:  # before the first document, which takes a minute or more on a CPU
+        progress(0, len(texts))
     for done, text in enumerate(texts):
         ids = torch.tensor(prompt.document_ids(text)[: engine.context_window // 2], device=runner.device)
         capture = _LayerInputs()

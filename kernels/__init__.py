@@ -11,15 +11,23 @@ would otherwise make autograd keep every tile alive, memory O(n x V) instead of 
 
 from .accumulated_attention import TRITON_MAX_HEAD_DIM, accumulated_attention, accumulated_attention_reference
 from .dequantise import code_step, dequantise_keys, dequantise_values
-from .dispatch import get_kernel_backend, kernel_backend, set_kernel_backend
+from .dispatch import (
+    KernelBackendError,
+    check_kernel_backend,
+    get_kernel_backend,
+    kernel_backend,
+    set_kernel_backend,
+)
 from .entropy import TRITON_MAX_TOP_K, predictive_entropy, predictive_entropy_reference, predictive_surprisal
 from .window_attention import group_reduce, window_attention, window_attention_reference
 
 __all__ = [
+    "KernelBackendError",
     "TRITON_MAX_HEAD_DIM",
     "TRITON_MAX_TOP_K",
     "accumulated_attention",
     "accumulated_attention_reference",
+    "check_kernel_backend",
     "code_step",
     "dequantise_keys",
     "dequantise_values",

@@ -35,10 +35,14 @@ _process_backend: str | None = None
 _scoped_backend: ContextVar[str | None] = ContextVar("infokv_kernel_backend", default=None)
 
 
+class KernelBackendError(ValueError):
+    """The backend asked for is unknown, or is "triton" where Triton cannot run."""
+
+
 def _validate(name: str, source: str) -> str:
     normalised = name.strip().lower()
     if normalised not in BACKENDS:
-        raise ValueError(f"{source}: unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
+        raise KernelBackendError(f"{source}: unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
     return normalised
 
 
@@ -94,7 +98,7 @@ def triton_interpreter_active() -> bool:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Decide whether a kernel call on ``tensors`` runs Triton (True) or the reference (False).
 
-    Raises RuntimeError when Triton is forced but cannot run these inputs.
+    Raises KernelBackendError when Triton is forced but cannot run these inputs.
     """
     backend = get_kernel_backend()
     if backend == "torch":
@@ -102,11 +106,25 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "auto":
         return on_cuda and triton_available()
+    _check_forced_triton(on_cuda)
+    return True
+
+
+def check_kernel_backend(device: torch.device) -> str:
+    """The backend in force, checked before any work on `device`: KernelBackendError for an unknown name (a
+    misspelt ``INFOKV_KERNELS`` is otherwise found only at the first kernel call, deep into a job) or a forced
+    "triton" that cannot run there."""
+    backend = get_kernel_backend()
+    if backend == "triton":
+        _check_forced_triton(device.type == "cuda")
+    return backend
+
+
+def _check_forced_triton(on_cuda: bool) -> None:
     if not triton_available():
-        raise RuntimeError("kernel backend 'triton' was forced but the triton package is not installed")
+        raise KernelBackendError("kernel backend 'triton' was forced but the triton package is not installed")
     if not on_cuda and not triton_interpreter_active():
-        raise RuntimeError(
+        raise KernelBackendError(
             "kernel backend 'triton' was forced for CPU tensors; Triton runs them only in its interpreter: "
             "set TRITON_INTERPRET=1 before triton is first imported, or use backend 'auto'/'torch'"
         )
-    return True

@@ -626,6 +626,23 @@ def test_progress_bar_formats(tmp_path: Path) -> None:
     assert silent.getvalue() == ""
 
 
+def test_progress_bar_times_the_work_from_its_start_not_from_its_making(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bar made before a surrogate's fit (90 s) counted the fit in the reading's rate: 21 tok/s where it read 140."""
+    import io
+
+    from infokv_rag import cli
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    stream = io.StringIO()
+    bar = cli.ProgressBar("reading doc.pdf", enabled=True, stream=stream)
+    clock[0] += 90.0  # the fit, before the reading's first update
+    bar(0, 4096)
+    clock[0] += 2.0
+    bar(2048, 4096)
+    assert stream.getvalue().splitlines()[1].endswith("2048/4096 tokens 1,024 tok/s ETA 2s")
+
+
 def test_progress_bar_on_a_terminal_blanks_what_a_longer_line_left(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
@@ -652,8 +669,10 @@ def test_calibrate_fits_the_surrogate_once_and_keeps_it(random_model_dir: Path, 
     report = json.loads(first.stdout)
     cached = Path(report["cached"])
     assert cached.parent == tmp_path / "surrogates" and cached.is_file()
-    # A fit made because there is none yet shows its progress as --refit does (it takes minutes on a real model).
+    # A fit made because there is none yet shows its progress as --refit does (it takes minutes on a real model),
+    # from before its first document; the model's loading draws no bar of transformers' into a pipe.
     assert "fitting the reconstruction surrogate" in first.stderr and "3/3 documents" in first.stderr, first.stderr
+    assert "0/3 documents starting" in first.stderr and "Loading weights" not in first.stderr, first.stderr
     fit_lines = [line for line in first.stderr.splitlines() if "surrogate" in line]
     assert fit_lines and not any("tok" in line for line in fit_lines), "a fit counts documents, not tokens"
     stamp = cached.stat().st_mtime_ns
@@ -842,3 +861,55 @@ def test_examples_take_keep_as_a_token_count(tmp_path: Path, random_model_dir: P
         cache_dir=tmp_path,
     )
     assert answered.returncode == 0, answered.stderr[-2000:]
+
+
+def test_prune_removes_stored_caches_as_told_and_refuses_without_a_limit(
+    random_engine: Any, tmp_path: Path, cli_in_process: CliRunner
+) -> None:
+    from infokv_rag.documents import document_from_text
+    from infokv_rag.store import CacheStore
+
+    store = CacheStore(tmp_path / "cache" / "documents")
+    config = CompressionConfig(keep=0.25)
+    for text in (TEXT, " ".join(CORPUS)):
+        store.ingest(random_engine, document_from_text(text), config)
+    [older, newer] = store.entries()
+    os.utime(older.path, (older.last_used - 86400 * 3,) * 2)
+
+    assert_clean_failure(cli_in_process("prune", cache_dir=tmp_path / "cache"), "--max-size or --unused-for")
+    usage = cli_in_process("prune", "--max-size", "2X", cache_dir=tmp_path / "cache")
+    assert usage.returncode == 2 and "a size is a number of bytes" in usage.stderr
+    dry = cli_in_process("prune", "--unused-for", "1", "--dry-run", "--json", cache_dir=tmp_path / "cache")
+    listed = json.loads(dry.stdout)
+    assert dry.returncode == 0 and [entry["path"] for entry in listed["removed"]] == [str(older.path)]
+    assert listed["left"] == {"entries": 1, "bytes": newer.bytes} and older.path.is_dir()
+    done = cli_in_process("prune", "--unused-for", "1", cache_dir=tmp_path / "cache")
+    assert done.returncode == 0 and f"removed {older.path} (" in done.stdout and "1 left" in done.stdout
+    assert not older.path.exists() and newer.path.is_dir()
+    emptied = cli_in_process("prune", "--max-size", "0", "--store", str(store.root), cache_dir=tmp_path / "other")
+    assert emptied.returncode == 0 and "removed 1 cache(s)" in emptied.stdout and store.entries() == []
+
+
+def test_main_run_in_process_leaves_the_callers_stdout_as_it_was(tmp_path: Path, cli_in_process: CliRunner) -> None:
+    before = sys.stdout.errors
+    assert before != "backslashreplace"
+    result = cli_in_process("prune", "--max-size", "0", "--store", str(tmp_path / "store"), cache_dir=tmp_path)
+    assert result.returncode == 0 and "removed 0 cache(s)" in result.stdout
+    assert sys.stdout.errors == before
+
+
+def test_an_interruption_is_told_on_a_line_of_its_own_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C mid-bar or mid-answer printed "...tokens startinginfokv-rag: interrupted"; into a pipe or a log the
+    message stays its own first line, as scripts read it."""
+    import io
+
+    from infokv_rag import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, told in ((Terminal(), "\ninfokv-rag: interrupted\n"), (io.StringIO(), "infokv-rag: interrupted\n")):
+        monkeypatch.setattr(sys, "stderr", stream)
+        cli.say_interrupted("infokv-rag")
+        assert stream.getvalue() == told

@@ -6,6 +6,8 @@ import hashlib
 import io
 import logging
 import os
+import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -213,6 +215,19 @@ def test_image_only_pdf_needs_ocr(tmp_path: Path, signed: bool) -> None:
         pdfs.add_free_text(path, "Dana Whitcombe")
     message = _refusal(NoExtractableTextError, path)
     assert "scan.pdf" in message and "OCR" in message and "ocrmypdf" in message and "2 page" in message
+
+
+def test_a_command_a_refusal_suggests_names_the_file_as_one_word_of_a_shell(tmp_path: Path) -> None:
+    """A path pasted into a suggested command as it is named split at its spaces ("Vertrag 2024.pdf" named two other
+    files), and a name holding a ";" ran what followed it."""
+    data = pdfs.text_pdf_bytes(PAGES)
+    for name in ("Vertrag 2024.pdf", "a;id;.pdf"):
+        cut = tmp_path / name
+        cut.write_bytes(data[: len(data) * 2 // 3])
+        scan = pdfs.image_only_pdf(tmp_path / f"Scan {name}")
+        for error, path in ((CorruptPDFError, cut), (NoExtractableTextError, scan)):
+            for command in re.findall(r"`([^`]+)`", _refusal(error, path)):
+                assert str(path) in shlex.split(command), command
 
 
 def test_a_pdf_cut_inside_an_appended_update_is_truncated_not_its_older_revision(tmp_path: Path) -> None:
@@ -1190,6 +1205,16 @@ def test_stray_bytes_side_by_side_undefined_or_outnumbering_the_utf8_are_not_rea
         path.write_bytes(clause + bad + clause)
         message = _refusal(UnsupportedFormatError, path)
         assert f"UTF-8 text except for {count} not UTF-8 (the first at byte offset {len(clause)})" in message, bad
+    # A UTF-8 text with a word pasted from cp1252 (two accented letters side by side), a Java NUL (C0 80), or an
+    # emoji cut at its end: charset detection read the whole file as ISO-8859-10 ("dÃĐlai"), garbling every letter.
+    french = "Le délai de préavis est de trente jours. Le dépôt de garantie s'élève à mille euros. "
+    for damaged in (
+        french.encode() + "la réévaluation".encode("cp1252") + b" " + french.encode(),
+        (french * 2).encode() + b"\xc0\x80" + french.encode(),
+        (french * 3).encode() + "\N{THUMBS UP SIGN}".encode()[:3],
+    ):
+        path.write_bytes(damaged)
+        assert "is UTF-8 text except for" in _refusal(UnsupportedFormatError, path), damaged[-40:]
     # Western cp1252 text in which two bytes happen to form a UTF-8 character ("ß“" is U+07D3): its letters that
     # stand alone outnumber it, so it stays cp1252, as before.
     text = "Der \u201eGru\u00df\u201c aus K\u00f6ln kostet 5 \u20ac."

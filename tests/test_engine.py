@@ -1040,3 +1040,57 @@ def test_a_generated_token_ranks_by_its_surprisal_among_the_documents(random_eng
     logits[5] = 8.0
     expected, unexpected = (float(decoding.information_rank(doc, logits, token)) for token in (5, 6))
     assert 0.0 <= expected < unexpected <= 1.0
+
+
+def test_a_generation_gives_its_whole_text_after_part_was_read_and_stops_when_closed(
+    random_engine: InfoKVEngine,
+) -> None:
+    doc = random_engine.ingest_text(TEXT, CompressionConfig(keep=0.25))
+    turns = question_turns("What is the notice period?")
+    whole = doc.generate(turns, GenerationOptions(max_new_tokens=6)).text()
+    generation = doc.generate(turns, GenerationOptions(max_new_tokens=6))
+    first = next(generation)
+    assert first and whole.startswith(first)
+    assert generation.text() == whole and generation.text() == whole
+    assert list(generation) == [] and generation.usage.completion_tokens == 6
+    stopped = doc.generate(turns, GenerationOptions(max_new_tokens=6))
+    next(stopped)
+    stopped.close()
+    assert list(stopped) == [] and stopped.usage.completion_tokens < 6
+
+
+def test_an_engine_refuses_a_kernel_backend_that_cannot_run_before_any_work(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt INFOKV_KERNELS was found at the first kernel call (after a prefill, or at the first answer of a
+    cache in codes) as a bare ValueError, and the CLI printed a traceback; the default method on a CPU never read it."""
+    from infokv_rag import kernels
+
+    monkeypatch.setenv("INFOKV_KERNELS", "cuda")
+    with pytest.raises(ConfigError, match="INFOKV_KERNELS: unknown kernel backend 'cuda'"):
+        InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+    monkeypatch.setenv("INFOKV_KERNELS", "triton")
+    monkeypatch.setattr(kernels.dispatch, "triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(kernels.dispatch, "triton_available", lambda: True)
+    with pytest.raises(ConfigError, match="forced for CPU tensors"):
+        InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+    monkeypatch.setenv("INFOKV_KERNELS", " Torch ")
+    assert InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu").runner.device.type == "cpu"
+
+
+def test_a_models_first_reading_fits_its_surrogate_before_the_readings_progress_starts(
+    random_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fit (minutes on a real model) ran inside the first chunk, so the reading's rate and time left counted it:
+    an ETA of 265 s for a reading that took 38 s."""
+    from infokv_rag.surrogate import fit_progress
+
+    monkeypatch.setenv("INFOKV_CACHE_DIR", str(tmp_path))  # no fit cached for this model here
+    engine = InfoKVEngine.from_pretrained(str(random_model_dir), device="cpu")
+    events: list[tuple[str, int, int]] = []
+    with fit_progress(lambda done, total: events.append(("fit", done, total))):
+        engine.ingest_text(TEXT, progress=lambda done, total: events.append(("read", done, total)))
+    fits = [event for event in events if event[0] == "fit"]
+    assert fits[0] == ("fit", 0, 3) and fits[-1] == ("fit", 3, 3)
+    assert events.index(fits[-1]) < events.index(next(event for event in events if event[0] == "read"))
+    assert events[len(fits)][1] == 0

@@ -102,6 +102,29 @@ def test_citations_match_whole_words() -> None:
 
 
 @pytest.mark.parametrize(
+    ("first", "second", "answer"),
+    [
+        ("Die Verzugszinsen betragen 0,5 % pro Monat.", "Die Vertragsstrafe beträgt 5 % des Auftragswerts.", "5 %"),
+        ("Le dépôt est de 1\u202f500 € à la signature.", "Les frais sont de 500 € à la signature.", "500 €"),
+        ("The deposit is EUR 1 500, paid on signing.", "The fee is EUR 500, paid on signing.", "EUR 500"),
+        ("رسوم ١٬٥٠٠ دينار عند التوقيع.", "رسوم ٥٠٠ دينار عند التوقيع.", "٥٠٠ دينار"),
+        ("Zinsen: 1,25 % jährlich.", "Zinsen: 25 % bei Verzug.", "25 %"),
+    ],
+)
+def test_a_figure_is_not_cited_from_inside_a_number_written_as_another_language_writes_it(
+    first: str, second: str, answer: str
+) -> None:
+    """A decimal comma and digits grouped by spaces split a number in two words: "5 %" was found in "0,5 %", "500"
+    in "1 500", and the page of the larger figure was cited."""
+    document = document_from_pages([(1, first), (2, second)])
+    assert [index for index, _ in supporting_pages(document, answer, "")] == [1]
+    # The same figure written either way is found: an answer given as "7,400" on a page that writes "7 400".
+    amounts = document_from_pages([(1, "Intro."), (2, "Die Miete beträgt 7\u00a0400 EUR."), (3, "0,5 und 1,5.")])
+    assert [index for index, _ in supporting_pages(amounts, "7,400 EUR", "")] == [1]
+    assert [index for index, _ in supporting_pages(amounts, "1.5", "")] == [2]
+
+
+@pytest.mark.parametrize(
     ("pages", "answer", "question"),
     [
         (  # Cyrillic: the figure alone ("30") is on the first page too, the answer's words only on the second

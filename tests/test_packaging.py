@@ -90,3 +90,25 @@ def test_a_missing_extra_is_named_when_its_module_is_imported(missing: str, modu
     code = BLOCKER.format(missing=missing, module=module)
     printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert f"pip install 'infokv-rag[{extra}]'" in printed, printed
+
+
+def test_every_public_name_resolves_and_the_package_imports_no_torch_until_one_is_used() -> None:
+    """What a user imports from `infokv_rag` (README's snippets: Document, Generation, Usage, StoreWriteWarning,
+    load_document beside the engine) is there, each the object of its own module, and importing the package alone
+    stays light, so the command line can refuse a bad document at once."""
+    code = (
+        "import sys, importlib, infokv_rag\n"
+        "light = 'torch' not in sys.modules\n"
+        "names = sorted(infokv_rag.__all__)\n"
+        "assert names == sorted(set(names)), 'a name listed twice'\n"
+        "assert {'Document', 'Generation', 'Usage', 'StoreWriteWarning', 'load_document'} <= set(names)\n"
+        "for name in names:\n"
+        "    value = getattr(infokv_rag, name)\n"
+        "    module = importlib.import_module(value.__module__)\n"
+        "    assert getattr(module, name) is value, name\n"
+        "assert set(names) <= set(dir(infokv_rag))\n"
+        "print(light)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"

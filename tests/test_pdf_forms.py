@@ -197,3 +197,15 @@ def test_radio_buttons_without_a_state_of_their_own_are_on_only_for_the_fields_v
         kid[NameObject("/Parent")] = group
         kids.append(kid)
     assert [value.shown for value in filled_values(_page_with(writer, *kids))] == ["[x]", "[ ]"]
+
+
+def test_a_right_to_left_forms_values_follow_the_labels_on_their_right() -> None:
+    """In Hebrew or Arabic a label stands right of its box; to the box's left is the next field's label. Every value
+    went to the end of the page under its field's name, or after the wrong label."""
+    fragments = [Fragment("דמי מנוי חודשיים:", 430, 730), Fragment("תאריך התחלה:", 200, 730)]
+    values = [Filled("USD 7,400", (300, 725, 420, 743), "fee"), Filled("1.3.2026", (70, 725, 190, 743), "start")]
+    assert with_filled_values("דמי מנוי חודשיים: תאריך התחלה:", fragments, values) == (
+        "דמי מנוי חודשיים: USD 7,400 תאריך התחלה: 1.3.2026"
+    )
+    arabic = [Fragment("الرسوم الشهرية:", 430, 730)]
+    assert with_filled_values("الرسوم الشهرية:", arabic, values[:1]) == "الرسوم الشهرية: USD 7,400"

@@ -813,6 +813,25 @@ def test_a_body_that_is_not_utf8_json_is_one_clear_400_on_every_route(client: Te
     assert error["message"].endswith("more"), error
 
 
+def test_a_file_name_encoded_as_the_multipart_standards_allow_is_read(client: TestClient) -> None:
+    """aiohttp percent-encodes a file name (RFC 7578 4.2), which was listed as "E5_90_88_E5_90_8C.txt"; a part that
+    names its file only with RFC 5987's `filename*` (urllib3 1.x, some Java clients) was read as a text field, and
+    the upload refused as holding no file."""
+    multipart = {**A1, "content-type": "multipart/form-data; boundary=B"}
+    for disposition, listed in (
+        (b'filename="%E5%90%88%E5%90%8C%20Gr%C3%B6%C3%9Fe.txt"', "合同 Größe.txt"),
+        (b"filename*=UTF-8''%E5%90%88%E5%90%8C.txt", "合同.txt"),
+        (b"filename=\"fallback.txt\"; filename*=utf-8''D%C3%A9lai.txt", "Délai.txt"),
+        (b"filename*=iso-8859-1''D%E9lai.txt", "Délai.txt"),
+        (b'filename="50%.txt"', "50.txt"),  # no escape: the name as sent, made safe
+    ):
+        head = b'--B\r\nContent-Disposition: form-data; name="file"; ' + disposition + b"\r\n\r\n"
+        sent = client.post("/v1/documents", content=head + SECRET + b"\r\n--B--\r\n", headers=multipart)
+        assert sent.status_code == 202, sent.text
+        assert sent.json()["filename"] == listed
+        assert wait_settled(client, sent.json()["id"], A1)["status"] == "ready"
+
+
 def test_a_multipart_upload_cut_short_or_malformed_is_400_and_keeps_nothing(client: TestClient, tmp_path: Path) -> None:
     """Starlette takes a multipart body that ends before its closing boundary for a whole one without the part
     it was in (the file: then a 422 `missing_file`), or with it (a file that may be cut). Either is refused as a

@@ -35,6 +35,7 @@ from infokv_rag import (
     CacheUnreadableError,
     CompressedDocument,
     CompressionConfig,
+    ConfigError,
     InfoKVEngine,
     scorers,
 )
@@ -1444,3 +1445,62 @@ def test_a_stored_entry_reused_sweeps_what_a_killed_save_of_it_left(
     old = time.time() - 2 * store_module.STALE_SECONDS
     os.utime(left, (old, old))
     assert store.ingest(random_engine, document)[1] and not left.exists() and (entry / "manifest.json").is_file()
+
+
+def test_prune_removes_the_least_recently_used_caches_and_nothing_else(
+    random_engine: InfoKVEngine, tmp_path: Path
+) -> None:
+    store = CacheStore(tmp_path / "store")
+    config = CompressionConfig(keep=0.25)
+    texts = {"old": TEXT_A, "middle": TEXT_B, "new": " ".join(CORPUS)}
+    paths = {}
+    for age, (name, text) in zip((30, 20, 10), texts.items(), strict=True):
+        document = replace(document_from_text(text), source=name)
+        store.ingest(random_engine, document, config)
+        paths[name] = store.path_for(random_engine, document, config)
+        stamp = time.time() - age * 86400
+        os.utime(paths[name], (stamp, stamp))
+    # Reuse is a use: the oldest entry, asked about again, is now the most recent.
+    _, reused = store.ingest(random_engine, replace(document_from_text(TEXT_A), source="old"), config)
+    assert reused is True
+    assert [entry.source for entry in store.entries()] == ["middle", "new", "old"]
+    # What is not an entry of the store is never listed nor removed: a user's directory, a file, a save in progress.
+    mine = store.root / ("0" * 32)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (store.root / "README").write_text("mine")
+    sizes = {entry.source: entry.bytes for entry in store.entries()}
+    assert all(size > 0 for size in sizes.values()) and len(sizes) == 3
+
+    with pytest.raises(ConfigError, match="max_bytes or unused_for"):
+        store.prune()
+    with pytest.raises(ConfigError, match="max_bytes must be a number at least 0"):
+        store.prune(max_bytes=-1)
+    would = store.prune(unused_for=15 * 86400, dry_run=True)
+    assert [entry.source for entry in would] == ["middle"] and paths["middle"].is_dir()
+    assert [entry.source for entry in store.prune(unused_for=15 * 86400)] == ["middle"]
+    assert not paths["middle"].exists() and paths["new"].is_dir()
+    # Down to a size: least recently used first, until the rest fit.
+    removed = store.prune(max_bytes=sizes["old"])
+    assert [entry.source for entry in removed] == ["new"]
+    assert [entry.source for entry in store.entries()] == ["old"]
+    # What saves or removals killed left is swept once an hour old, whichever entry it was of; a young one may be a
+    # save running now, and a user's directory of such a name that holds other files is never touched.
+    key = paths["old"].name
+    stale, young = store.root / f".{key}.saving-{'a' * 16}", store.root / f".{'1' * 32}.old-{'b' * 16}"
+    photos = store.root / f".{key}.old-{'c' * 16}"
+    for leftover in (stale, young, photos):
+        shutil.copytree(paths["old"], leftover)
+    (photos / "holiday.jpg").write_bytes(b"mine")
+    for leftover in (stale, photos):
+        os.utime(leftover, (time.time() - STALE_SECONDS - 60,) * 2)
+    assert store.prune(max_bytes=0)[0].path == paths["old"] and store.entries() == []
+    assert not stale.exists() and young.is_dir() and (photos / "holiday.jpg").is_file()
+    shutil.rmtree(young)
+    shutil.rmtree(photos)
+    assert (mine / "notes.txt").read_text() == "mine" and (store.root / "README").is_file()
+    assert sorted(path.name for path in store.root.iterdir()) == sorted([mine.name, "README"])
+    # A pruned document is read again, and stored again, the next time it is asked about.
+    _, reused = store.ingest(random_engine, replace(document_from_text(TEXT_A), source="old"), config)
+    assert reused is False and paths["old"].is_dir()
+    assert CacheStore(tmp_path / "no such store").entries() == []

@@ -8,12 +8,14 @@ itself stops as soon as the text has passed the model's context window.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import itertools
 import logging
 import re
 import shutil
 import unicodedata
+import urllib.parse
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -57,8 +59,13 @@ def _safe_in_a_name(char: str) -> bool:
 def display_name(raw: str | None) -> str:
     """The client's file name reduced to one safe path component of at most `NAME_BYTES` bytes (only ever shown,
     never trusted), with its suffix kept: the upload is staged under it, and the loader reads a `.pdf` as a PDF
-    where it would read another name as text."""
-    name = unicodedata.normalize("NFC", (raw or "").replace("\\", "/").rsplit("/", 1)[-1])
+    where it would read another name as text. A name percent-encoded as RFC 7578 allows (aiohttp sends
+    "%E5%90%88%E5%90%8C.pdf" for "合同.pdf") is decoded where its escapes are UTF-8."""
+    raw = raw or ""
+    if _PERCENT_ESCAPE.search(raw):
+        with contextlib.suppress(UnicodeDecodeError):
+            raw = urllib.parse.unquote(raw, errors="strict")
+    name = unicodedata.normalize("NFC", raw.replace("\\", "/").rsplit("/", 1)[-1])
     kept = ("".join(run) if safe else "_" for safe, run in itertools.groupby(name, _safe_in_a_name))
     stem, dot, suffix = "".join(kept).rpartition(".")
     if not dot or not _SUFFIX.fullmatch(suffix):
@@ -99,6 +106,26 @@ def _copy_limited(source: IO[bytes], target: Path, limit: int) -> int:
     return size
 
 
+_PERCENT_ESCAPE = re.compile("%[0-9A-Fa-f]{2}")
+_EXTENDED_FILENAME = re.compile(rb""";\s*filename\*\s*=\s*"?([^;"\s]+)""", re.IGNORECASE)
+
+
+def _extended_filename(disposition: bytes) -> str | None:
+    """The file name a Content-Disposition gives as `filename*=charset'language'percent-encoded` (RFC 5987), decoded
+    (its charset UTF-8 or ISO-8859-1); None when it gives none, or one that does not decode."""
+    match = _EXTENDED_FILENAME.search(disposition)
+    if match is None:
+        return None
+    charset, _, rest = match[1].decode("ascii", errors="replace").partition("'")
+    _language, quoted, encoded = rest.partition("'")
+    if not quoted or charset.lower() not in ("utf-8", "iso-8859-1"):
+        return None
+    try:
+        return urllib.parse.unquote(encoded, encoding=charset, errors="strict")
+    except UnicodeDecodeError:
+        return None
+
+
 def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
 
@@ -110,9 +137,20 @@ _SEND_MULTIPART = (
 
 class _CheckedMultiPartParser(MultiPartParser):
     """Starlette's multipart parser, which also tells whether the body reached its closing boundary: Starlette
-    takes a body cut before it for a whole one, silently dropping the part it ended in (the file, usually)."""
+    takes a body cut before it for a whole one, silently dropping the part it ended in (the file, usually); and
+    which reads a file named by RFC 5987's `filename*` (python-multipart drops it: a part naming its file only so
+    was read as a text field, and the upload refused as holding no file)."""
 
     complete = False
+
+    def on_headers_finished(self) -> None:
+        disposition = self._current_part.content_disposition or b""
+        extended = _extended_filename(disposition)
+        if extended is not None:
+            self._current_part.content_disposition = disposition + b'; filename=""'  # read as a file
+        super().on_headers_finished()
+        if extended is not None and self._current_part.file is not None:
+            self._current_part.file.filename = extended  # which RFC 6266 prefers to a plain filename
 
     def on_end(self) -> None:  # python-multipart's callback for the closing boundary (`--boundary--`)
         self.complete = True
