@@ -18,20 +18,22 @@ from .evaluation import UNSPACED_CHARACTER, normalize_answer
 
 __all__ = ["supporting_pages"]
 
-_GROUP_SEPARATOR = "[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000\u066c]"
+_GROUP_SEPARATOR = "[\u00a0\u2009\u202f\u066c]"
 _GROUPED_DIGITS = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)")
-"""Digits grouped by thousands with a space of any kind ("1 500", "12\u202f345") or the Arabic separator."""
-_DECIMAL_COMMA = re.compile(r"(?<=\d)(?:,(?!\d{3}(?!\d))|\u066b)(?=\d)")
-"""A comma between digits that is not a thousands separator (one not before exactly three digits: "0,5"), or the
-Arabic decimal separator."""
+"""Digits grouped by thousands with a no-break, thin or narrow no-break space ("1\u202f500") or the Arabic separator.
+Not by a plain space or a tab: figures in a table's row ("250 310 420") or a TSV line stay apart."""
+_DECIMAL_COMMA = re.compile(r"(?<![\d,])(\d+)(?:,|\u066b)(\d{1,2})(?![\d,])")
+"""A figure with a decimal comma ("0,5", "1,25") or the Arabic decimal separator: one comma, one or two digits after
+it, none of a list's ("12,45,7") nor a thousands separator ("7,400")."""
 
 
 def _normalised(text: str) -> str:
     """`normalize_answer(text, unicode=True)` with numbers read as other languages write them (before it splits
-    them at their separators: "5 %" was found in "0,5 %", "500" in "1 500"): digits grouped by spaces are one
-    number, a decimal comma a decimal point. Citations only; the benchmarks' checker reads text as it did."""
+    them at their separators: "5 %" was found in "0,5 %", "500" in "1\u202f500"): digits grouped by no-break
+    spaces are one number, a decimal comma a decimal point. Citations only; the benchmarks' checker reads text as it
+    did."""
     text = _GROUPED_DIGITS.sub(lambda grouped: re.sub(_GROUP_SEPARATOR, "", grouped[0]), text)
-    return normalize_answer(_DECIMAL_COMMA.sub(".", text), unicode=True)
+    return normalize_answer(_DECIMAL_COMMA.sub(r"\1.\2", text), unicode=True)
 
 
 _STOPWORDS = frozenset(

@@ -61,9 +61,10 @@ def _size(value: str) -> int:
         number = float(text[: len(text) - len(unit)])
     except ValueError:
         number = -1.0
-    if not 0 <= number < float("inf"):
+    size = number * _SIZE_UNITS[unit]
+    if not 0 <= size < float("inf"):
         raise argparse.ArgumentTypeError(f"a size is a number of bytes at least 0, like 500M or 2G; not {value!r}")
-    return int(number * _SIZE_UNITS[unit])
+    return int(size)
 
 
 def _days(value: str) -> float:
@@ -71,7 +72,7 @@ def _days(value: str) -> float:
         days = float(value)
     except ValueError:
         days = -1.0
-    if not 0 <= days < float("inf"):
+    if not 0 <= days * 86400 < float("inf"):
         raise argparse.ArgumentTypeError(f"a number of days at least 0, like 30 or 0.5; not {value!r}")
     return days
 

@@ -123,10 +123,12 @@ UNSPACED_CHARACTER = re.compile(
     "\u1780-\u17ff"  # Khmer
     "\u3040-\u30ff"  # Hiragana, Katakana
     "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # Han
+    "\uac00-\ud7a3"  # Hangul syllables
     "]"
 )
 """A character of a script written without spaces between words: `normalize_answer(..., unicode=True)` makes each
-one a word of its own."""
+one a word of its own. Korean has spaces, but between phrases whose particles and endings join the word ("30일입니다",
+"is 30 days"): its syllables are words too, or no answer would be found as words in the text."""
 
 
 def normalize_answer(text: str, *, unicode: bool = False) -> str:
@@ -139,9 +141,9 @@ def normalize_answer(text: str, *, unicode: bool = False) -> str:
     By default only ASCII letters and digits are kept (the benchmarks' answer checker, `answer_matches`, whose
     verdicts must not move). `unicode`: every script's letters, marks and digits are kept, case-folded ("Straße"
     as "strasse"), so that text in Cyrillic or Greek reads as words; ASCII text normalises exactly as by default.
-    A script written without spaces (Chinese, Japanese, Thai: `UNSPACED_CHARACTER`) has no words to find, so each of
-    its characters is a word: "通知期为三十天" -> "通 知 期 为 三 十 天", in which "三十天" is found as the words
-    "三 十 天" and "十" is not found in "三十" by accident of a neighbouring word. Characters rather than a
+    A script written without spaces (Chinese, Japanese, Thai; Korean, `UNSPACED_CHARACTER`) has no words to find, so
+    each of its characters is a word: "通知期为三十天" -> "通 知 期 为 三 十 天", in which "三十天" is found as the
+    words "三 十 天" and "十" is not found in "三十" by accident of a neighbouring word. Characters rather than a
     dictionary's words (a segmenter would be a dependency and guess on legal terms) or n-grams (which a caller
     can build from the characters, as `infokv_rag.citations` does)."""
     # NFKC leaves a minus sign or an en dash before a figure as it is: it is a sign as "-" is (U+2212 10 is not 10).

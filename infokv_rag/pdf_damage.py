@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shlex
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
@@ -353,14 +354,15 @@ def damage_error(name: str, page_count: int, damaged: dict[int, str], missing: M
     if left and missing is not None:
         message += (
             " If no intact copy exists, rebuilding it keeps the pages that are left, e.g. "
-            f"`qpdf {name} repaired.pdf`; load the repaired file knowing that the others are gone."
+            f"`qpdf {shlex.quote(name)} repaired.pdf`; load the repaired file knowing that the others are gone."
         )
     elif left:
         keep = ",".join(_run_text(run) for run in _runs([n for n in range(1, page_count + 1) if n not in damaged]))
         copy = Path(name).with_name(Path(name).stem + "-rest.pdf")
         message += (
             " If no intact copy exists, make one without the damaged pages, e.g. "
-            f"`qpdf {name} --pages . {keep} -- {copy}`, and load that knowing that those pages are left out."
+            f"`{shlex.join(['qpdf', name, '--pages', '.', keep, '--', str(copy)])}`, and load that knowing that "
+            "those pages are left out."
         )
     return CorruptPDFError(message)
 

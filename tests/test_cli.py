@@ -877,8 +877,12 @@ def test_prune_removes_stored_caches_as_told_and_refuses_without_a_limit(
     os.utime(older.path, (older.last_used - 86400 * 3,) * 2)
 
     assert_clean_failure(cli_in_process("prune", cache_dir=tmp_path / "cache"), "--max-size or --unused-for")
-    usage = cli_in_process("prune", "--max-size", "2X", cache_dir=tmp_path / "cache")
-    assert usage.returncode == 2 and "a size is a number of bytes" in usage.stderr
+    for size in ("2X", "-1", "inf", "nan", "1e300G"):  # the last is finite until its unit multiplies it
+        usage = cli_in_process("prune", "--max-size", size, cache_dir=tmp_path / "cache")
+        assert usage.returncode == 2 and "a size is a number of bytes" in usage.stderr, (size, usage.stderr)
+    for days in ("-1", "1e305"):
+        usage = cli_in_process("prune", "--unused-for", days, cache_dir=tmp_path / "cache")
+        assert usage.returncode == 2 and "a number of days at least 0" in usage.stderr, (days, usage.stderr)
     dry = cli_in_process("prune", "--unused-for", "1", "--dry-run", "--json", cache_dir=tmp_path / "cache")
     listed = json.loads(dry.stdout)
     assert dry.returncode == 0 and [entry["path"] for entry in listed["removed"]] == [str(older.path)]

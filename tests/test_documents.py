@@ -221,12 +221,18 @@ def test_a_command_a_refusal_suggests_names_the_file_as_one_word_of_a_shell(tmp_
     """A path pasted into a suggested command as it is named split at its spaces ("Vertrag 2024.pdf" named two other
     files), and a name holding a ";" ran what followed it."""
     data = pdfs.text_pdf_bytes(PAGES)
+    five = [f"Page {n}: the notice period in clause {n} is {n * 10} days." for n in range(1, 6)]
     for name in ("Vertrag 2024.pdf", "a;id;.pdf"):
         cut = tmp_path / name
         cut.write_bytes(data[: len(data) * 2 // 3])
         scan = pdfs.image_only_pdf(tmp_path / f"Scan {name}")
-        for error, path in ((CorruptPDFError, cut), (NoExtractableTextError, scan)):
-            for command in re.findall(r"`([^`]+)`", _refusal(error, path)):
+        damaged = pdfs.damaged_content_pdf(tmp_path / f"Damaged {name}", five, damaged=[2, 4], fill=b"\x00")
+        missing = pdfs.pdf_missing_objects(tmp_path / f"Missing {name}", five, lost=[2, 3], part="page")
+        refused = ((CorruptPDFError, cut), (NoExtractableTextError, scan), (CorruptPDFError, damaged))
+        for error, path in (*refused, (CorruptPDFError, missing)):
+            commands = re.findall(r"`([^`]+)`", _refusal(error, path))
+            assert commands, path
+            for command in commands:
                 assert str(path) in shlex.split(command), command
 
 

@@ -106,7 +106,7 @@ def test_citations_match_whole_words() -> None:
     [
         ("Die Verzugszinsen betragen 0,5 % pro Monat.", "Die Vertragsstrafe beträgt 5 % des Auftragswerts.", "5 %"),
         ("Le dépôt est de 1\u202f500 € à la signature.", "Les frais sont de 500 € à la signature.", "500 €"),
-        ("The deposit is EUR 1 500, paid on signing.", "The fee is EUR 500, paid on signing.", "EUR 500"),
+        ("The deposit is EUR 1\u00a0500, paid on signing.", "The fee is EUR 500, paid on signing.", "EUR 500"),
         ("رسوم ١٬٥٠٠ دينار عند التوقيع.", "رسوم ٥٠٠ دينار عند التوقيع.", "٥٠٠ دينار"),
         ("Zinsen: 1,25 % jährlich.", "Zinsen: 25 % bei Verzug.", "25 %"),
     ],
@@ -122,6 +122,16 @@ def test_a_figure_is_not_cited_from_inside_a_number_written_as_another_language_
     amounts = document_from_pages([(1, "Intro."), (2, "Die Miete beträgt 7\u00a0400 EUR."), (3, "0,5 und 1,5.")])
     assert [index for index, _ in supporting_pages(amounts, "7,400 EUR", "")] == [1]
     assert [index for index, _ in supporting_pages(amounts, "1.5", "")] == [2]
+
+
+def test_figures_side_by_side_in_a_table_or_a_list_stay_apart_for_citations() -> None:
+    """A table's row read from a PDF ("250 310 420"), a TSV or CSV line, a list: merged into one number as if
+    grouped by thousands or read as decimals, their figures were cited from no page, or from the wrong one."""
+    tables = document_from_pages(
+        [(1, "Units per site: 250 310 420.\n2024\t120\t310\t95\nnorth,12,45,7"), (2, "Units in 2023: 12, 45.")]
+    )
+    for answer in ("310", "250 310 420", "120", "north 12, 45, 7", "12, 45, 7"):
+        assert [index for index, _ in supporting_pages(tables, answer, "")] == [0], answer
 
 
 @pytest.mark.parametrize(
@@ -141,6 +151,8 @@ def test_a_figure_is_not_cited_from_inside_a_number_written_as_another_language_
         # No verbatim answer: the pairs of characters it shares with the page (通知, 知期) find it.
         (["本合同由甲方和乙方签订。", "通知期为三十天。", "付款按月进行。"], "通知期是一个月", ""),
         (["この契約は甲と乙の間で結ばれる。", "通知期間は三十日です。", "支払いは毎月。"], "三十日", "通知期間は？"),
+        # Korean: its particles and endings join the word ("30일입니다"), so the answer's "30일" is no word of the text.
+        (["계약 기간은 30개월이다.", "통지 기간은 30일입니다.", "지급은 매월 한다."], "30일", "통지 기간은?"),
     ],
 )
 def test_citations_find_the_page_in_any_script(pages: list[str], answer: str, question: str) -> None:
