@@ -242,9 +242,19 @@ def _page_layout(page: Page) -> dict[str, Any]:
 
 
 def is_blank(text: str) -> bool:
-    """Whether `text` holds nothing to read: only whitespace and control or format characters (NUL, a tab, a
-    zero-width space, a byte-order mark), or nothing at all."""
-    return all(char.isspace() or unicodedata.category(char) in ("Cc", "Cf") for char in text)
+    """Whether `text` holds nothing to read: only whitespace, control or format characters (NUL, a tab, a
+    zero-width space, a byte-order mark) and the other characters Unicode says to show as nothing (a variation
+    selector, a Hangul filler; `_SHOWN_AS_NOTHING`), or nothing at all."""
+    return all(
+        char.isspace() or unicodedata.category(char) in ("Cc", "Cf") or _SHOWN_AS_NOTHING.match(char) for char in text
+    )
+
+
+_SHOWN_AS_NOTHING = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u2800\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
+)
+"""Unicode's default-ignorable code points that are no format character (the combining grapheme joiner, the Hangul
+fillers, the Mongolian and other variation selectors), and the blank Braille pattern."""
 
 
 def unpaired_surrogate(text: str) -> int | None:

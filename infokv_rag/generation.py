@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import secrets
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +50,8 @@ class GenerationOptions:
                 raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            # An int past float's range (10**400) is no finite float: isfinite would raise OverflowError on it.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e308 < value < 1e308:
                 raise ConfigError(f"{name} must be a finite number, not {value!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")

@@ -33,6 +33,7 @@ from infokv_rag.documents import (
     StrayBytesWarning,
     document_from_pages,
     document_from_text,
+    is_blank,
     join_broken_words,
     load_document,
 )
@@ -737,6 +738,14 @@ def test_text_and_markdown_files(tmp_path: Path, suffix: str) -> None:
     assert doc.pages == (Page(1, body),)
     assert doc.page_of(0) == 1 and doc.page_of(len(body)) == 1
     assert doc.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_text_of_characters_shown_as_nothing_is_blank() -> None:
+    """Hangul fillers, variation selectors, the combining grapheme joiner and the blank Braille pattern show nothing,
+    as a zero-width space does: a document or question of them only is empty."""
+    for invisible in ("\u3164", "\u115f\u1160", "\uffa0", "\u034f", "\ufe0f", "\u180b", "\u2800", "\U000e0100"):
+        assert is_blank(invisible * 3 + " \u200b"), ascii(invisible)
+    assert not is_blank("\u3164a") and not is_blank("\u2801")
 
 
 def test_utf8_bom_and_crlf(tmp_path: Path) -> None:

@@ -1094,3 +1094,14 @@ def test_a_models_first_reading_fits_its_surrogate_before_the_readings_progress_
     assert fits[0] == ("fit", 0, 3) and fits[-1] == ("fit", 3, 3)
     assert events.index(fits[-1]) < events.index(next(event for event in events if event[0] == "read"))
     assert events[len(fits)][1] == 0
+
+
+def test_options_past_floats_range_and_settings_not_named_by_strings_are_config_errors() -> None:
+    """Found by property-based fuzzing: temperature=10**400 raised OverflowError (math.isfinite on an int past
+    float's range), and settings={1: 0} a TypeError from sorting the unknown names."""
+    for options in ({"temperature": 10**400}, {"top_p": 10**309}):
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            GenerationOptions.build(**options)  # type: ignore[arg-type]
+    for settings in ({1: 0, "tau": 0.5}, {None: 1}):
+        with pytest.raises(ConfigError, match="takes settings by name"):
+            CompressionConfig(settings=settings)  # type: ignore[arg-type]

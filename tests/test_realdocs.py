@@ -186,3 +186,16 @@ def test_load_realdocs_selects_documents_by_id(tmp_path: Any) -> None:
     fresh_only = next(entry["id"] for entry in MANIFEST if entry["split"] == "fresh")
     with pytest.raises(ValueError, match=f"no document {fresh_only} in the test split"):
         load_realdocs("test", cache_dir=tmp_path, doc_ids=[fresh_only])
+
+
+def test_the_citations_benchmark_finds_the_page_of_each_answer(tmp_path: Any) -> None:
+    """`python -m benchmarks.citations` on one committed document, through its rendered PDF: every accepted answer
+    is cited first as written, and in a sentence the page holding it still comes first."""
+    from benchmarks.citations import evaluate, table
+
+    documents = load_realdocs("dev", cache_dir=tmp_path, doc_ids=["mnda-quillfeather-marrowgate"])
+    counts = evaluate(documents)
+    written, sentence = counts["as written"], counts["in a sentence"]
+    assert written["answers"] >= 8 and written["first"] == written["answers"] and written["right"] == written["cited"]
+    assert sentence["first"] == sentence["answers"] and sentence["none"] == 0
+    assert table(counts).splitlines()[2].startswith(f"| as written | {written['answers']} | 1.000 |")

@@ -85,6 +85,9 @@ class Method(Generic[S]):
             return given
         if isinstance(given, MethodSettings):
             raise ConfigError(f"method {self.name!r} takes {self.settings.__name__}, not {type(given).__name__}")
+        named = [key for key in given if not isinstance(key, str)]
+        if named:
+            raise ConfigError(f"method {self.name!r} takes settings by name (a string), not {named[0]!r}")
         unknown = sorted(set(given) - set(self.setting_names))
         if unknown:
             takes = ", ".join(self.setting_names) or "no settings"
