@@ -7,14 +7,16 @@ path (`load_document`, page by page) and `infokv_rag.citations.supporting_pages`
 forms a model gives it: as written, in a sentence ("It is X."), and after the question restated ("The notice
 period is X."). The pages that hold the answer are those whose text `answer_matches` (or the two pages a break
 runs through). Printed per form: how often the first page cited holds the answer, how often any does, the share of
-cited pages that hold it, and how often nothing is cited. What it does not show: answers a model words otherwise
-(a figure reformatted, a unit added), answers no page holds verbatim (left out: their pages cannot be told), and
-documents other than this corpus's 38 rendered ones.
+cited pages that hold it, and how often nothing is cited; then, for the first answers of a document's neighbouring
+questions that different pages hold, given as one answer ("X, and Y."), how often a page of each is cited. What it
+does not show: answers a model words otherwise (a figure reformatted, a unit added), answers no page holds verbatim
+(left out: their pages cannot be told), and documents other than this corpus's 38 rendered ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 from collections import Counter
@@ -38,6 +40,7 @@ FORMS: dict[str, Callable[[str, str], str | None]] = {
     ),
 }
 """How a model may give an answer: each form, from (question, answer); None where the form does not apply."""
+TWO_FACTS = "two answers"
 
 
 def pages_holding(document: Document, answer: str) -> set[int]:
@@ -53,10 +56,19 @@ def pages_holding(document: Document, answer: str) -> set[int]:
 
 def evaluate(documents: Sequence[RealDoc]) -> dict[str, Counter[str]]:
     """Per form: answers asked ("answers"), first cited right ("first"), any cited right ("any"), pages cited
-    ("cited"), of them right ("right"), none cited ("none")."""
-    counts: dict[str, Counter[str]] = {form: Counter() for form in FORMS}
+    ("cited"), of them right ("right"), none cited ("none"); and under TWO_FACTS, pairs of one document's answers
+    held by different pages given as one ("X, and Y."): "pairs", "both" (a page of each cited), "none"."""
+    counts: dict[str, Counter[str]] = {form: Counter() for form in (*FORMS, TWO_FACTS)}
     for real in documents:
         document = load_document(real.pdf_path)
+        first_answers = [(answers[0], pages_holding(document, answers[0])) for _, answers in real.questions]
+        placed = [(answer, held) for answer, held in first_answers if held]
+        for (one, one_held), (other, other_held) in itertools.pairwise(placed):
+            if one_held.isdisjoint(other_held):
+                both = {index for index, _ in supporting_pages(document, f"{one}, and {other}.")}
+                counts[TWO_FACTS]["pairs"] += 1
+                counts[TWO_FACTS]["both"] += bool(both & one_held) and bool(both & other_held)
+                counts[TWO_FACTS]["none"] += not both
         for question, answers in real.questions:
             for answer in answers:
                 held = pages_holding(document, answer)
@@ -83,11 +95,20 @@ def table(counts: dict[str, Counter[str]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for form, count in counts.items():
+        if form == TWO_FACTS:
+            continue
         answers = max(count["answers"], 1)
         lines.append(
             f"| {form} | {count['answers']} | {count['first'] / answers:.3f} | {count['any'] / answers:.3f} | "
             f"{count['right'] / max(count['cited'], 1):.3f} | {count['none']} |"
         )
+    pairs = counts[TWO_FACTS]
+    lines += [
+        "",
+        "| two answers on different pages, as one | pairs | a page of each cited | none cited |",
+        "|---|---|---|---|",
+        f"| X, and Y. | {pairs['pairs']} | {pairs['both'] / max(pairs['pairs'], 1):.3f} | {pairs['none']} |",
+    ]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import bisect
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 
 from .documents import Document
 from .evaluation import UNSPACED_CHARACTER, normalize_answer
@@ -41,7 +42,8 @@ _STOPWORDS = frozenset(
     "the a an and or of to in on at by for with from is are was were be been this that these those it its "
     "as any all not no shall may will which who whom what when where how per such than then there their "
     "if so do we us he me my up am "  # two letters, which are words since options like "-tt" are
-    "answer according document says states".split()  # how a model frames its answer ("According to the document")
+    # How a model frames an answer ("According to the document, ...", "Yes, ...").
+    "answer according document says states yes true false".split()
 )
 
 
@@ -56,32 +58,36 @@ def _terms(words: str) -> set[str]:
     return terms
 
 
-_EDGE_LINES = 2
-"""How many lines at the top and at the bottom of a page may be a running header or footer."""
+_EDGE_LINES = 3
+"""How many lines at the top and at the bottom of a page are looked at for a running header or footer."""
+_PAGE_NUMBER = re.compile(r"(?:page\s*)?\d+(?:\s*(?:of|/)\s*\d+)?|-\s*\d+\s*-")
+"""A line that is a page's number only: "3", "Page 3", "Page 3 of 12", "3/12", "- 3 -"."""
 
 
 def _without_running_lines(texts: list[str]) -> list[str]:
-    """Each page's text without its running headers and footers: a line among a page's first or last `_EDGE_LINES`
-    that stands there (its figures aside: "Page 3") on at least three pages and half of them. With them left in,
-    no answer running across a page break read as one run of words."""
-    edges = []
-    for text in texts:
-        lines = [line for line in text.splitlines() if line.strip()]
-        edges.append({_masked(line) for line in lines[:_EDGE_LINES] + lines[-_EDGE_LINES:]})
-    recurring = Counter(line for lines in edges for line in lines)
-    running = {line for line, pages in recurring.items() if pages >= max(3, len(texts) / 2)}
-    if not running:
-        return texts
+    """Each page's text without its running headers and footers: the lines at its top and bottom that stand there,
+    word for word (or as a page's number), on half of the pages or more (two at least). Only for finding an answer
+    that runs across a page break, which they would interrupt: a header may hold what is asked (a contract's
+    number), and lines alike but for their figures (a table's rows, invoices) are data."""
+    pages = [[line for line in text.splitlines() if line.strip()] for text in texts]
+    recurring = Counter(
+        key for lines in pages for key in {_line_key(line) for line in lines[:_EDGE_LINES] + lines[-_EDGE_LINES:]}
+    )
+    running = {key for key, count in recurring.items() if count >= max(2, len(texts) / 2)}
     kept = []
-    for text in texts:
-        lines = [line for line in text.splitlines() if line.strip()]
-        edge = set(range(_EDGE_LINES)) | set(range(len(lines) - _EDGE_LINES, len(lines)))
-        kept.append("\n".join(line for at, line in enumerate(lines) if at not in edge or _masked(line) not in running))
+    for lines in pages:
+        first, last = 0, len(lines)
+        while first < last and _line_key(lines[first]) in running:
+            first += 1
+        while last > first and _line_key(lines[last - 1]) in running:
+            last -= 1
+        kept.append("\n".join(lines[first:last]))
     return kept
 
 
-def _masked(line: str) -> str:
-    return re.sub(r"\d+", "#", " ".join(line.split()).lower())
+def _line_key(line: str) -> str:
+    words = " ".join(line.split()).lower()
+    return "#" if _PAGE_NUMBER.fullmatch(words) else words
 
 
 class _JoinedPages:
@@ -115,33 +121,43 @@ class _JoinedPages:
         return found
 
 
-def _best_run(pages: _JoinedPages, words: list[str], weights: dict[str, float]) -> tuple[set[int], float]:
+def _best_run(
+    holding: Callable[[str], set[int]], words: list[str], weights: dict[str, float]
+) -> tuple[set[int], float, set[str]]:
     """The pages holding the run of the answer's words that carries most of its own words' weight (`weights`: the
-    answer's own words, not the question's, each by its rarity), and that weight. "It is 15 years." is found as "15
-    years"; "The answer is Joe Bloggs." as "Joe Bloggs", not as "the answer is" on another page; a run of the
-    question's words that the answer repeats carries nothing. Runs that carry as much count alike."""
+    answer's own words, not the question's, each by its rarity; `holding`: the pages holding a run), that weight,
+    and the words of the runs found. "It is 15 years." is found as "15 years"; "The answer is Joe Bloggs." as "Joe
+    Bloggs", not as "the answer is" on another page; a run of the question's words that the answer repeats carries
+    nothing. Runs that carry as much count alike."""
 
     def carried(run: list[str]) -> float:
         held = set(run) | {a + b for a, b in zip(run, run[1:], strict=False)}
         return sum(weight for term, weight in weights.items() if term in held)
 
-    whole = pages.holding(" ".join(words))
+    whole = holding(" ".join(words))
     if whole:  # the answer verbatim: no run carries more
-        return whole, carried(words)
+        return whole, carried(words), set(words)
     found: set[int] = set()
-    best = 0.0
-    last = 0
+    covered: set[str] = set()
+    best, last = 0.0, 0
     for first in range(len(words)):
         # From each word, the longest run any page holds: a run no page holds is in no longer run held either, and
         # the rest of the run found from the word before is held (so each word is tried once as a run's end).
         last = max(last, first)
-        held = pages.holding(" ".join(words[first:last])) if last > first else set()
-        while last < len(words) and (holding := pages.holding(" ".join(words[first : last + 1]))):
-            last, held = last + 1, holding
+        held = holding(" ".join(words[first:last])) if last > first else set()
+        while last < len(words) and (more := holding(" ".join(words[first : last + 1]))):
+            last, held = last + 1, more
         weight = carried(words[first:last])
         if weight > 0 and weight >= best:
-            found, best = (found | held if weight == best else held), weight
-    return found, best
+            run = set(words[first:last])
+            found, covered = (found | held, covered | run) if weight == best else (held, run)
+            best = weight
+    return found, best, covered
+
+
+def _pair_within(term: str, words: set[str]) -> bool:
+    """Whether `term` is a pair of characters of a script without spaces (`_terms`) both of which are in `words`."""
+    return len(term) == 2 and UNSPACED_CHARACTER.fullmatch(term[0]) is not None and set(term) <= words
 
 
 def supporting_pages(document: Document, answer: str, question: str = "", limit: int = 3) -> list[tuple[int, float]]:
@@ -161,7 +177,8 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     pages = document.pages
     if not pages or limit < 1:
         return []
-    page_words = [_normalised(text) for text in _without_running_lines([page.text for page in pages])]
+    texts = [page.text for page in pages]
+    page_words = [_normalised(text) for text in texts]
     page_terms = [_terms(words) for words in page_words]
     frequency = Counter(term for terms in page_terms for term in terms)
     weight = {term: math.log(1 + len(pages) / count) for term, count in frequency.items()}
@@ -171,26 +188,44 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     if not needle:
         return unsupported
     asked = _terms(_normalised(question))
-    # An answer of one-letter words only ("B", "a.b") has no terms: its words are then what a run must hold.
-    answer_terms = _terms(needle) or set(needle.split())
+    # An answer of one-letter words only ("B", "a.b") has no terms: its words are then what a run must hold. One of
+    # stopwords only ("Yes.", "No.") has nothing of its own: its pages are those the question's words point to.
+    answer_terms = _terms(needle) or set(needle.split()) - _STOPWORDS
     own = answer_terms - asked
     carried = {term: weight.get(term, rarest) for term in own or answer_terms}
-    run_pages, run_weight = _best_run(_JoinedPages(page_words), needle.split(), carried)
-    run_share = run_weight / sum(carried.values())
+    run_pages: set[int] = set()
+    run_words: set[str] = set()
+    run_share = 0.0
+    if carried:
+        # A run is found in the pages as they are, or across a page break with running headers and footers aside.
+        as_read, read_on = (
+            _JoinedPages(page_words),
+            _JoinedPages([_normalised(t) for t in _without_running_lines(texts)]),
+        )
+        run_pages, run_weight, run_words = _best_run(
+            lambda phrase: as_read.holding(phrase) | read_on.holding(phrase), needle.split(), carried
+        )
+        run_share = run_weight / sum(carried.values())
     holding_own = [bool(own & terms) or index in run_pages for index, terms in enumerate(page_terms)]
     if own and not any(holding_own):
         return unsupported  # nothing of the answer's own is in the document
+    # A run of half the answer's own weight or more settles where that part of it is: another page is cited only
+    # for the answer's own words outside the run (the second of two facts).
+    outside = {term for term in own if term not in run_words and not _pair_within(term, run_words)}
     total = sum(weight.get(t, rarest) for t in own) + 0.5 * sum(weight.get(t, 0.0) for t in asked)
-    settled = run_share >= 0.5  # a run of most of the answer's own weight settles where it is: no other page is cited
-    scored: list[tuple[int, float]] = []
+    shares = {}
     for index, terms in enumerate(page_terms):
-        if index not in run_pages and (settled or (own and not holding_own[index])):
-            continue
-        hit = sum(weight[t] for t in own & terms) + 0.5 * sum(weight[t] for t in asked & terms)
-        score = hit / total if total else 0.0
-        scored.append((index, score + run_share if index in run_pages else score))
-    scored.sort(key=lambda item: -item[1])
-    best = scored[0][1] if scored else 0.0
-    if best <= 0:
+        if index in run_pages or (outside & terms if run_share >= 0.5 else not own or holding_own[index]):
+            hit = sum(weight[t] for t in own & terms) + 0.5 * sum(weight[t] for t in asked & terms)
+            shares[index] = hit / total if total else 0.0
+    if not shares:
         return unsupported
-    return [(index, round(score, 4)) for index, score in scored[:limit] if score >= 0.5 * best]
+    # Pages are ranked by the share of the answer they hold and the run they hold; one without the run is cited
+    # when its share is half the best page's share or more.
+    enough = 0.5 * max(shares.values())
+    scored = sorted(
+        ((index, share + run_share if index in run_pages else share) for index, share in shares.items()),
+        key=lambda item: -item[1],
+    )
+    cited = [(index, score) for index, score in scored if score > 0 and (index in run_pages or shares[index] >= enough)]
+    return [(index, round(score, 4)) for index, score in cited[:limit]] or unsupported

@@ -229,6 +229,46 @@ def test_an_answer_across_a_page_break_is_read_past_running_headers_and_footers(
     assert sorted(index for index, _ in cited) == [1, 2] and all(score > 1 for _, score in cited), cited
 
 
+def test_data_in_lines_alike_headers_a_second_fact_and_a_yes_are_still_cited() -> None:
+    """A review of the rewrite: lines alike but for their figures (invoices, a table's rows) were set aside as running
+    headers, so their figures were cited from no page; a header holding what is asked was set aside too; a run
+    settling one fact's page dropped the page of a second fact; "Yes." cited nothing; a two-page document's footer
+    was never seen as running, so an answer across its break cited one page."""
+    invoices = document_from_pages(
+        [
+            (n, f"Invoice no. {10230 + n}\nDate: 2024-03-{10 + n}\nItems as agreed.\nTotal: {n},950.40 EUR")
+            for n in range(1, 6)
+        ]
+    )
+    assert [index for index, _ in supporting_pages(invoices, "10232", "What is the invoice number?")] == [1]
+    assert [index for index, _ in supporting_pages(invoices, "3,950.40 EUR", "What is the total?")] == [2]
+    header = "Services Agreement No. SA-2291 between Northwind Traders Ltd and Contoso plc"
+    headed = document_from_pages([(n, f"{header}\nClause {n} text about fees.") for n in range(1, 4)])
+    assert len(supporting_pages(headed, "SA-2291", "What is the agreement number?")) == 3
+    lease = document_from_pages(
+        [
+            (1, "Parties and premises."),
+            (2, "The initial term is 36 months from the start date."),
+            (3, "Rent is due monthly."),
+            (4, "The security deposit is refundable at the end of the term."),
+            (5, "Either party may terminate on 90 days' notice in writing."),
+        ]
+    )
+    answer = "The initial term is 36 months and either party may terminate on 90 days' notice."
+    assert sorted(index for index, _ in supporting_pages(lease, answer, "What are the term and the notice?")) == [1, 4]
+    for yes in ("Yes.", "Yes, the security deposit is refundable."):
+        assert [index for index, _ in supporting_pages(lease, yes, "Is the security deposit refundable?")] == [3]
+    footer = "Mutual NDA between Quillfeather and Marrowgate\nPage {}"
+    two = document_from_pages(
+        [
+            (1, "Either party may assign this agreement in connection with\n" + footer.format(1)),
+            (2, "a merger or acquisition of all of its assets.\n" + footer.format(2)),
+        ]
+    )
+    cited = supporting_pages(two, "either party may assign this agreement in connection with a merger")
+    assert sorted(index for index, _ in cited) == [0, 1] and all(score > 1 for _, score in cited), cited
+
+
 def test_an_answer_across_two_page_breaks_cites_all_three_pages() -> None:
     """Only pairs of neighbouring pages were joined: an answer that a short page holds the middle of cited the
     last page alone. An empty page between two is passed over as a page break is."""
