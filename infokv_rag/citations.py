@@ -171,9 +171,8 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     words carrying most of its own words' rarity, scoring the share of that weight the run carries. Pages are also
     ranked by the rarity-weighted share of the answer's words they hold, a word on no page counting as the rarest:
     the question's words, also where the answer repeats them, count half. A page holding none of the answer's own
-    words is not cited where another holds some, nor is a page without the run where the run carries half the
-    answer's weight or more.
-    """
+    words is not cited where another holds some, nor, where the run carries half the answer's weight or more, a page
+    without it that holds none of the answer's own words outside it (a second fact's page is cited)."""
     pages = document.pages
     if not pages or limit < 1:
         return []
@@ -198,33 +197,26 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     run_share = 0.0
     if carried:
         # A run is found in the pages as they are, or across a page break with running headers and footers aside.
-        read_on = [_normalised(text) for text in _without_running_lines(texts)]
-        joined = [_JoinedPages(words) for words in ([page_words, read_on] if read_on != page_words else [page_words])]
+        as_read, read_on = (
+            _JoinedPages(page_words),
+            _JoinedPages([_normalised(t) for t in _without_running_lines(texts)]),
+        )
         run_pages, run_weight, run_words = _best_run(
-            lambda phrase: set().union(*(pages.holding(phrase) for pages in joined)), needle.split(), carried
+            lambda phrase: as_read.holding(phrase) | read_on.holding(phrase), needle.split(), carried
         )
         run_share = run_weight / sum(carried.values())
     holding_own = [bool(own & terms) or index in run_pages for index, terms in enumerate(page_terms)]
     if own and not any(holding_own):
-        if len(answer.split()) > 2 or any(char.isdigit() for char in answer):
-            return unsupported  # nothing of the answer's own is in the document
-        own = set()  # a word or two of no figure none holds ("Oui.", "是的。", "Correct."): the question points
+        return unsupported  # nothing of the answer's own is in the document
+    # A run of half the answer's own weight or more settles where that part of it is: another page is cited only
+    # for the answer's own words outside the run (the second of two facts).
+    outside = {term for term in own if term not in run_words and not _pair_within(term, run_words)}
     total = sum(weight.get(t, rarest) for t in own) + 0.5 * sum(weight.get(t, 0.0) for t in asked)
-    shares = {
-        index: (sum(weight[t] for t in own & terms) + 0.5 * sum(weight[t] for t in asked & terms)) / total
-        if total
-        else 0.0
-        for index, terms in enumerate(page_terms)
-        if index in run_pages or not own or holding_own[index]
-    }
-    if run_share >= 0.5:
-        # A run of half the answer's own weight or more settles where that part of it is: another page is cited for
-        # the answer's own words outside the run (the second of two facts), or where it holds as much of the answer
-        # as the run's page (the figure and its unit apart: "Notice period (days): 30"), ranked as if it held the run.
-        outside = {term for term in own if term not in run_words and not _pair_within(term, run_words)}
-        held = max(shares[index] for index in run_pages)
-        run_pages |= {index for index, share in shares.items() if share >= held}
-        shares = {index: share for index, share in shares.items() if index in run_pages or outside & page_terms[index]}
+    shares = {}
+    for index, terms in enumerate(page_terms):
+        if index in run_pages or (outside & terms if run_share >= 0.5 else not own or holding_own[index]):
+            hit = sum(weight[t] for t in own & terms) + 0.5 * sum(weight[t] for t in asked & terms)
+            shares[index] = hit / total if total else 0.0
     if not shares:
         return unsupported
     # Pages are ranked by the share of the answer they hold and the run they hold; one without the run is cited
