@@ -30,12 +30,11 @@ from collections.abc import Sequence
 
 from _common import SAMPLE, exit_codes, read_questions, run
 from infokv_rag import CacheStore, CompressedDocument, CompressionConfig, InfoKVEngine
-from infokv_rag.cli import ProgressBar, ratio_or_count
+from infokv_rag.cli import ProgressBar, ratio_or_count, store_root
 from infokv_rag.config import parse_keep
 from infokv_rag.documents import load_document
 from infokv_rag.errors import ConfigError
 from infokv_rag.evaluation import BLANK_DOCUMENT, answer_matches
-from infokv_rag.models import cache_root
 from infokv_rag.scorers import method, method_names
 
 WRONG_ANSWER_EXIT = 1
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model} ({source}), loaded in {time.perf_counter() - started:.1f} s")
 
     print(f"document: {SAMPLE.name}, {len(document.pages)} pages, {len(document.text):,} characters")
-    store = CacheStore(args.store or cache_root() / "documents")
+    store = CacheStore(store_root(args.store))
     progress = ProgressBar(f"reading {SAMPLE.name}", enabled=True)
     started = time.perf_counter()
     doc, reused = store.ingest(engine, document, config, progress=progress)

@@ -66,22 +66,22 @@ _PAGE_NUMBER = re.compile(r"(?:page\s*)?\d+(?:\s*(?:of|/)\s*\d+)?|-\s*\d+\s*-")
 
 def _without_running_lines(texts: list[str]) -> list[str]:
     """Each page's text without its running headers and footers: the lines at its top and bottom that stand there,
-    word for word (or as a page's number), on half of the pages or more (two at least). Only for finding an answer
-    that runs across a page break, which they would interrupt: a header may hold what is asked (a contract's
-    number), and lines alike but for their figures (a table's rows, invoices) are data."""
+    word for word (or as a page's number), on half of the pages or more (two at least); a page that has none is its
+    text as it is. Only for finding an answer that runs across a page break, which they would interrupt: a header
+    may hold what is asked (a contract's number), and lines alike but for their figures (a table's rows, invoices)
+    are data."""
     pages = [[line for line in text.splitlines() if line.strip()] for text in texts]
-    recurring = Counter(
-        key for lines in pages for key in {_line_key(line) for line in lines[:_EDGE_LINES] + lines[-_EDGE_LINES:]}
-    )
+    keys = [[_line_key(line) for line in lines] for lines in pages]
+    recurring = Counter(key for page in keys for key in set(page[:_EDGE_LINES] + page[-_EDGE_LINES:]))
     running = {key for key, count in recurring.items() if count >= max(2, len(texts) / 2)}
     kept = []
-    for lines in pages:
+    for text, lines, page in zip(texts, pages, keys, strict=True):
         first, last = 0, len(lines)
-        while first < last and _line_key(lines[first]) in running:
+        while first < last and page[first] in running:
             first += 1
-        while last > first and _line_key(lines[last - 1]) in running:
+        while last > first and page[last - 1] in running:
             last -= 1
-        kept.append("\n".join(lines[first:last]))
+        kept.append(text if (first, last) == (0, len(lines)) else "\n".join(lines[first:last]))
     return kept
 
 
@@ -197,12 +197,13 @@ def supporting_pages(document: Document, answer: str, question: str = "", limit:
     run_share = 0.0
     if carried:
         # A run is found in the pages as they are, or across a page break with running headers and footers aside.
-        as_read, read_on = (
-            _JoinedPages(page_words),
-            _JoinedPages([_normalised(t) for t in _without_running_lines(texts)]),
-        )
+        read_on = [
+            words if kept is text else _normalised(kept)
+            for words, text, kept in zip(page_words, texts, _without_running_lines(texts), strict=True)
+        ]
+        as_read, read_on_joined = _JoinedPages(page_words), _JoinedPages(read_on)
         run_pages, run_weight, run_words = _best_run(
-            lambda phrase: as_read.holding(phrase) | read_on.holding(phrase), needle.split(), carried
+            lambda phrase: as_read.holding(phrase) | read_on_joined.holding(phrase), needle.split(), carried
         )
         run_share = run_weight / sum(carried.values())
     holding_own = [bool(own & terms) or index in run_pages for index, terms in enumerate(page_terms)]

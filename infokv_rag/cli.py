@@ -465,15 +465,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from .models import cache_root
     from .store import CacheStore
 
     if args.max_size is None and args.unused_for is None:
         raise ConfigError("prune needs --max-size or --unused-for (or both): nothing says which caches to remove")
-    store = CacheStore(args.store if args.store else cache_root() / "documents")
+    store = CacheStore(store_root(args.store))
     unused_for = None if args.unused_for is None else args.unused_for * 86400.0
     removed = store.prune(max_bytes=args.max_size, unused_for=unused_for, dry_run=args.dry_run)
-    left = [entry for entry in store.entries() if entry not in removed] if args.dry_run else store.entries()
+    left = [entry for entry in store.entries() if entry not in removed]  # a dry run's listing still holds them
     if args.json:
         print(
             json.dumps(
@@ -700,12 +699,17 @@ def _note(args: argparse.Namespace, message: str) -> None:
         print(f"infokv-rag: {message}", file=sys.stderr, flush=True)
 
 
+def store_root(store: str | None) -> Path:
+    """The directory of the cache store `ask` keeps: `store` (`--store`), else `$INFOKV_CACHE_DIR/documents`."""
+    from .models import cache_root
+
+    return Path(store) if store else cache_root() / "documents"
+
+
 def _writable_store(args: argparse.Namespace) -> Path:
     """The ask store's directory, refused before the model loads (not after reading the document) when it cannot
     be written."""
-    from .models import cache_root
-
-    root = Path(args.store) if args.store else cache_root() / "documents"
+    root = store_root(args.store)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -733,15 +737,6 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 
 INTERRUPTED = {"type": "KeyboardInterrupt", "message": "interrupted"}
-
-
-def say_interrupted(name: str) -> None:
-    """Tells stderr that `name` was interrupted, on a line of its own: on a terminal a progress bar or an answer may
-    have been mid-line when Ctrl-C came ("...tokens startinginfokv-rag: interrupted")."""
-    line_break = "\n" if sys.stderr.isatty() else ""
-    print(f"{line_break}{name}: interrupted", file=sys.stderr)
-
-
 """The error `--json` prints for Ctrl-C (SIGINT)."""
 INTERRUPTED_EXIT = 130
 """The exit code after Ctrl-C: 128 + SIGINT, as a shell reports for a Unix tool it interrupts."""
@@ -750,6 +745,13 @@ ERROR_EXIT = 2
 STDOUT_CLOSED_EXIT = 141
 """The exit code when stdout closes early (`... | head`): 128 + SIGPIPE, what a shell reports for a Unix tool that
 the closed pipe ended."""
+
+
+def say_interrupted(name: str) -> None:
+    """Tells stderr that `name` was interrupted, on a line of its own: on a terminal a progress bar or an answer may
+    have been mid-line when Ctrl-C came ("...tokens startinginfokv-rag: interrupted")."""
+    line_break = "\n" if sys.stderr.isatty() else ""
+    print(f"{line_break}{name}: interrupted", file=sys.stderr)
 
 
 def stdout_closed() -> int:

@@ -1081,13 +1081,7 @@ class StoredEntry:
     model: str | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "bytes": self.bytes,
-            "last_used": self.last_used,
-            "source": self.source,
-            "model": self.model,
-        }
+        return {**dataclasses.asdict(self), "path": str(self.path)}
 
 
 class CacheStore:
@@ -1228,10 +1222,10 @@ class CacheStore:
         if not dry_run:
             for entry in removed:
                 _remove_entry(entry.path)
-            self._sweep_leftovers()
+            self._sweep_all_leftovers()
         return removed
 
-    def _sweep_leftovers(self) -> None:
+    def _sweep_all_leftovers(self) -> None:
         """Removes what saves and removals of any entry, killed an hour ago or more, left (`_sweep_leftovers`)."""
         try:
             with os.scandir(self.root) as scanned:
